@@ -1,0 +1,337 @@
+"""The EAGLE-3 draft head, its checkpoint loader, and tree drafting with checkpoints.
+
+Spec: ../shared/reference/eagle3.md (sections 1, 3, 4). In short:
+  fc          3*Ht -> H      fuses the target's low|mid|high features (depth 0 only)
+  midlayer    one decoder layer whose attention reads [input_layernorm(emb), hidden_norm(hidden)] (2H wide)
+  norm, lm_head              logits over the draft vocabulary; target id = draft id + d2t[draft id]
+At depth > 0 the head is fed its own pre-norm output instead of target features.
+
+Tree drafting (EAGLE-2/3): expand top_k children per beam node, score every node by the cumulative
+draft log-probability of its path, keep the top_k best nodes of each level as the next beam; at the
+end take the global top-`budget` nodes across levels. Graft stops the expansion early at checkpoint
+depths when the best path's probability is low (`Drafter.draft(..., thresholds=...)`).
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from model import (Attention, GraftError, KVCache, MLP, ModelArgs, RMSNorm, read_config,
+                   read_safetensors, resolve_checkpoint, rope_table)
+
+
+# ----------------------------------------------------------------------------- the head
+
+@dataclass
+class HeadConfig:
+    layer: ModelArgs                 # the decoder layer (dim = H, heads, rope...)
+    target_hidden: int               # Ht: width of each captured target feature
+    vocab_size: int                  # V: the target's vocabulary
+    draft_vocab_size: int            # Vd
+    norm_before_residual: bool = False
+
+
+def head_config(cfg: dict) -> HeadConfig:
+    """Read any published EAGLE-3 config.json: official/SpecForge/AngelSlim (Llama-style keys at the
+    top) or speculators-style (the layer's keys under `transformer_layer_config`)."""
+    archs = cfg.get("architectures") or []
+    known = {"LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"}
+    if archs and not set(archs) & known:
+        raise GraftError(f"unsupported draft head architecture {archs}: supported are {', '.join(sorted(known))}")
+    layer_cfg = dict(cfg.get("transformer_layer_config") or cfg)
+    try:
+        H, nh = int(layer_cfg["hidden_size"]), int(layer_cfg["num_attention_heads"])
+        scaling = layer_cfg.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) in ("dynamic", "default"):
+            scaling = None  # dynamic NTK only acts past max_position_embeddings; the table is built exactly
+        layer = ModelArgs(
+            arch="llama", vocab_size=int(layer_cfg.get("vocab_size") or cfg["vocab_size"]), dim=H, n_layers=1,
+            n_heads=nh, n_kv_heads=int(layer_cfg.get("num_key_value_heads") or nh),
+            head_dim=int(layer_cfg.get("head_dim") or H // nh),
+            intermediate_size=int(layer_cfg["intermediate_size"]),
+            norm_eps=float(layer_cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=float(layer_cfg.get("rope_theta") or 10000.0),   # official Llama-3.1 head: none -> 1e4
+            rope_scaling=scaling,
+            max_position_embeddings=int(layer_cfg.get("max_position_embeddings") or 2048),
+            attention_bias=bool(layer_cfg.get("attention_bias") or cfg.get("bias") or False))
+        V = int(cfg.get("vocab_size") or layer_cfg["vocab_size"])
+        return HeadConfig(layer=layer,
+                          target_hidden=int(cfg.get("target_hidden_size") or H),
+                          vocab_size=V,
+                          draft_vocab_size=int(cfg.get("draft_vocab_size") or V),
+                          norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise GraftError(f"malformed draft head config.json: missing or bad field {e}") from None
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer whose attention input is [input_layernorm(emb), hidden_norm(hidden)]."""
+
+    def __init__(self, a: ModelArgs, norm_before_residual: bool):
+        super().__init__()
+        self.hidden_norm = RMSNorm(a.dim, a.norm_eps)
+        self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.self_attn = Attention(a, in_dim=2 * a.dim)
+        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.mlp = MLP(a.dim, a.intermediate_size)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, emb, hidden, rope, cache_rows=None, mask=None):
+        h = self.hidden_norm(hidden)
+        residual = h if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
+        hidden = residual + self.self_attn(x, rope, cache_rows, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.config = c
+        H = c.layer.dim
+        self.fc = nn.Linear(3 * c.target_hidden, H, bias=False)
+        self.midlayer = DraftLayer(c.layer, c.norm_before_residual)
+        self.norm = RMSNorm(H, c.layer.norm_eps)
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.embed_tokens: nn.Embedding | None = None   # the target's, unless the checkpoint has its own
+        self.rope = None
+
+    def setup_caches(self, rows: int):
+        p = self.fc.weight
+        self.rope = rope_table(self.config.layer, rows).to(p.device)
+        a = self.config.layer
+        self.midlayer.self_attn.cache = KVCache(1, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
+
+    def forward(self, hidden, ids, positions, cache_rows=None, mask=None, fused: bool = True):
+        """hidden (B, T, 3*Ht) target features (fused=True) or (B, T, H) the head's own output;
+        ids (B, T) the token *after* each feature. Returns the pre-norm output (B, T, H)."""
+        if fused:
+            hidden = self.fc(hidden)
+        if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
+            self.rope = rope_table(self.config.layer, ids.shape[-1]).to(hidden.device)
+        rope = self.rope[positions]
+        rope = rope.unsqueeze(0) if rope.dim() == 3 else rope
+        emb = self.embed_tokens(ids).to(hidden.dtype)
+        return self.midlayer(emb, hidden, rope, cache_rows, mask)
+
+    def logprobs(self, out_hidden):
+        """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""
+        return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1)
+
+    def to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+# ----------------------------------------------------------------------------- loading
+
+def normalize_names(sd: dict) -> dict:
+    """Map every published naming onto ours: `model.` prefix, `layers.0.` for `midlayer.`,
+    `draft_id_to_target_id` for `d2t`; rotary buffers dropped."""
+    out = {}
+    for k, v in sd.items():
+        if "rotary_emb" in k:
+            continue
+        if k.startswith("model."):
+            k = k[len("model."):]
+        if k.startswith("layers.0."):
+            k = "midlayer." + k[len("layers.0."):]
+        elif k.startswith("layers."):
+            raise GraftError(f"draft heads with more than one layer are not supported (found {k})")
+        if k == "draft_id_to_target_id":
+            k = "d2t"
+        out[k] = v
+    return out
+
+
+def read_head_weights(path: str) -> dict:
+    st = os.path.join(path, "model.safetensors")
+    pt = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(st):
+        return read_safetensors([st])
+    if os.path.isfile(pt):
+        try:  # weights_only: tensors and plain containers, never arbitrary pickled code
+            return torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise GraftError(f"cannot read {pt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    raise GraftError(f"no model.safetensors or pytorch_model.bin in draft head folder {path}")
+
+
+def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
+    """Load a published EAGLE-3 head for `target` (a model.Transformer), checking that it fits."""
+    path = resolve_checkpoint(ckpt, patterns=["*.json", "*.safetensors", "*.bin"])
+    c = head_config(read_config(path))
+    sd = normalize_names(read_head_weights(path))
+    ta = target.args
+    device = device or target.embed_tokens.weight.device
+    dtype = dtype or target.embed_tokens.weight.dtype
+    # infer what the config may leave out from the tensors themselves
+    if "fc.weight" not in sd:
+        raise GraftError(f"draft head {path} has no fc.weight: not an EAGLE-3 head")
+    c.target_hidden = sd["fc.weight"].shape[1] // 3
+    if "lm_head.weight" in sd:
+        c.draft_vocab_size = sd["lm_head.weight"].shape[0]
+    if c.target_hidden != ta.dim:
+        raise GraftError(f"draft head does not fit the target: it reads target features of width "
+                         f"{c.target_hidden} (fc takes {3 * c.target_hidden}), the target's hidden size is {ta.dim}")
+    if c.vocab_size != ta.vocab_size:
+        raise GraftError(f"draft head does not fit the target: head vocab_size {c.vocab_size}, "
+                         f"target vocab_size {ta.vocab_size}")
+    own_embed = "embed_tokens.weight" in sd
+    if not own_embed and c.layer.dim != ta.dim:
+        raise GraftError(f"draft head has no embedding and its hidden size {c.layer.dim} differs from the "
+                         f"target's {ta.dim}, so it cannot share the target's")
+    with torch.device("meta"):
+        head = Eagle3(c)
+    if "lm_head.weight" not in sd:  # no draft vocabulary: the head predicts with the target's own head
+        sd["lm_head.weight"] = target.lm_head.weight
+    if "d2t" not in sd or c.draft_vocab_size == c.vocab_size:
+        sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+    expected = head.state_dict()
+    for k, t in expected.items():
+        if k not in sd:
+            raise GraftError(f"draft head {path} lacks weight {k}")
+        if tuple(sd[k].shape) != tuple(t.shape):
+            raise GraftError(f"draft head weight {k} has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
+    state = {k: (sd[k].to(device, dtype) if sd[k].is_floating_point() else sd[k].to(device).long())
+             for k in expected}
+    head.load_state_dict(state, assign=True, strict=True)
+    if int((head.d2t + torch.arange(c.draft_vocab_size, device=device)).max()) >= ta.vocab_size:
+        raise GraftError("draft head d2t maps draft ids outside the target vocabulary")
+    if own_embed:
+        head.embed_tokens = nn.Embedding.from_pretrained(sd["embed_tokens.weight"].to(device, dtype))
+    else:
+        head.embed_tokens = target.embed_tokens
+    head.path = path
+    return head.eval()
+
+
+def save_head(head: Eagle3, out_dir: str, t2d: torch.Tensor | None = None, extra_config: dict | None = None):
+    """Write a head in the official published format: config.json (LlamaForCausalLM + draft_vocab_size,
+    no embedding) and model.safetensors with fc / midlayer.* / norm / lm_head / d2t / t2d."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    c = head.config
+    a = c.layer
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
+           "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_heads,
+           "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": 1,
+           "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.norm_eps,
+           "rope_theta": a.rope_theta, "hidden_act": "silu", "vocab_size": c.vocab_size,
+           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden,
+           "tie_word_embeddings": False, "torch_dtype": str(head.fc.weight.dtype).replace("torch.", "")}
+    cfg.update(extra_config or {})
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
+          if not k.startswith("embed_tokens")}
+    if t2d is None:
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[head.to_target(torch.arange(c.draft_vocab_size, device=head.d2t.device)).cpu()] = True
+    sd["t2d"] = t2d.cpu()
+    save_file(sd, os.path.join(out_dir, "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- tree drafting
+
+@dataclass
+class DraftTree:
+    """Every candidate drafted in one round, flat and level by level (level 1 = the root's children).
+
+    scores  (C,) cumulative log-prob of the node's path; tokens (C,) target ids;
+    parents (C,) flat index of the parent candidate, -1 for the root's children."""
+    scores: torch.Tensor
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    levels: int                                   # levels drafted = draft forwards this round
+    stopped_at: int | None = None                 # the checkpoint that pruned, if any
+    confidence: dict = field(default_factory=dict)  # checkpoint c -> conf_c (0-d tensor)
+
+    def select(self, n: int) -> tuple:
+        """The best n candidates as a tree: (tokens (n,), parents (n,)) with parents indexing into the
+        selection (-1 = the root), parents first. A stable sort keeps a parent ahead of a child with an
+        equal score, so the selection is always prefix-closed."""
+        order = torch.sort(self.scores, descending=True, stable=True).indices[:n]
+        sel = torch.sort(order).values                                  # flat order = parents first
+        par = self.parents[sel]
+        pos = torch.searchsorted(sel, par.clamp(min=0))
+        return self.tokens[sel], torch.where(par < 0, -1, pos)
+
+
+class Drafter:
+    """Runs an EAGLE-3 head against its own static KV cache, kept in step with the target's.
+
+    Rows 0..Ld-1 hold committed draft rows (row t = target feature t + token t+1, position t);
+    the rows after them are scratch space for the tree being drafted."""
+
+    def __init__(self, head: Eagle3, max_seq_len: int, top_k: int = 10, depth: int = 8):
+        self.head, self.top_k, self.depth = head, top_k, depth
+        head.setup_caches(max_seq_len + top_k * depth + 1)
+        self.Ld = 0
+
+    def reset(self):
+        self.Ld = 0
+
+    @torch.no_grad()
+    def extend(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Append committed rows: feats (n, 3*Ht) with ids (n,) the token after each. Returns the last
+        row's output (1, H): the hidden state from which the root's children are drafted."""
+        n, Ld = ids.numel(), self.Ld
+        dev = ids.device
+        rows = torch.arange(Ld, Ld + n, device=dev)
+        mask = torch.ones(n, Ld + n, dtype=torch.bool, device=dev).tril_(Ld)
+        out = self.head(feats[None], ids[None], rows, rows, mask, fused=True)      # (1, n, H)
+        self.Ld = Ld + n
+        return out[0, -1:]
+
+    @torch.no_grad()
+    def draft(self, h_root: torch.Tensor, levels: int | None = None, checkpoints: dict | None = None,
+              record: tuple = ()) -> DraftTree:
+        """Expand the tree from the root's hidden state h_root (1, H).
+
+        checkpoints {c: tau_c}: after the forward that produced level c+1, stop if the best path's
+        probability conf_c = exp(max score of level c+1) is below tau_c (one host sync per checkpoint).
+        record: checkpoints whose confidence is kept without deciding anything (calibration)."""
+        head, k = self.head, self.top_k
+        levels = levels or self.depth
+        checkpoints = checkpoints or {}
+        dev = h_root.device
+        s, t = head.logprobs(h_root).topk(k, dim=-1)                   # (1, k)
+        beam_s, beam_tok = s[0], head.to_target(t[0])
+        scores, tokens, parents = [beam_s], [beam_tok], [torch.full((k,), -1, device=dev)]
+        beam_flat = torch.arange(k, device=dev)                        # flat ids of the beam nodes
+        beam_h = h_root.expand(k, -1)                                  # (k, H)
+        tmask = torch.eye(k, dtype=torch.bool, device=dev)             # beam rows x scratch rows
+        ones = torch.ones(k, self.Ld, dtype=torch.bool, device=dev)
+        tree = DraftTree(None, None, None, 1)
+        n_flat = k
+        for level in range(1, levels + 1):
+            c = level - 1                                              # level c+1 = `level` exists now
+            if c in checkpoints or c in record:
+                tree.confidence[c] = scores[-1].max().exp()
+                if c in checkpoints and float(tree.confidence[c]) < checkpoints[c]:
+                    tree.stopped_at = c
+                    break
+            if level == levels:
+                break
+            i = level - 1                                              # tree step i, position Ld + i
+            pos = torch.full((k,), self.Ld + i, device=dev)
+            rows = torch.arange(self.Ld + i * k, self.Ld + (i + 1) * k, device=dev)
+            mask = torch.cat([ones, tmask], dim=1)                     # (k, Ld + (i+1)k)
+            out = head(beam_h[None], beam_tok[None], pos, rows, mask, fused=False)[0]   # (k, H)
+            ps, pt = head.logprobs(out).topk(k, dim=-1)                # (k, k)
+            cu = beam_s[:, None] + ps                                  # cumulative path log-probs
+            cand_tok = head.to_target(pt).flatten()
+            scores.append(cu.flatten())
+            tokens.append(cand_tok)
+            parents.append(beam_flat[:, None].expand(k, k).flatten())
+            beam_s, sel = cu.flatten().topk(k)                         # next beam: best k of this level
+            beam_tok, beam_h = cand_tok[sel], out[sel // k]
+            beam_flat = n_flat + sel
+            n_flat += k * k
+            tmask = torch.cat([tmask[sel // k], torch.eye(k, dtype=torch.bool, device=dev)], dim=1)
+            tree.levels = level + 1
+        tree.scores, tree.tokens, tree.parents = torch.cat(scores), torch.cat(tokens), torch.cat(parents)
+        return tree

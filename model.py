@@ -1,0 +1,470 @@
+"""The target model: Llama (Llama-2/Vicuna, Llama-3.x) and Qwen3, written from scratch.
+
+One file, readable top to bottom:
+  ModelArgs        a dataclass built from the checkpoint's own config.json
+  RoPE             a cos/sin table indexed by absolute position (tree nodes just pass positions)
+  KVCache          a preallocated buffer written at explicit rows
+  Transformer      forward(tokens, positions, cache_rows, mask) -> logits (+ EAGLE-3 features)
+  checkpoints      local folder or hub id -> config + safetensors (single or sharded, memory-mapped)
+  Tokenizer        tokenizer.json via `tokenizers`, chat template via jinja2, EOS ids
+
+Nothing here knows about speculation: a tree is just tokens at some positions under some mask.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GraftError(Exception):
+    """Bad input (checkpoint, prompt, flags): the CLI prints the message on one line and exits."""
+
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class ModelArgs:
+    arch: str = "llama"                  # "llama" or "qwen3"
+    vocab_size: int = 32000
+    dim: int = 4096                      # hidden_size
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False                # Qwen3: RMSNorm over each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: list = field(default_factory=list)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if arch is None:
+            arch = {"llama": "llama", "qwen3": "qwen3"}.get(cfg.get("model_type", "")) if not archs else None
+        if arch is None:
+            raise GraftError(f"unsupported architecture {archs or cfg.get('model_type')}: "
+                             f"supported are {', '.join(SUPPORTED)}")
+        try:
+            dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            # transformers 5 keeps rope_theta inside rope_parameters, even when the type is "default"
+            rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+                rope_scaling = None
+            return cls(
+                arch=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                dim=dim,
+                n_layers=int(cfg["num_hidden_layers"]),
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                head_dim=int(cfg.get("head_dim") or dim // n_heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise GraftError(f"malformed config.json: missing or bad field {e}") from None
+
+    @property
+    def capture_layers(self) -> tuple:
+        """EAGLE-3 reads the residual stream at the *input* of these layers (eagle3.md section 2)."""
+        L = self.n_layers  # tiny models may repeat a layer (L=5: 2, 2, 2); clamp for L < 5
+        return tuple(sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)))
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> tuple:
+    """Inverse frequencies (head_dim/2,) and the cos/sin scale, for plain, linear, llama3 and yarn RoPE."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if not scaling:
+        return inv, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+        orig = scaling["original_max_position_embeddings"]
+        lo_wl, hi_wl = orig / scaling["low_freq_factor"], orig / scaling["high_freq_factor"]
+        wl = 2 * math.pi / inv
+        smooth = (orig / wl - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(wl < hi_wl, inv, torch.where(wl > lo_wl, inv / factor, mid)), 1.0
+    if kind == "yarn":
+        orig = scaling.get("original_max_position_embeddings") or max_pos
+        attn = scaling.get("attention_factor")
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        get_m = lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+        if attn is None:
+            attn = get_m(factor, mscale) / get_m(factor, mscale_all) if mscale and mscale_all else get_m(factor)
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+        corr = lambda rot: head_dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = corr(fast), corr(slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extrap = 1 - ramp
+        return inv / factor * (1 - extrap) + inv * extrap, float(attn)
+    raise GraftError(f"unsupported rope_scaling type {kind!r}: supported are linear, llama3, yarn")
+
+
+def rope_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
+    """(max_seq_len, head_dim/2, 2) cos/sin for every absolute position."""
+    inv, scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)  # (S, hd/2)
+    return torch.stack([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x: (B, H, T, D); rope: (B or 1, T, D/2, 2) for these positions."""
+    cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)  # (B, 1, T, D/2)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
+
+
+# ----------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values (B, H_kv, max_seq_len, D), written at explicit rows."""
+
+    def __init__(self, batch: int, n_kv: int, max_seq_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int):
+        self.k.index_copy_(2, rows, k)
+        self.v.index_copy_(2, rows, v)
+        return self.k[:, :, :S], self.v[:, :, :S]
+
+    def move_rows(self, src: torch.Tensor, dst_start: int):
+        """Copy rows `src` to the contiguous rows dst_start.. (gather first, so overlap is safe)."""
+        n = src.numel()
+        self.k[:, :, dst_start:dst_start + n] = self.k[:, :, src]
+        self.v[:, :, dst_start:dst_start + n] = self.v[:, :, src]
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, in_dim: int | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.head_dim
+        in_dim = in_dim or a.dim
+        self.q_proj = nn.Linear(in_dim, a.n_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+        self.qk_norm = a.qk_norm
+        self.cache: KVCache | None = None
+
+    def forward(self, x, rope, cache_rows=None, mask=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache_rows is not None:
+            # the new rows go into the cache first; then every query attends over cache[:S] under `mask`
+            k, v = self.cache.update(cache_rows, k, v, mask.shape[-1])
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.mlp = MLP(a.dim, a.intermediate_size)
+
+    def forward(self, x, rope, cache_rows=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache_rows, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow HF's (minus the leading `model.`), so checkpoints load by name."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.max_seq_len = 0
+        self.rope = None
+
+    def setup_caches(self, max_seq_len: int, batch: int = 1):
+        """Preallocate the KV cache and the RoPE table for positions 0..max_seq_len-1."""
+        p = self.embed_tokens.weight
+        self.max_seq_len = max_seq_len
+        self.rope = rope_table(self.args, max_seq_len).to(p.device)
+        for layer in self.layers:
+            layer.self_attn.cache = KVCache(batch, self.args.n_kv_heads, max_seq_len, self.args.head_dim,
+                                            p.dtype, p.device)
+
+    def move_cache_rows(self, src: torch.Tensor, dst_start: int):
+        """KV compaction after verification: accepted rows `src` become rows dst_start.. in every layer."""
+        for layer in self.layers:
+            layer.self_attn.cache.move_rows(src, dst_start)
+
+    def forward(self, tokens, positions, cache_rows=None, mask=None, capture=False):
+        """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
+
+        With a cache: the T new rows are written at `cache_rows` (T,) and attention reads cache rows
+        0..S-1 under `mask` (T, S) bool (True = may attend). Without one (training): causal over T.
+        Returns logits (B, T, V) and, with capture=True, the EAGLE-3 features (B, T, 3*dim): the
+        residual stream at the input of layers 2, L//2 and L-3, concatenated low|mid|high.
+        """
+        if self.rope is None or (cache_rows is None and self.rope.shape[0] < tokens.shape[-1]):
+            # no cache (training): positions are 0..T-1, so a table of T rows is enough
+            self.rope = rope_table(self.args, tokens.shape[-1]).to(self.embed_tokens.weight.device)
+        rope = self.rope[positions]                                   # (T, D/2, 2) or (B, T, D/2, 2)
+        if rope.dim() == 3:
+            rope = rope.unsqueeze(0)
+        x = self.embed_tokens(tokens)                                 # (B, T, dim)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            if capture:
+                feats += [x] * self.args.capture_layers.count(i)
+            x = layer(x, rope, cache_rows, mask)
+        logits = self.lm_head(self.norm(x))                           # (B, T, V)
+        if capture:
+            return logits, torch.cat(feats, dim=-1)                   # (B, T, 3*dim)
+        return logits
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.bin", "*.txt", "*.jinja"]
+
+
+def resolve_checkpoint(ckpt: str, patterns=None) -> str:
+    """A local folder, or a Hugging Face hub id downloaded (json, safetensors, tokenizer) to the hub cache."""
+    if os.path.isdir(ckpt):
+        return ckpt
+    looks_like_hub = ckpt.count("/") == 1 and not ckpt.startswith((".", "/", "~")) and not os.path.exists(ckpt)
+    if not looks_like_hub:
+        raise GraftError(f"checkpoint folder not found: {ckpt}")
+    try:
+        from huggingface_hub import snapshot_download
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        return snapshot_download(ckpt, allow_patterns=patterns or HUB_PATTERNS, local_files_only=offline)
+    except Exception as e:  # hub errors are many and verbose; the user needs one line
+        reason = type(e).__name__
+        if "offline" in str(e).lower() or "LocalEntryNotFound" in reason or os.environ.get("HF_HUB_OFFLINE"):
+            raise GraftError(f"{ckpt} is not in the local hub cache and the hub is offline "
+                             f"(HF_HUB_OFFLINE is set or there is no network)") from None
+        raise GraftError(f"could not fetch {ckpt} from the hub: {reason}: {str(e).splitlines()[0][:200]}") from None
+
+
+def read_config(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise GraftError(f"no config.json in {path}")
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise GraftError(f"malformed config.json in {path}: {e}") from None
+
+
+def safetensors_files(path: str) -> list:
+    """The weight files of a checkpoint folder: one model.safetensors, or the shards its index names."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                shards = sorted(set(json.load(fh)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise GraftError(f"malformed {index}: {e}") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise GraftError(f"missing shard {missing[0]} listed in {index}")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if found:
+        return [os.path.join(path, f) for f in found]
+    raise GraftError(f"no model.safetensors (or sharded index) in {path}")
+
+
+def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
+    """Memory-mapped read; tensors are cast to `dtype` (floating ones only) on their way to `device`."""
+    from safetensors import safe_open
+    out = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    if keep is not None and not keep(name):
+                        continue
+                    t = fh.get_tensor(name)
+                    if dtype is not None and t.is_floating_point():
+                        t = t.to(dtype)
+                    out[name] = t.to(device)
+        except GraftError:
+            raise
+        except Exception as e:
+            raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    return out
+
+
+def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None) -> Transformer:
+    """Build the model from its config and load its weights; the KV cache holds max_seq_len positions
+    (default: the model's own context)."""
+    path = resolve_checkpoint(ckpt)
+    args = ModelArgs.from_hf_config(read_config(path))
+    files = safetensors_files(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = read_safetensors(files, device, dtype, keep=lambda n: "rotary_emb" not in n)
+    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    tied = args.tie_word_embeddings or "lm_head.weight" not in sd  # a missing head can only be tied
+    if tied and "embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    expected = dict(model.state_dict())
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise GraftError(f"checkpoint {path} lacks weight {missing[0]} ({len(missing)} missing)")
+    for k, t in expected.items():
+        if tuple(sd[k].shape) != tuple(t.shape):
+            raise GraftError(f"weight {k} has shape {tuple(sd[k].shape)}, config implies {tuple(t.shape)}")
+    model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.path = path
+    model.eval()
+    model.setup_caches(max_seq_len or args.max_position_embeddings)
+    return model
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """tokenizer.json through `tokenizers`; special tokens and the chat template from tokenizer_config.json."""
+
+    def __init__(self, path: str, model_args: ModelArgs | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+        f = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(f):
+            raise GraftError(f"no tokenizer.json in {path}")
+        self.tk = HFTokenizer.from_file(f)
+        cfg = {}
+        cf = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cf):
+            with open(cf) as fh:
+                cfg = json.load(fh)
+        self.chat_template = cfg.get("chat_template")
+        jt = os.path.join(path, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(jt):
+            with open(jt) as fh:
+                self.chat_template = fh.read()
+        tok = lambda v: v.get("content") if isinstance(v, dict) else v
+        self.bos_token, self.eos_token = tok(cfg.get("bos_token")), tok(cfg.get("eos_token"))
+        self.bos_id = model_args.bos_token_id if model_args else None
+        if self.bos_id is None and self.bos_token:
+            self.bos_id = self.tk.token_to_id(self.bos_token)
+        eos = set(model_args.eos_token_ids if model_args else [])
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as fh:
+                g = json.load(fh).get("eos_token_id")
+            eos |= set([g] if isinstance(g, int) else (g or []))
+        if self.eos_token and self.tk.token_to_id(self.eos_token) is not None:
+            eos.add(self.tk.token_to_id(self.eos_token))
+        self.eos_ids = sorted(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+        if add_special_tokens and not ids and self.bos_id is not None:
+            ids = [self.bos_id]  # an empty prompt is just BOS (generation "from BOS")
+        return ids
+
+    def decode(self, ids: list) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat(self, user_text: str) -> list:
+        """Render one user turn with the checkpoint's own chat template, ready for the reply."""
+        if not self.chat_template:
+            raise GraftError("--chat: this checkpoint has no chat_template in tokenizer_config.json")
+        import jinja2
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(GraftError(f"chat template: {msg}"))
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        text = env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", enable_thinking=False)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(ckpt: str, model_args: ModelArgs | None = None) -> Tokenizer:
+    path = resolve_checkpoint(ckpt)
+    return Tokenizer(path, model_args or ModelArgs.from_hf_config(read_config(path)))
