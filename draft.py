@@ -78,11 +78,11 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(a.dim, a.intermediate_size)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, emb, hidden, rope, cache_rows=None, mask=None):
+    def forward(self, emb, hidden, rope, cache_rows=None, mask=None, steps_kv=None):
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
-        hidden = residual + self.self_attn(x, rope, cache_rows, mask)
+        hidden = residual + self.self_attn(x, rope, cache_rows, mask, steps_kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -105,9 +105,10 @@ class Eagle3(nn.Module):
         a = self.config.layer
         self.midlayer.self_attn.cache = KVCache(1, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
-    def forward(self, hidden, ids, positions, cache_rows=None, mask=None, fused: bool = True):
+    def forward(self, hidden, ids, positions, cache_rows=None, mask=None, fused: bool = True, steps_kv=None):
         """hidden (B, T, 3*Ht) target features (fused=True) or (B, T, H) the head's own output;
-        ids (B, T) the token *after* each feature. Returns the pre-norm output (B, T, H)."""
+        ids (B, T) the token *after* each feature. Returns the pre-norm output (B, T, H).
+        steps_kv: a list of earlier unrolled steps' keys/values (training only, see train.py)."""
         if fused:
             hidden = self.fc(hidden)
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
@@ -115,7 +116,7 @@ class Eagle3(nn.Module):
         rope = self.rope[positions]
         rope = rope.unsqueeze(0) if rope.dim() == 3 else rope
         emb = self.embed_tokens(ids).to(hidden.dtype)
-        return self.midlayer(emb, hidden, rope, cache_rows, mask)
+        return self.midlayer(emb, hidden, rope, cache_rows, mask, steps_kv)
 
     def logprobs(self, out_hidden):
         """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""

@@ -87,7 +87,7 @@ class ModelArgs:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise GraftError(f"malformed config.json: missing or bad field {e}") from None
 
     @property
@@ -201,7 +201,7 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
         self.cache: KVCache | None = None
 
-    def forward(self, x, rope, cache_rows=None, mask=None):
+    def forward(self, x, rope, cache_rows=None, mask=None, steps_kv=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -213,6 +213,10 @@ class Attention(nn.Module):
         if cache_rows is not None:
             # the new rows go into the cache first; then every query attends over cache[:S] under `mask`
             k, v = self.cache.update(cache_rows, k, v, mask.shape[-1])
+        elif steps_kv is not None:
+            # EAGLE-3 training-time test: the keys of the earlier unrolled steps come first
+            steps_kv.append((k, v))
+            k, v = torch.cat([kv[0] for kv in steps_kv], 2), torch.cat([kv[1] for kv in steps_kv], 2)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:

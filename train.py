@@ -1,0 +1,363 @@
+"""Train an EAGLE-3 head for any target this engine loads (and, for the demo, a small target).
+
+    python train.py eagle3 --ckpt TARGET --prompts FILE --out DIR [--minutes 10] [--device cuda]
+
+EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
+  1. Self-distillation data: the target's own continuations of the prompts (greedy by default), made
+     in batches with the static KV cache.
+  2. Draft vocabulary: the most frequent target tokens in that data (all of them if the vocabulary is
+     small), sorted ascending -> d2t.
+  3. Training-time test: each batch is unrolled `--ttt` steps. Step 0 reads the target's features;
+     step j reads the head's own step j-1 output one position back, as tree drafting at depth j will.
+     Its attention sees real rows up to p-j plus the diagonal of earlier steps (the tree path).
+     Loss: cross-entropy against the target's distribution (restricted to the draft vocabulary),
+     step j weighted 0.8^j.
+  4. Saved in the published format (config.json + model.safetensors with fc, midlayer.*, norm,
+     lm_head, d2t, t2d; no embedding), loadable by draft.load_head and by EAGLE/SGLang/vLLM.
+Progress on stderr, a loss log (train_log.jsonl), resumable from train_state.pt in --out.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from model import GraftError, ModelArgs, load_model, load_tokenizer
+from draft import Eagle3, HeadConfig, save_head
+from verify import Sampling, choose
+
+
+# ----------------------------------------------------------------------------- data
+
+def read_prompt_file(path: str) -> list:
+    """One prompt per line (\\n escapes allowed), or jsonl records with `turns` (first) or `prompt`."""
+    if not os.path.isfile(path):
+        raise GraftError(f"prompt file not found: {path}")
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                rec = json.loads(line)
+                out.append(rec["turns"][0] if rec.get("turns") else rec.get("prompt", ""))
+            else:
+                out.append(line.rstrip("\n").replace("\\n", "\n"))
+    return out
+
+
+@torch.no_grad()
+def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), pad: int = 0) -> list:
+    """The target's own continuations of a batch of token lists, decoded together.
+
+    Prompts are left-padded to a common length; each row's positions start at its first real token
+    and padded columns are masked out, so every row decodes exactly as it would alone.
+    `sampling`: one Sampling for all rows, or a list with one per row (e.g. different seeds)."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    B, dev = len(prompts), model.embed_tokens.weight.device
+    n = max(len(p) for p in prompts)
+    S = n + new_tokens
+    if S > model.max_seq_len or model.layers[0].self_attn.cache.k.shape[0] != B:
+        model.setup_caches(max(S, model.max_seq_len), batch=B)
+    offset = torch.tensor([n - len(p) for p in prompts], device=dev)                 # (B,)
+    ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts], device=dev)      # (B, n)
+    col = torch.arange(S, device=dev)
+    valid = col[None, :] >= offset[:, None]                                          # (B, S) real columns
+    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
+    rows = torch.arange(n, device=dev)
+    mask = (causal[:n, :n][None] & valid[:, None, :n])[:, None]                      # (B, 1, n, n)
+    logits = model(ids, (rows[None] - offset[:, None]).clamp(min=0), rows, mask)
+    out = [list(p) for p in prompts]
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
+    for i in range(new_tokens):
+        pos = n + i - offset                                                          # (B,) next position
+        nxt = torch.stack([choose(logits[b, -1:], pos[b:b + 1], samplings[b])[0] for b in range(B)])
+        nxt = torch.where(done, pad, nxt)
+        for b, t in enumerate(nxt.tolist()):
+            if not done[b]:
+                out[b].append(t)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()) or i == new_tokens - 1:
+            break
+        r = torch.tensor([n + i], device=dev)
+        m = (causal[n + i:n + i + 1, :n + i + 1][None] & valid[:, None, :n + i + 1])[:, None]  # (B,1,1,S')
+        logits = model(nxt[:, None], (n + i - offset)[:, None], r, m)
+    return out
+
+
+def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print) -> list:
+    """Token sequences = each prompt followed by the target's own continuation."""
+    seqs, t0 = [], time.time()
+    enc = [tok.encode(p) for p in prompts]
+    room = model.max_seq_len - new_tokens
+    enc = [e[-room:] for e in enc if e]
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))      # similar lengths pad less
+    for s in range(0, len(order), batch):
+        idx = order[s:s + batch]
+        seqs += continue_batch(model, [enc[i] for i in idx], new_tokens, sampling, tok.eos_ids)
+        progress("data", min(s + batch, len(order)), len(order), t0)
+    model.setup_caches(model.max_seq_len, batch=1)
+    return seqs
+
+
+def progress(what: str, i: int, n: int, t0: float, extra: str = ""):
+    w = 30
+    done = int(w * i / max(n, 1))
+    el = time.time() - t0
+    eta = el / max(i, 1) * (n - i)
+    sys.stderr.write(f"\r{what} [{'#' * done}{'.' * (w - done)}] {i}/{n} {el:.0f}s<{eta:.0f}s {extra}   ")
+    if i >= n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def draft_vocab(seqs: list, vocab: int, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids in the data (all of the vocabulary when it is small),
+    sorted ascending, as the published heads do."""
+    if size >= vocab:
+        return torch.arange(vocab)
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=vocab).double()
+    counts += torch.arange(vocab, 0, -1).double() * 1e-9     # deterministic ties: lower ids first
+    return torch.sort(counts.topk(size).indices).values
+
+
+# ----------------------------------------------------------------------------- training-time test
+
+def ttt_mask(T: int, step: int, device) -> torch.Tensor:
+    """(T, (step+1)*T) bool: the query of unrolled step `step` at position p sees real (step-0) rows
+    at positions <= p - step and the step-i row at position p - step + i (its tree path)."""
+    p = torch.arange(T, device=device)
+    blocks = [p[None, :] <= (p[:, None] - step)]
+    for i in range(1, step + 1):
+        blocks.append(p[None, :] == (p[:, None] - step + i))
+    m = torch.cat(blocks, dim=1)
+    m[:, 0] |= ~m.any(-1)          # rows with nothing to see (p < step) are masked from the loss anyway
+    return m
+
+
+def ttt_loss(head: Eagle3, feats, ids, target_logp, valid, used, steps: int):
+    """feats (B, T, 3Ht); ids (B, T) the token after each feature; target_logp (B, T, V) the target's
+    log-distribution of the token after that; valid (B, T) bool. Returns (loss, per-step top-1 acc)."""
+    B, T, _ = feats.shape
+    pos = torch.arange(T, device=feats.device)
+    tgt = target_logp[..., used].float().softmax(-1)                # renormalised on the draft vocab
+    kv, hidden, losses, accs = [], feats, 0.0, []
+    for j in range(steps):
+        out = head(hidden, ids, pos, mask=ttt_mask(T, j, feats.device), fused=(j == 0), steps_kv=kv)
+        logp = head.logprobs(out)                                   # (B, T, Vd)
+        ok = valid & (pos[None, :] >= j)
+        ce = -(tgt * logp).sum(-1)
+        losses = losses + 0.8 ** j * (ce * ok).sum() / ok.sum().clamp(min=1)
+        accs.append(((logp.argmax(-1) == tgt.argmax(-1)) & ok).sum().item() / max(ok.sum().item(), 1))
+        hidden = torch.cat([out[:, :1] * 0, out[:, :-1]], dim=1)      # own output, one position on
+    return losses, accs
+
+
+def batches(seqs: list, seq_len: int, batch: int, rng: random.Random):
+    """Endless shuffled batches of windows (B, seq_len+1), right-padded, with a validity mask."""
+    windows = []
+    for s in seqs:
+        for a in range(0, max(len(s) - 1, 1), seq_len):
+            w = s[a:a + seq_len + 1]
+            if len(w) >= 3:
+                windows.append(w)
+    if not windows:
+        raise GraftError("no training data: the prompts produced no sequences of 3+ tokens")
+    while True:
+        rng.shuffle(windows)
+        for i in range(0, len(windows) - batch + 1 if len(windows) >= batch else 1, batch):
+            chunk = windows[i:i + batch]
+            n = max(len(w) for w in chunk)
+            yield (torch.tensor([w + [0] * (n - len(w)) for w in chunk]),
+                   torch.tensor([[1] * len(w) + [0] * (n - len(w)) for w in chunk], dtype=torch.bool))
+
+
+def new_head(target, draft_vocab_size: int) -> Eagle3:
+    """A head shaped like one target layer, reading the target's embedding."""
+    ta = target.args
+    layer = ModelArgs(arch="llama", vocab_size=ta.vocab_size, dim=ta.dim, n_layers=1, n_heads=ta.n_heads,
+                      n_kv_heads=ta.n_kv_heads, head_dim=ta.head_dim, intermediate_size=ta.intermediate_size,
+                      norm_eps=ta.norm_eps, rope_theta=ta.rope_theta, max_position_embeddings=ta.max_position_embeddings)
+    head = Eagle3(HeadConfig(layer=layer, target_hidden=ta.dim, vocab_size=ta.vocab_size,
+                             draft_vocab_size=draft_vocab_size))
+    head.embed_tokens = target.embed_tokens
+    return head
+
+
+def train_eagle3(a) -> str:
+    dev = a.device
+    torch.manual_seed(a.seed)
+    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = load_tokenizer(target.path, target.args)
+    os.makedirs(a.out, exist_ok=True)
+    data_path = os.path.join(a.out, "train_data.pt")
+    state_path = os.path.join(a.out, "train_state.pt")
+    log = lambda s: print(s, file=sys.stderr)
+    if os.path.isfile(data_path):
+        seqs = torch.load(data_path, weights_only=True)["seqs"]
+        log(f"data: {len(seqs)} sequences from {data_path}")
+    else:
+        prompts = read_prompt_file(a.prompts)
+        if a.max_prompts:
+            prompts = prompts[:a.max_prompts]
+        s = Sampling(a.data_temperature, 1.0, 0, a.seed)
+        t0 = time.time()
+        seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log)
+        torch.save({"seqs": seqs}, data_path)
+        log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
+    used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
+    head = new_head(target, used.numel()).to(dev)
+    head.d2t.copy_(used - torch.arange(used.numel()))
+    head.embed_tokens = target.embed_tokens
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, rng = 0, random.Random(a.seed)
+    if os.path.isfile(state_path) and not a.restart:
+        st = torch.load(state_path, map_location=dev, weights_only=False)
+        head.load_state_dict(st["head"], strict=False)
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        rng.setstate(st["rng"])
+        log(f"resumed at step {step}")
+    used = used.to(dev)
+    data = batches(seqs, a.seq_len, a.batch, rng)
+    t0, deadline = time.time(), time.time() + a.minutes * 60 if a.minutes else float("inf")
+    logf = open(os.path.join(a.out, "train_log.jsonl"), "a")
+    head.train()
+    while step < a.steps and time.time() < deadline:
+        x, valid = next(data)
+        x, valid = x.to(dev), valid.to(dev)
+        with torch.no_grad():
+            logits, feats = target(x[:, :-1], torch.arange(x.shape[1] - 1, device=dev), capture=True)
+            tgt = torch.log_softmax(logits.float(), -1)[:, 1:]      # the target's view of the token after next
+        # row t pairs feature t with token t+1 and learns the target's distribution at t+1
+        lr = a.lr * min(1.0, (step + 1) / a.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / max(a.steps, 1), 1))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, accs = ttt_loss(head, feats[:, :-1], x[:, 1:-1], tgt, valid[:, 2:], used, a.ttt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        if step % a.log_every == 0 or step == a.steps:
+            rec = {"step": step, "loss": round(loss.item(), 4), "acc": [round(x, 3) for x in accs],
+                   "lr": lr, "seconds": round(time.time() - t0, 1)}
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            progress("train", step, a.steps, t0, f"loss {rec['loss']:.3f} acc0 {accs[0]:.2f}")
+        if step % a.save_every == 0:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate()},
+                       state_path)
+    sys.stderr.write("\n")
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate()}, state_path)
+    head.eval()
+    save_head(head, a.out)
+    log(f"saved head to {a.out} after {step} steps ({time.time() - t0:.0f}s)")
+    return a.out
+
+
+# ----------------------------------------------------------------------------- stories260K
+
+STORIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models", "stories260K-hf")
+
+
+@torch.no_grad()
+def sample_openings(model, tok, n: int, length: int = 8, seed: int = 0, temperature: float = 1.0) -> list:
+    """n story openings sampled from the model itself from BOS (one seed per opening)."""
+    bos = tok.encode("")
+    out = []
+    for s in range(0, n, 64):
+        rows = list(range(s, min(s + 64, n)))
+        seqs = continue_batch(model, [bos] * len(rows), length,
+                              [Sampling(temperature, 1.0, 0, seed * 100003 + r) for r in rows], tok.eos_ids)
+        out += [tok.decode(q[len(bos):]).strip() for q in seqs]
+    model.setup_caches(model.max_seq_len, batch=1)
+    return [o for o in out if o]
+
+
+def stories_head_dir() -> str:
+    from graft import cache_dir
+    return os.path.join(cache_dir(), "stories260K-eagle3")
+
+
+def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) -> str:
+    """The EAGLE-3 head for ../shared/models/stories260K-hf, trained once into the cache folder
+    (a couple of minutes on 2 CPU cores) and reused after that. Prompts: 400 openings the model
+    samples itself (seed 0); bench.py holds out openings sampled with another seed."""
+    out = out or stories_head_dir()
+    if os.path.isfile(os.path.join(out, "model.safetensors")) and os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    if not os.path.isdir(STORIES):
+        raise GraftError(f"stories260K-hf not found at {STORIES}")
+    os.makedirs(out, exist_ok=True)
+    prompts = os.path.join(out, "prompts.txt")
+    if not os.path.isfile(prompts):
+        m = load_model(STORIES)
+        ops = sample_openings(m, load_tokenizer(STORIES, m.args), 400, seed=0)
+        with open(prompts, "w") as fh:
+            fh.write("\n".join(o.replace("\n", "\\n") for o in ops) + "\n")
+    argv = ["eagle3", "--ckpt", STORIES, "--prompts", prompts, "--out", out, "--device", "cpu",
+            "--new-tokens", "200", "--steps", "600", "--batch", "16", "--seq-len", "128", "--lr", "3e-3"]
+    if minutes:
+        argv += ["--minutes", str(minutes)]
+    main(argv)
+    return out
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train an EAGLE-3 head (eagle3) or a small demo target (target).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("eagle3", help="train an EAGLE-3 head for a target by self-distillation")
+    e.add_argument("--ckpt", required=True, help="target: local HF folder or hub id")
+    e.add_argument("--prompts", required=True, help="text file (one prompt per line) or jsonl with turns/prompt")
+    e.add_argument("--out", required=True)
+    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--new-tokens", type=int, default=256, help="continuation length per prompt")
+    e.add_argument("--data-temperature", type=float, default=0.0, help="0 = greedy continuations")
+    e.add_argument("--max-prompts", type=int, default=0)
+    e.add_argument("--gen-batch", type=int, default=32)
+    e.add_argument("--draft-vocab", type=int, default=32000)
+    e.add_argument("--steps", type=int, default=2000)
+    e.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
+    e.add_argument("--batch", type=int, default=16)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--ttt", type=int, default=7, help="unrolled training-time-test steps")
+    e.add_argument("--lr", type=float, default=3e-3)
+    e.add_argument("--warmup-steps", type=int, default=50)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--log-every", type=int, default=10)
+    e.add_argument("--save-every", type=int, default=200)
+    e.add_argument("--restart", action="store_true", help="ignore a saved train_state.pt")
+    h = sub.add_parser("stories-head", help="(re)create the stories260K-hf head in the cache folder")
+    h.add_argument("--out", default=None)
+    h.add_argument("--minutes", type=float, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.cmd == "eagle3":
+        return train_eagle3(a)
+    if a.cmd == "stories-head":
+        out = ensure_stories_head(a.out, a.minutes)
+        print(out)
+        return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except GraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
