@@ -188,9 +188,18 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
         head = Eagle3(c)
     if "lm_head.weight" not in sd:  # no draft vocabulary: the head predicts with the target's own head
         sd["lm_head.weight"] = target.lm_head.weight
-    if "d2t" not in sd or c.draft_vocab_size == c.vocab_size:
-        sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+    if c.draft_vocab_size == c.vocab_size:
+        sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)   # identity mapping
+    elif "d2t" not in sd:
+        if "t2d" not in sd or int(sd["t2d"].sum()) != c.draft_vocab_size:
+            raise GraftError(f"draft head {path} has a reduced vocabulary ({c.draft_vocab_size}) but no d2t "
+                             f"(or t2d) mapping to target ids")
+        used = sd["t2d"].bool().nonzero().flatten()
+        sd["d2t"] = used - torch.arange(used.numel())
     expected = head.state_dict()
+    unknown = sorted(set(sd) - set(expected) - {"t2d", "embed_tokens.weight"})
+    if unknown:  # e.g. SpecForge's fc_norm.*: ignoring them would draft from the wrong features
+        raise GraftError(f"draft head {path} has weights this engine does not support: {', '.join(unknown[:4])}")
     for k, t in expected.items():
         if k not in sd:
             raise GraftError(f"draft head {path} lacks weight {k}")
@@ -199,7 +208,8 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     state = {k: (sd[k].to(device, dtype) if sd[k].is_floating_point() else sd[k].to(device).long())
              for k in expected}
     head.load_state_dict(state, assign=True, strict=True)
-    if int((head.d2t + torch.arange(c.draft_vocab_size, device=device)).max()) >= ta.vocab_size:
+    ids = head.d2t + torch.arange(c.draft_vocab_size, device=device)
+    if int(ids.max()) >= ta.vocab_size or int(ids.min()) < 0:
         raise GraftError("draft head d2t maps draft ids outside the target vocabulary")
     if own_embed:
         head.embed_tokens = nn.Embedding.from_pretrained(sd["embed_tokens.weight"].to(device, dtype))
@@ -259,6 +269,16 @@ class DraftTree:
         par = self.parents[sel]
         pos = torch.searchsorted(sel, par.clamp(min=0))
         return self.tokens[sel], torch.where(par < 0, -1, pos)
+
+    def deepest_selected(self, n: int) -> int:
+        """Index within select(n) of the end of the best deepest path: the highest-scoring node on the
+        deepest selected level (the tail ablation grafts retrieval there)."""
+        order = torch.sort(self.scores, descending=True, stable=True).indices[:n]
+        sel = torch.sort(order).values
+        k = int((self.parents < 0).sum())                       # level-1 candidates = top_k
+        level = torch.where(sel < k, 1, (sel - k) // (k * k) + 2)
+        key = torch.where(level == level.max(), self.scores[sel], float("-inf"))
+        return int(key.argmax())
 
 
 class Drafter:

@@ -91,7 +91,15 @@ class Config:
     pld_tokens: int = 10
 
     def keep_sizes(self) -> tuple:
-        return tuple(self.keep) if self.keep else scaled_keep(self.budget)
+        """Draft nodes kept when pruned at each checkpoint: --keep, else the paper's 8/24/40 scaled to
+        the budget, else (other checkpoint counts) evenly from 8/60 to 40/60 of the budget."""
+        if self.keep:
+            return tuple(self.keep)
+        if len(self.checkpoints) == len(KEEP):
+            return scaled_keep(self.budget)
+        n = len(self.checkpoints)
+        fr = [KEEP[0] / 60 + (KEEP[-1] - KEEP[0]) / 60 * i / max(n - 1, 1) for i in range(n)]
+        return tuple(max(1, min(self.budget - 1, round(f * self.budget))) for f in fr)
 
 
 class Method:
@@ -163,12 +171,8 @@ class Method:
         if m in ("eagle3", "prune") or (m == "graft" and K >= budget):
             p = with_root(r, d_tok, d_par)
         else:
-            extra = cfg.ablation_size if m in ("graft-root", "graft-tail") else budget - K
-            anchor = -1
-            if m == "graft-tail":           # under the best-scoring deepest draft node
-                is_parent = torch.zeros(d_tok.numel() + 1, dtype=torch.bool, device=dev)
-                is_parent[d_par + 1] = True
-                anchor = int(torch.nonzero(~is_parent[1:]).flatten()[0])
+            extra = cfg.ablation_size if m in ("graft-root", "graft-tail") else budget - d_tok.numel()
+            anchor = tree.deepest_selected(K) if m == "graft-tail" else -1   # tail: under the best deep node
             tpl = self.template(extra + d_tok.numel(), dev)   # room for merges with draft siblings
             toks = self.matrix.retrieve(r if anchor < 0 else d_tok[anchor], tpl)
             t, par, src = graft_trees(d_tok, d_par, toks, tpl, extra, anchor)
@@ -423,15 +427,22 @@ def read_prompts(path: str) -> list:
     return out
 
 
+def numbers(flag: str, text: str, kind=int) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GraftError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
 def config_from_args(a, method: str) -> Config:
-    cps = tuple(int(x) for x in a.checkpoints.split(",") if x.strip())
+    cps = tuple(numbers("--checkpoints", a.checkpoints))
     cfg = Config(method=method, budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps)
     if a.keep:
-        cfg.keep = tuple(int(x) for x in a.keep.split(","))
+        cfg.keep = tuple(numbers("--keep", a.keep))
         if len(cfg.keep) != len(cps):
             raise GraftError("--keep needs one size per checkpoint")
     if a.thresholds:
-        th = [float(x) for x in a.thresholds.split(",")]
+        th = numbers("--thresholds", a.thresholds, float)
         if len(th) != len(cps):
             raise GraftError("--thresholds needs one value per checkpoint")
         cfg.thresholds = dict(zip(cps, th))

@@ -104,7 +104,8 @@ def accept(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor, dept
     """Longest accepted path. target (N,): the target's choice after each node.
 
     A node is acceptable when its token is what the target chose at its parent, and so are all its
-    ancestors'. Returns (path (A+1,) node indices root first, bonus token (), A as a 0-d tensor)."""
+    ancestors'. Returns (order (N,), bonus token (), A as a 0-d tensor): order[:A+1] is the accepted
+    path, root first (the rest of `order` is the other nodes)."""
     ok = torch.ones_like(tokens, dtype=torch.bool)
     ok[1:] = tokens[1:] == target[parents[1:]]
     good = ~(mask & ~ok[None, :]).any(-1)                # every node on the way is ok

@@ -1,0 +1,590 @@
+"""draft.py: the EAGLE-3 head loader (every published naming and config format), its refusals, and
+tree drafting with checkpoints.
+
+A tiny random target (model.Transformer from a ModelArgs, hidden 32, vocab 64) and a tiny random head
+(hidden 32, draft vocabulary 40 with a non-trivial d2t) are built in this file; checkpoints are written
+to tmp_path in each variant by hand. CPU, float32.
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import draft as D  # noqa: E402
+import model as M  # noqa: E402
+from model import GraftError  # noqa: E402
+
+torch.set_num_threads(1)
+
+V, HT = 64, 32              # target vocab and hidden size
+VD = 40                     # draft vocab
+K = 4                       # draft top_k in the drafting tests
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def randomize(module: torch.nn.Module, seed: int, std: float = 0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def tiny_target(seed: int = 0) -> M.Transformer:
+    a = M.ModelArgs(arch="llama", vocab_size=V, dim=HT, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+                    intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128)
+    m = M.Transformer(a)
+    randomize(m, seed, std=0.3)
+    m.eval()
+    m.setup_caches(64)
+    return m
+
+
+def layer_args(H=32, nh=4, nkv=2, hd=8, I=48, theta=1e6, vocab=V) -> M.ModelArgs:
+    return M.ModelArgs(arch="llama", vocab_size=vocab, dim=H, n_layers=1, n_heads=nh, n_kv_heads=nkv,
+                       head_dim=hd, intermediate_size=I, norm_eps=1e-6, rope_theta=theta,
+                       max_position_embeddings=2048)
+
+
+def make_head(target, Vd=VD, Ht=HT, seed=1, **layer_kw) -> D.Eagle3:
+    """A random head; d2t maps the draft ids onto a random sorted subset of the target vocabulary."""
+    c = D.HeadConfig(layer=layer_args(**layer_kw), target_hidden=Ht, vocab_size=V, draft_vocab_size=Vd)
+    head = D.Eagle3(c)
+    randomize(head, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    used = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+    head.d2t.copy_(used - torch.arange(Vd))
+    head.embed_tokens = target.embed_tokens
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    h = make_head(target)
+    assert h.d2t.max() > 0 and VD < V                       # a non-trivial draft vocabulary
+    return h
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory, head):
+    """save_head's output (official names in model.safetensors) and its tensors, as the reference."""
+    d = tmp_path_factory.mktemp("official")
+    D.save_head(head, str(d))
+    return d, load_file(str(d / "model.safetensors")), json.loads((d / "config.json").read_text())
+
+
+HEAD_KEYS = ["fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+             "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+             "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+             "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+             "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+             "lm_head.weight", "d2t"]
+
+
+def write(folder: Path, sd: dict, cfg: dict, fmt: str = "safetensors") -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    if fmt == "safetensors":
+        save_file(sd, str(folder / "model.safetensors"))
+    else:
+        torch.save(sd, str(folder / "pytorch_model.bin"))
+    return str(folder)
+
+
+def assert_same_head(loaded: D.Eagle3, ref: dict, target, keys=HEAD_KEYS):
+    sd = loaded.state_dict()
+    for k in keys:
+        assert k in sd, k
+        assert sd[k].dtype == ref[k].dtype, k
+        assert torch.equal(sd[k], ref[k]), k
+    assert loaded.d2t.dtype == torch.long
+
+
+def rename(sd: dict, fn) -> dict:
+    return {fn(k): v for k, v in sd.items()}
+
+
+# ----------------------------------------------------------------------------- naming / format variants
+
+def test_load_official_safetensors(official, target, head):
+    d, ref, _ = official
+    loaded = D.load_head(str(d), target)
+    assert_same_head(loaded, ref, target)
+    assert loaded.embed_tokens is target.embed_tokens
+    assert loaded.config.draft_vocab_size == VD and loaded.config.vocab_size == V
+    assert loaded.config.target_hidden == HT
+    la, ha = loaded.config.layer, head.config.layer
+    assert (la.dim, la.n_heads, la.n_kv_heads, la.head_dim, la.intermediate_size, la.rope_theta, la.norm_eps) == \
+        (ha.dim, ha.n_heads, ha.n_kv_heads, ha.head_dim, ha.intermediate_size, ha.rope_theta, ha.norm_eps)
+
+
+def test_load_pytorch_model_bin(official, target, tmp_path):
+    d, ref, cfg = official
+    path = write(tmp_path / "bin", dict(ref), cfg, fmt="bin")
+    assert_same_head(D.load_head(path, target), ref, target)
+
+
+def test_load_layers0_names(official, target, tmp_path):
+    # speculators-style: the decoder layer is layers.0.*
+    d, ref, cfg = official
+    sd = rename(ref, lambda k: "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k)
+    assert any(k.startswith("layers.0.") for k in sd)
+    assert_same_head(D.load_head(write(tmp_path / "l0", sd, cfg), target), ref, target)
+
+
+def test_load_vllm_names(official, target, tmp_path):
+    # vLLM-style: model.layers.0.*, model.fc, model.norm, model.draft_id_to_target_id; lm_head unprefixed
+    d, ref, cfg = official
+
+    def vllm(k):
+        if k == "lm_head.weight":
+            return k
+        k = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
+        k = "draft_id_to_target_id" if k == "d2t" else k
+        return "model." + k
+
+    sd = rename(ref, vllm)
+    assert "model.fc.weight" in sd and "lm_head.weight" in sd and "model.draft_id_to_target_id" in sd
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)     # dropped by the loader
+    assert_same_head(D.load_head(write(tmp_path / "vllm", sd, cfg), target), ref, target)
+
+
+def test_load_model_prefixed_midlayer_names(official, target, tmp_path):
+    d, ref, cfg = official
+    sd = rename(ref, lambda k: k if k == "lm_head.weight" else "model." + k)
+    assert_same_head(D.load_head(write(tmp_path / "mp", sd, cfg), target), ref, target)
+
+
+def test_load_without_d2t_when_full_vocab(target, tmp_path):
+    full = make_head(target, Vd=V, seed=3)
+    d = tmp_path / "full"
+    D.save_head(full, str(d))
+    sd = load_file(str(d / "model.safetensors"))
+    del sd["d2t"], sd["t2d"]
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["draft_vocab_size"] = V
+    loaded = D.load_head(write(tmp_path / "nod2t", sd, cfg), target)
+    assert_same_head(loaded, {**sd, "d2t": torch.zeros(V, dtype=torch.long)}, target)
+    assert torch.equal(loaded.to_target(torch.arange(V)), torch.arange(V))
+
+
+def test_load_full_vocab_ignores_d2t_present(target, tmp_path):
+    # draft_vocab_size == vocab_size: ids are used directly even when a (meaningless) d2t is stored
+    full = make_head(target, Vd=V, seed=3)
+    d = tmp_path / "full"
+    D.save_head(full, str(d))
+    sd = load_file(str(d / "model.safetensors"))
+    sd["d2t"] = torch.zeros(V, dtype=torch.long)
+    loaded = D.load_head(write(tmp_path / "withd2t", sd, json.loads((d / "config.json").read_text())), target)
+    assert torch.equal(loaded.to_target(torch.arange(V)), torch.arange(V))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"])
+def test_load_architecture_names(official, target, tmp_path, arch):
+    d, ref, cfg = official
+    cfg = dict(cfg, architectures=[arch])
+    assert_same_head(D.load_head(write(tmp_path / arch, dict(ref), cfg), target), ref, target)
+
+
+def test_load_speculators_config(official, target, head, tmp_path):
+    d, ref, cfg = official
+    a = head.config.layer
+    layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
+             "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_heads,
+             "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": 1,
+             "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "max_position_embeddings": 4096,
+             "vocab_size": V, "hidden_act": "silu"}
+    spec = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": VD, "target_hidden_size": HT,
+            "norm_before_residual": False, "speculators_config": {"algorithm": "eagle3"}}
+    sd = rename(ref, lambda k: "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k)
+    loaded = D.load_head(write(tmp_path / "spec", sd, spec), target)
+    assert_same_head(loaded, ref, target)
+    la = loaded.config.layer
+    assert (la.dim, la.n_heads, la.n_kv_heads, la.head_dim, la.intermediate_size, la.rope_theta, la.norm_eps,
+            la.max_position_embeddings) == (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size,
+                                            a.rope_theta, a.norm_eps, 4096)
+    assert loaded.config.draft_vocab_size == VD and loaded.config.vocab_size == V
+
+
+def test_load_config_defaults(target, tmp_path):
+    # the official Vicuna/Llama-3.1 configs lack num_key_value_heads / rope_theta / head_dim
+    mha = make_head(target, seed=4, nh=4, nkv=4, hd=8, theta=10000.0)
+    d = tmp_path / "mha"
+    D.save_head(mha, str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    for k in ("num_key_value_heads", "rope_theta", "head_dim", "target_hidden_size"):
+        cfg.pop(k)
+    (d / "config.json").write_text(json.dumps(cfg))
+    loaded = D.load_head(str(d), target)
+    la = loaded.config.layer
+    assert la.n_kv_heads == 4 and la.head_dim == 32 // 4 and la.rope_theta == 10000.0
+    assert loaded.config.target_hidden == HT
+    assert_same_head(loaded, load_file(str(d / "model.safetensors")), target)
+
+
+def test_load_config_rope_theta_read(official, target):
+    # the saved config carries rope_theta 1e6 (a Qwen3-style head): it must not fall back to 1e4
+    d, _, cfg = official
+    assert cfg["rope_theta"] == 1e6
+    assert D.load_head(str(d), target).config.layer.rope_theta == 1e6
+
+
+def test_load_own_embedding(official, target, tmp_path):
+    d, ref, cfg = official
+    emb = torch.randn(V, 32, generator=torch.Generator().manual_seed(9))
+    loaded = D.load_head(write(tmp_path / "emb", dict(ref, **{"embed_tokens.weight": emb}), cfg), target)
+    assert loaded.embed_tokens is not target.embed_tokens
+    assert torch.equal(loaded.embed_tokens.weight, emb)
+    assert not torch.equal(loaded.embed_tokens.weight, target.embed_tokens.weight)
+
+
+def test_load_own_embedding_allows_other_hidden_size(target, tmp_path):
+    # H (24) != Ht (32) is fine when the head brings its own embedding (fc reads 3*32 features)
+    h24 = make_head(target, seed=5, H=24, nh=4, nkv=2, hd=6, I=40)
+    d = tmp_path / "h24"
+    D.save_head(h24, str(d))
+    sd = load_file(str(d / "model.safetensors"))
+    sd["embed_tokens.weight"] = torch.randn(V, 24)
+    save_file(sd, str(d / "model.safetensors"))
+    loaded = D.load_head(str(d), target)
+    assert loaded.config.layer.dim == 24 and loaded.fc.weight.shape == (24, 3 * HT)
+    out = loaded(torch.randn(1, 3, 3 * HT), torch.tensor([[4, 5, 6]]), torch.arange(3))
+    assert out.shape == (1, 3, 24)
+
+
+def test_load_without_lm_head_uses_targets(official, target, tmp_path):
+    # no draft vocabulary at all: the head predicts with the target's own lm_head
+    d, ref, cfg = official
+    sd = {k: v for k, v in ref.items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    cfg = dict(cfg)
+    cfg.pop("draft_vocab_size")
+    loaded = D.load_head(write(tmp_path / "nolm", sd, cfg), target)
+    assert torch.equal(loaded.lm_head.weight, target.lm_head.weight)
+    assert loaded.config.draft_vocab_size == V
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def refusal(path, target) -> str:
+    with pytest.raises(GraftError) as e:
+        D.load_head(str(path), target)
+    msg = str(e.value)
+    assert msg and "\n" not in msg, repr(msg)
+    return msg
+
+
+def test_refuse_fc_width(target, tmp_path):
+    narrow = make_head(target, Ht=16, seed=6)            # fc reads 3*16 = 48 features, the target has 32
+    D.save_head(narrow, str(tmp_path / "fc"))
+    msg = refusal(tmp_path / "fc", target)
+    assert "48" in msg and "32" in msg, msg
+
+
+def test_refuse_vocab_size(official, target, tmp_path):
+    d, ref, cfg = official
+    msg = refusal(write(tmp_path / "voc", dict(ref), dict(cfg, vocab_size=100)), target)
+    assert "vocab" in msg and "100" in msg and "64" in msg, msg
+
+
+def test_refuse_missing_folder(target, tmp_path):
+    missing = tmp_path / "does-not-exist"
+    msg = refusal(missing, target)
+    assert str(missing) in msg, msg
+
+
+def test_refuse_folder_without_weights(official, target, tmp_path):
+    _, _, cfg = official
+    (tmp_path / "cfg-only").mkdir()
+    (tmp_path / "cfg-only" / "config.json").write_text(json.dumps(cfg))
+    msg = refusal(tmp_path / "cfg-only", target)
+    assert "model.safetensors" in msg and "pytorch_model.bin" in msg and "cfg-only" in msg, msg
+
+
+def test_refuse_folder_without_config(official, target, tmp_path):
+    _, ref, _ = official
+    (tmp_path / "nocfg").mkdir()
+    save_file(dict(ref), str(tmp_path / "nocfg" / "model.safetensors"))
+    msg = refusal(tmp_path / "nocfg", target)
+    assert "config.json" in msg, msg
+
+
+def test_refuse_unsupported_architecture(official, target, tmp_path):
+    d, ref, cfg = official
+    msg = refusal(write(tmp_path / "arch", dict(ref), dict(cfg, architectures=["MistralForCausalLM"])), target)
+    assert "MistralForCausalLM" in msg, msg
+
+
+def test_refuse_other_hidden_size_without_embedding(target, tmp_path):
+    h24 = make_head(target, seed=5, H=24, nh=4, nkv=2, hd=6, I=40)
+    D.save_head(h24, str(tmp_path / "h24"))
+    msg = refusal(tmp_path / "h24", target)
+    assert "24" in msg and "32" in msg, msg
+
+
+def test_refuse_d2t_outside_target_vocab(official, target, tmp_path):
+    d, ref, cfg = official
+    bad = ref["d2t"].clone()
+    bad[-1] = V                                           # draft id 39 -> 39 + 64: not a target id
+    msg = refusal(write(tmp_path / "d2t", dict(ref, d2t=bad), cfg), target)
+    assert "d2t" in msg, msg
+
+
+# ----------------------------------------------------------------------------- the head's forward
+
+def test_forward_fused_applies_fc(head):
+    g = torch.Generator().manual_seed(0)
+    x3 = torch.randn(1, 5, 3 * HT, generator=g)
+    ids, pos = torch.tensor([[3, 9, 27, 1, 60]]), torch.arange(5)
+    out = head(x3, ids, pos, fused=True)
+    assert out.shape == (1, 5, 32)
+    assert torch.allclose(out, head(head.fc(x3), ids, pos, fused=False), atol=1e-6)
+
+
+def test_forward_unfused_skips_fc(head):
+    ids, pos = torch.tensor([[3, 9, 27]]), torch.arange(3)
+    out = head(torch.randn(1, 3, 32), ids, pos, fused=False)
+    assert out.shape == (1, 3, 32)
+    with pytest.raises(RuntimeError):
+        head(torch.randn(1, 3, 3 * HT), ids, pos, fused=False)     # no fc: 96-wide input does not fit
+
+
+# ----------------------------------------------------------------------------- drafting
+
+PROMPT = [1, 5, 9, 13, 22, 40, 3, 17, 8]
+
+
+def drafter_and_root(target, head, depth=8):
+    """A fresh Drafter extended with the prompt's features; returns (drafter, h_root, feats, ids)."""
+    n = len(PROMPT)
+    ids = torch.tensor(PROMPT)
+    pos = torch.arange(n)
+    target.setup_caches(64)
+    logits, feats = target(ids[None], pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), capture=True)
+    root = int(logits[0, -1].argmax())
+    dr = D.Drafter(head, max_seq_len=64, top_k=K, depth=depth)
+    nxt = torch.cat([ids[1:], torch.tensor([root])])
+    h = dr.extend(feats[0], nxt)
+    return dr, h, feats[0], nxt
+
+
+def level_slices(levels, k=K):
+    out = [slice(0, k)]
+    for l in range(2, levels + 1):
+        out.append(slice(k + (l - 2) * k * k, k + (l - 1) * k * k))
+    return out
+
+
+def test_extend_returns_last_row(target, head):
+    dr, h, feats, nxt = drafter_and_root(target, head)
+    assert h.shape == (1, 32) and dr.Ld == len(PROMPT)
+
+
+def test_extend_incremental_equals_one_shot(target, head):
+    dr, h, feats, nxt = drafter_and_root(target, head)
+    dr2 = D.Drafter(head, max_seq_len=64, top_k=K, depth=8)
+    dr2.extend(feats[:4], nxt[:4])
+    h2 = dr2.extend(feats[4:], nxt[4:])
+    assert dr2.Ld == dr.Ld
+    assert torch.allclose(h, h2, atol=1e-5)
+
+
+def test_draft_full_tree_shape(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8)
+    C = K + 7 * K * K
+    assert tree.levels == 8 and tree.stopped_at is None
+    assert tree.scores.shape == tree.tokens.shape == tree.parents.shape == (C,)
+    assert int(tree.tokens.min()) >= 0 and int(tree.tokens.max()) < V
+    # every token is a target id reachable from the draft vocabulary
+    reach = set((torch.arange(VD) + head.d2t).tolist())
+    assert set(tree.tokens.tolist()) <= reach
+    # parents: -1 for level 1, else an index in the previous level
+    sl = level_slices(8)
+    assert (tree.parents[sl[0]] == -1).all()
+    for prev, cur in zip(sl, sl[1:]):
+        p = tree.parents[cur]
+        assert (p >= prev.start).all() and (p < prev.stop).all()
+    # a child's score never exceeds its parent's (log-probs <= 0)
+    ch = tree.parents >= 0
+    assert (tree.scores[ch] <= tree.scores[tree.parents[ch]] + 1e-6).all()
+
+
+def test_draft_level1_is_topk_of_root(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8)
+    s, t = head.logprobs(h).topk(K, dim=-1)
+    assert torch.allclose(tree.scores[:K], s[0])
+    assert torch.equal(tree.tokens[:K], head.to_target(t[0]))
+
+
+def test_draft_scores_match_sequential_decoding(target, head):
+    # a level-3 candidate's score = sum of the head's log-probs along its path, decoded one row at a time
+    dr, h, feats, nxt = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=3)
+    inv = {int(t): d for d, t in enumerate((torch.arange(VD) + head.d2t).tolist())}
+    n = len(PROMPT)
+    lvl3 = level_slices(3)[2]
+    checked = 0
+    for c in range(lvl3.start, lvl3.stop, 5):
+        p2 = int(tree.parents[c])
+        p1 = int(tree.parents[p2])
+        toks = [int(tree.tokens[p1]), int(tree.tokens[p2]), int(tree.tokens[c])]
+        ref, h_ref, _, _ = drafter_and_root(target, head)            # fresh draft cache
+        hid, score = h_ref, 0.0
+        for i, t in enumerate(toks):
+            lp = head.logprobs(hid)[0]
+            score += float(lp[inv[t]])
+            if i == len(toks) - 1:
+                break
+            row = torch.tensor([n + i])
+            hid = head(hid[None], torch.tensor([[t]]), row, row, torch.ones(1, n + i + 1, dtype=torch.bool),
+                       fused=False)[0]
+        assert math.isclose(score, float(tree.scores[c]), abs_tol=1e-4), (c, score, float(tree.scores[c]))
+        checked += 1
+    assert checked >= 3
+
+
+def test_select_is_prefix_closed_best_n(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8)
+    for n in (1, 5, 20, 60, K + 7 * K * K):
+        toks, pars = tree.select(n)
+        assert toks.shape == pars.shape == (n,)
+        assert ((pars == -1) | ((pars >= 0) & (pars < torch.arange(n)))).all(), pars.tolist()
+        # the chosen flat indices are the n best scores, in flat (parents-first) order
+        best = torch.sort(torch.sort(tree.scores, descending=True, stable=True).indices[:n]).values
+        assert torch.equal(toks, tree.tokens[best])
+        assert torch.equal(torch.sort(tree.scores[best]).values,
+                           torch.sort(torch.topk(tree.scores, n).values).values)
+        # parents map back to the same flat parents
+        flat_par = torch.where(pars < 0, -1, best[pars.clamp(min=0)])
+        assert torch.equal(flat_par, tree.parents[best])
+
+
+def test_select_ties_keep_parent_first():
+    # node 2 (child of node 0) ties its parent's score: the parent must be selected first
+    tree = D.DraftTree(scores=torch.tensor([-0.5, -1.0, -0.5, -2.0]), tokens=torch.tensor([10, 11, 12, 13]),
+                       parents=torch.tensor([-1, -1, 0, 1]), levels=2)
+    toks, pars = tree.select(2)
+    assert toks.tolist() == [10, 12] and pars.tolist() == [-1, 0]
+    toks, pars = tree.select(1)
+    assert toks.tolist() == [10] and pars.tolist() == [-1]
+
+
+def test_checkpoint_stop_at_0(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8, checkpoints={0: 1.1})
+    assert tree.stopped_at == 0 and tree.levels == 1
+    assert tree.scores.numel() == K
+    assert math.isclose(float(tree.confidence[0]), math.exp(float(tree.scores.max())), rel_tol=1e-6)
+
+
+def test_checkpoint_stop_at_1(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8, checkpoints={0: 0.0, 1: 1.1})
+    assert tree.stopped_at == 1 and tree.levels == 2
+    assert tree.scores.numel() == K + K * K
+    assert set(tree.confidence) == {0, 1}
+
+
+def test_checkpoints_pass_when_low_thresholds(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    full = dr.draft(h, levels=8)
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8, checkpoints={0: 0.0, 1: 0.0, 5: 0.0})
+    assert tree.stopped_at is None and tree.levels == 8
+    assert torch.equal(tree.tokens, full.tokens) and torch.allclose(tree.scores, full.scores)
+
+
+def test_confidence_is_best_path_probability(target, head):
+    dr, h, _, _ = drafter_and_root(target, head)
+    tree = dr.draft(h, levels=8, record=(0, 1, 5))
+    assert tree.stopped_at is None and set(tree.confidence) == {0, 1, 5}
+    sl = level_slices(8)
+    for c in (0, 1, 5):
+        want = math.exp(float(tree.scores[sl[c]].max()))
+        assert math.isclose(float(tree.confidence[c]), want, rel_tol=1e-6), c
+
+
+# ----------------------------------------------------------------------------- reduced vocabulary without d2t
+
+# BUG: (draft.py load_head, the line `if "d2t" not in sd or c.draft_vocab_size == c.vocab_size:`):
+# a head with a reduced draft vocabulary (draft_vocab_size < vocab_size) whose checkpoint lacks d2t gets
+# an all-zero d2t, i.e. draft id i is silently taken to be target id i. Every drafted token is then wrong
+# (output stays lossless, acceptance collapses) and nothing tells the user. The loader should rebuild d2t
+# from t2d when that is present (used = t2d.nonzero(); d2t = used - arange(Vd)) and refuse with a
+# GraftError when neither is there.
+def test_reduced_vocab_without_d2t_rebuilds_from_t2d(official, target, head, tmp_path):
+    d, ref, cfg = official
+    sd = {k: v for k, v in ref.items() if k != "d2t"}
+    assert "t2d" in sd and int(sd["t2d"].sum()) == VD
+    try:
+        loaded = D.load_head(write(tmp_path / "t2d-only", sd, cfg), target)
+    except GraftError as e:                       # refusing is acceptable too, as long as it is explicit
+        assert "d2t" in str(e)
+        return
+    assert torch.equal(loaded.d2t, head.d2t), "d2t silently replaced by zeros"
+
+
+def test_reduced_vocab_without_d2t_or_t2d_is_refused(official, target, tmp_path):
+    d, ref, cfg = official
+    sd = {k: v for k, v in ref.items() if k not in ("d2t", "t2d")}
+    with pytest.raises(GraftError):
+        D.load_head(write(tmp_path / "no-map", sd, cfg), target)
+
+
+# BUG: (draft.py load_head, the d2t range check
+#   `if int((head.d2t + torch.arange(c.draft_vocab_size, device=device)).max()) >= ta.vocab_size:`):
+# only the upper end is checked. A d2t that maps a draft id to a negative target id loads fine and
+# crashes later inside the target's embedding lookup with a traceback (or, on GPU, an indexing assert).
+# Suggested fix: refuse when `(d2t + arange).min() < 0` as well, with the same one-line GraftError.
+def test_refuse_d2t_negative_target_id(official, target, tmp_path):
+    d, ref, cfg = official
+    bad = ref["d2t"].clone()
+    bad[0] = -1                                           # draft id 0 -> target id -1
+    with pytest.raises(GraftError):
+        D.load_head(write(tmp_path / "d2t-neg", dict(ref, d2t=bad), cfg), target)
+
+
+# BUG: (draft.py normalize_names / load_head): tensors the head does not know are dropped silently.
+# eagle3.md section 1.2 lists variants a loader may meet, e.g. SpecForge's `fc_norm` (three
+# RMSNorm(Ht) weights `fc_norm.{0,1,2}.weight` applied to the low/mid/high chunks before fc). Such a
+# head loads without complaint and drafts from un-normalised features, i.e. garbage. The loader should
+# either implement the variant or refuse unknown weight names (anything but fc / midlayer.* / norm /
+# lm_head / d2t / t2d / embed_tokens after normalisation) with a one-line GraftError.
+def test_fc_norm_head_is_honoured_or_refused(official, target, head, tmp_path):
+    d, ref, cfg = official
+    sd = dict(ref)
+    for i in range(3):
+        sd[f"fc_norm.{i}.weight"] = torch.full((HT,), 2.0)
+    path = write(tmp_path / "fcnorm", sd, dict(cfg, fc_norm=True))
+    try:
+        loaded = D.load_head(path, target)
+    except GraftError:
+        return
+    x3 = 5.0 * torch.randn(1, 4, 3 * HT, generator=torch.Generator().manual_seed(0))
+    ids, pos = torch.tensor([[3, 9, 27, 1]]), torch.arange(4)
+    assert not torch.allclose(loaded(x3, ids, pos), head(x3, ids, pos), atol=1e-4), \
+        "fc_norm.* weights were silently ignored"

@@ -1,0 +1,509 @@
+"""graft.py: the continuation matrix, retrieval templates, threshold calibration and hybrid trees.
+
+Hand-made matrices, logits and trees with exact expected outputs, plus a few seeded property checks.
+CPU only, no model except the last section (the graft-tail anchor in generate.py).
+"""
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import graft as G  # noqa: E402
+from graft import ContinuationMatrix, build_template, graft_trees, youden_threshold  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def T(x, dtype=torch.long):
+    return torch.tensor(x, dtype=dtype)
+
+
+def ranked_logits(rankings: list, vocab: int = 10) -> torch.Tensor:
+    """One row per ranking: the listed tokens get 10, 9, 8, ...; every other token gets a low value."""
+    out = torch.full((len(rankings), vocab), -5.0)
+    for i, r in enumerate(rankings):
+        for j, t in enumerate(r):
+            out[i, t] = 10.0 - j
+        # make the unlisted ones distinct too, all below the listed ones
+        rest = [t for t in range(vocab) if t not in r]
+        for j, t in enumerate(rest):
+            out[i, t] = -5.0 - 0.1 * j
+    return out
+
+
+# ----------------------------------------------------------------------------- ContinuationMatrix.update
+
+ROWS = [[9, 1, 4], [0, 3, 8], [6, 5, 2], [1, 2, 3]]      # the top-3 of each node's logits
+
+
+def test_update_writes_topk_rows():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS))
+    # token 2 occurs at nodes 0 and 2, no accepted path: the later node wins
+    assert cm.M[2].tolist() == [6, 5, 2]
+    assert cm.M[5].tolist() == [0, 3, 8]
+    assert cm.M[7].tolist() == [1, 2, 3]
+    assert cm.M.dtype == torch.int32
+    assert cm.written.nonzero().flatten().tolist() == [2, 5, 7]
+    assert (cm.M[[0, 1, 3, 4, 6, 8, 9]] == 0).all()          # untouched rows
+
+
+def test_update_accepted_path_wins():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 1]))
+    assert cm.M[2].tolist() == [9, 1, 4]                       # node 0 is on the path, node 2 is not
+    assert cm.M[5].tolist() == [0, 3, 8]
+
+
+def test_update_token_twice_on_path_later_wins():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 2, 3]))
+    assert cm.M[2].tolist() == [6, 5, 2]
+
+
+def test_update_later_node_wins_regardless_of_position_in_batch():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([7, 2, 7, 7]), ranked_logits(ROWS))
+    assert cm.M[7].tolist() == [1, 2, 3]                       # node 3, the last one with token 7
+    cm2 = ContinuationMatrix(10, k=3)
+    cm2.update(T([7, 2, 7, 7]), ranked_logits(ROWS), path=T([0, 1]))
+    assert cm2.M[7].tolist() == [9, 1, 4]                      # node 0: the only path node with token 7
+
+
+def test_update_overwrites_rows_whole():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([4]), ranked_logits([[1, 2, 3]]))
+    cm.update(T([4]), ranked_logits([[7, 8, 0]]))
+    assert cm.M[4].tolist() == [7, 8, 0]
+
+
+def test_unwritten_rows_fall_back_to_unigram_topk():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2]), ranked_logits([[6, 5, 2]]))
+    assert cm.rows(T([8, 2])).tolist() == [[0, 1, 2], [6, 5, 2]]       # before warm-up: arange(k)
+    cm.record(T([0, 0, 0, 0, 0, 0]), T([4, 4, 4, 9, 9, 1]))             # target choices: 4 x3, 9 x2, 1 x1
+    cm.refresh_fallback()
+    assert cm.fallback.tolist() == [4, 9, 1]
+    assert cm.rows(T([8, 3, 2])).tolist() == [[4, 9, 1], [4, 9, 1], [6, 5, 2]]
+    assert not cm.written[8]
+
+
+def test_refresh_fallback_without_counts_keeps_arange():
+    cm = ContinuationMatrix(10, k=3)
+    cm.refresh_fallback()
+    assert cm.fallback.tolist() == [0, 1, 2]
+
+
+def test_record_counts_per_rank_hits():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2, 5, 7]), ranked_logits([[6, 5, 2], [0, 3, 8], [1, 2, 3]]))
+    #            token:  2  2  5  7  7  4 (unwritten: fallback 0, 1, 2)
+    cm.record(T([2, 2, 5, 7, 7, 4]), T([5, 6, 8, 3, 0, 1]))
+    #           rank:    1  0  2  2  miss  1
+    assert cm.hits.tolist() == [1.0, 2.0, 2.0, 1.0]
+    assert torch.allclose(cm.hit_rates(), T([1 / 6, 2 / 6, 2 / 6], torch.float32))
+    assert cm.counts[[5, 6, 8, 3, 0, 1]].tolist() == [1.0] * 6 and cm.counts.sum() == 6
+    cm.record(T([2]), T([6]))
+    assert cm.hits.tolist() == [2.0, 2.0, 2.0, 1.0]
+
+
+def test_hit_rates_none_before_any_record():
+    assert ContinuationMatrix(10, k=3).hit_rates() is None
+
+
+def test_state_dict_round_trip():
+    cm = ContinuationMatrix(10, k=3)
+    cm.update(T([2, 5]), ranked_logits([[6, 5, 2], [0, 3, 8]]))
+    cm.record(T([2, 4]), T([5, 9]))
+    cm2 = ContinuationMatrix(10, k=3)
+    cm2.load_state_dict(cm.state_dict())
+    for name in ("M", "written", "counts", "hits", "fallback"):
+        assert torch.equal(getattr(cm, name), getattr(cm2, name)), name
+    with pytest.raises(ValueError):
+        ContinuationMatrix(12, k=3).load_state_dict(cm.state_dict())
+
+
+# ----------------------------------------------------------------------------- build_template
+
+def test_build_template_exact_small():
+    tpl = build_template((0.5, 0.25), 4)
+    # best first: r0 (.5), then the .25 tie: root rank 1 before r0-r0 (it was offered first), then r0-r1
+    assert tpl.parents.tolist() == [-1, -1, 0, 0]
+    assert tpl.ranks.tolist() == [0, 1, 0, 1]
+    assert tpl.depth.tolist() == [1, 1, 2, 2]
+    assert tpl.size == 4 and tpl.widths() == [2, 2]
+
+
+def test_build_template_exact_six():
+    tpl = build_template((0.5, 0.25), 6)
+    # .125 ties: r0-r1 (offered first), r1-r0, r0-r0-r0
+    assert tpl.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert tpl.ranks.tolist() == [0, 1, 0, 1, 0, 0]
+    assert tpl.depth.tolist() == [1, 1, 2, 2, 2, 3]
+
+
+def test_build_template_depth_cap():
+    tpl = build_template((0.5, 0.25), 6, max_depth=2)
+    assert tpl.parents.tolist() == [-1, -1, 0, 0, 1, 1]
+    assert tpl.ranks.tolist() == [0, 1, 0, 1, 0, 1]
+    assert int(tpl.depth.max()) == 2
+    deep = build_template(G.PRIOR_HIT_RATES, 80, max_depth=3)
+    assert int(deep.depth.max()) == 3 and deep.size == 80
+
+
+def path_score(tpl, j, rates):
+    s = 1.0
+    while j >= 0:
+        s *= rates[int(tpl.ranks[j])]
+        j = int(tpl.parents[j])
+    return s
+
+
+@pytest.mark.parametrize("n", [1, 20, 36, 52, 80])
+def test_build_template_structure(n):
+    rates = G.PRIOR_HIT_RATES
+    tpl = build_template(rates, n)
+    P, R, Dp = tpl.parents, tpl.ranks, tpl.depth
+    assert tpl.size == n
+    assert ((P >= -1) & (P < torch.arange(n))).all()                     # parents before children
+    assert ((R >= 0) & (R < len(rates))).all()
+    for j in range(n):                                                   # depth = parent's depth + 1
+        assert int(Dp[j]) == (1 if P[j] < 0 else int(Dp[P[j]]) + 1)
+    # no two siblings share a rank
+    pairs = set(zip(P.tolist(), R.tolist()))
+    assert len(pairs) == n
+    # best-first: path scores never increase along the node order
+    scores = [path_score(tpl, j, rates) for j in range(n)]
+    assert all(a >= b - 1e-12 for a, b in zip(scores, scores[1:]))
+    # it is the best prefix-closed set: no unchosen child of a chosen node (or of the root) beats the worst
+    worst = min(scores)
+    for p in [-1] + list(range(n)):
+        if p >= 0 and int(Dp[p]) >= G.MAX_TEMPLATE_DEPTH:
+            continue
+        base = 1.0 if p < 0 else scores[p]
+        for r, a in enumerate(rates):
+            if (p, r) not in pairs:
+                assert base * a <= worst + 1e-12
+    # levels: one (idx, parent, rank) triple per depth, covering every node once
+    seen = []
+    for d, (idx, par, rank) in enumerate(tpl.levels, start=1):
+        assert (Dp[idx] == d).all()
+        assert torch.equal(par, P[idx]) and torch.equal(rank, R[idx])
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(n))
+
+
+def test_build_template_prior_52_resembles_paper():
+    tpl = build_template(G.PRIOR_HIT_RATES, 52)
+    w = tpl.widths()
+    # the paper's 52-node template: 8, 10, 8, 6, 5, 4, 4, 4, 3 (9 levels, root width 8)
+    assert sum(w) == 52
+    assert 8 <= len(w) <= 9, w
+    assert w[0] >= 6, w
+    assert max(w) <= 16, w
+    # asymmetric: the deepest node sits at the end of the rank-0 chain
+    deepest = int(torch.argmax(tpl.depth))
+    j = deepest
+    while j >= 0:
+        assert int(tpl.ranks[j]) == 0, w
+        j = int(tpl.parents[j])
+
+
+# ----------------------------------------------------------------------------- retrieve
+
+def test_retrieve_exact():
+    cm = ContinuationMatrix(10, k=3)
+    cm.M[3] = T([7, 1, 4], torch.int32)
+    cm.M[7] = T([2, 5, 6], torch.int32)
+    cm.M[2] = T([8, 9, 0], torch.int32)
+    cm.written[[3, 7, 2]] = True
+    tpl = build_template((0.5, 0.25), 4)                 # parents -1 -1 0 0, ranks 0 1 0 1
+    assert cm.retrieve(T(3), tpl).tolist() == [7, 1, 2, 5]
+    tpl6 = build_template((0.5, 0.25), 6)                # + (parent 1, rank 0), (parent 2, rank 0)
+    # node 4 hangs under token 1, whose row was never written: the fallback's rank 0 (0)
+    assert cm.retrieve(T(3), tpl6).tolist() == [7, 1, 2, 5, 0, 8]
+
+
+def test_retrieve_random_matches_definition():
+    g = torch.Generator().manual_seed(0)
+    V, k = 30, 8
+    cm = ContinuationMatrix(V, k)
+    cm.update(torch.arange(V), torch.randn(V, V, generator=g))
+    tpl = build_template(G.PRIOR_HIT_RATES, 52)
+    out = cm.retrieve(T(11), tpl)
+    assert out.dtype == torch.long and out.shape == (52,)
+    for j in range(52):
+        par_tok = 11 if tpl.parents[j] < 0 else int(out[tpl.parents[j]])
+        assert int(out[j]) == int(cm.M[par_tok, tpl.ranks[j]])
+
+
+# ----------------------------------------------------------------------------- youden / calibrate
+
+def test_youden_recovers_threshold():
+    g = torch.Generator().manual_seed(0)
+    pos = 0.5 + 0.5 * torch.rand(400, generator=g)
+    neg = 0.5 * torch.rand(600, generator=g)
+    conf = torch.cat([pos, neg])
+    lab = torch.cat([torch.ones(400, dtype=torch.bool), torch.zeros(600, dtype=torch.bool)])
+    perm = torch.randperm(1000, generator=g)
+    tau = youden_threshold(conf[perm], lab[perm])
+    assert abs(tau - 0.5) < 0.05, tau
+    assert float(neg.max()) < tau <= float(pos.min())
+
+
+def test_youden_exact_midpoint():
+    assert youden_threshold([0.9, 0.2, 0.8, 0.3], [True, False, True, False]) == pytest.approx(0.55)
+
+
+def test_youden_ties_cut_after_all_equal():
+    # the two 0.5s cannot be split: the cut goes below both
+    assert youden_threshold([0.5, 0.5, 0.2], [True, False, False]) == pytest.approx(0.35)
+
+
+def test_youden_all_positive_never_prunes():
+    assert youden_threshold([0.1, 0.5, 0.9], [True, True, True]) == 0.0
+
+
+def test_youden_all_negative_always_prunes():
+    assert youden_threshold([0.1, 0.5, 0.99, 1.0], [False] * 4) > 1.0
+
+
+def test_youden_uninformative_never_prunes():
+    assert youden_threshold([0.1, 0.9], [True, False]) == 0.0
+
+
+def J(conf, pos, tau):
+    conf, pos = torch.as_tensor(conf, dtype=torch.float64), torch.as_tensor(pos)
+    pred = conf >= tau
+    return float((pred & pos).sum() / pos.sum() - (pred & ~pos).sum() / (~pos).sum())
+
+
+def test_youden_maximises_j_on_noisy_data():
+    g = torch.Generator().manual_seed(3)
+    conf = torch.rand(300, generator=g)
+    pos = torch.rand(300, generator=g) < conf            # informative but overlapping
+    tau = youden_threshold(conf, pos)
+    best = max(J(conf, pos, float(c)) for c in conf)
+    assert J(conf, pos, tau) == pytest.approx(best)
+
+
+def test_calibrate_positive_means_accepted_past_level():
+    # (confidences, accepted draft length): positive at c iff accepted > c + 1
+    records = [({0: 0.9, 1: 0.7}, 5),
+               ({0: 0.2, 1: 0.1}, 1),
+               ({0: 0.8, 1: 0.6}, 2),
+               ({0: 0.3, 1: 0.05}, 0)]
+    taus = G.calibrate(records, checkpoints=(0, 1, 5))
+    # c=0: positives {0.9, 0.8} (accepted 5 and 2 > 1), negatives {0.2, 0.3}
+    assert taus[0] == pytest.approx(0.55)
+    # c=1: only accepted 5 > 2 is positive: 0.7 vs 0.6 (accepted == 2 is a negative) -> 0.65
+    assert taus[1] == pytest.approx(0.65)
+    # c=5: no record carries it -> never prune
+    assert taus[5] == 0.0
+
+
+def test_scaled_keep():
+    assert G.scaled_keep(60) == G.KEEP == (8, 24, 40)
+    assert G.scaled_keep(30) == (4, 12, 20)
+    assert G.scaled_keep(2) == (1, 1, 1)
+
+
+# ----------------------------------------------------------------------------- graft_trees
+
+TPL4 = build_template((0.5, 0.25), 4)          # parents -1 -1 0 0, ranks 0 1 0 1
+D_TOK, D_PAR = T([10, 11, 20]), T([-1, -1, 0])  # root -> 10, 11; 10 -> 20
+
+
+def run_graft(r_tokens, free, anchor=-1, d_tok=D_TOK, d_par=D_PAR, tpl=TPL4):
+    t, p, s = graft_trees(d_tok, d_par, T(r_tokens), tpl, free, anchor)
+    return t.tolist(), p.tolist(), s.tolist()
+
+
+def test_graft_no_merge_all_free():
+    t, p, s = run_graft([30, 31, 40, 41], free=4)
+    assert t == [10, 11, 20, 30, 31, 40, 41]
+    assert p == [-1, -1, 0, -1, -1, 3, 3]
+    assert s == [False] * 3 + [True] * 4
+
+
+def test_graft_no_merge_takes_first_free_template_nodes():
+    t, p, s = run_graft([30, 31, 40, 41], free=2)
+    assert (t, p, s) == ([10, 11, 20, 30, 31], [-1, -1, 0, -1, -1], [False] * 3 + [True] * 2)
+
+
+def test_graft_merges_duplicate_of_root_child():
+    # template node 0 retrieves 11, a draft child of the root: merged into draft node 1, its retrieved
+    # children (40, 41) attach under draft node 1, and its freed slot goes to the next template node
+    t, p, s = run_graft([11, 30, 40, 41], free=2)
+    assert t == [10, 11, 20, 30, 40]
+    assert p == [-1, -1, 0, -1, 1]
+    assert s == [False, False, False, True, True]
+
+
+def test_graft_merges_along_a_chain():
+    # 10 merges into draft 0; its child 20 merges into draft 2 (a child of draft 0): two slots freed
+    t, p, s = run_graft([10, 30, 20, 41], free=2)
+    assert t == [10, 11, 20, 30, 41]
+    assert p == [-1, -1, 0, -1, 0]
+    assert s == [False, False, False, True, True]
+
+
+def test_graft_same_token_different_parent_is_not_merged():
+    # 20 is a draft grandchild (under 10); retrieved at the root it is a new sibling, not a duplicate
+    t, p, s = run_graft([20, 30, 40, 41], free=2)
+    assert t == [10, 11, 20, 20, 30]
+    assert p == [-1, -1, 0, -1, -1]
+
+
+def test_graft_tail_anchor():
+    # the retrieval subtree hangs under draft node 2 (token 20)
+    t, p, s = run_graft([50, 51, 60, 61], free=4, anchor=2)
+    assert t == [10, 11, 20, 50, 51, 60, 61]
+    assert p == [-1, -1, 0, 2, 2, 3, 3]
+    assert s == [False] * 3 + [True] * 4
+
+
+def test_graft_tail_anchor_merges_with_anchor_children():
+    d_tok, d_par = T([10, 11, 20, 50]), T([-1, -1, 0, 2])
+    t, p, s = run_graft([50, 51, 60, 61], free=2, anchor=2, d_tok=d_tok, d_par=d_par)
+    assert t == [10, 11, 20, 50, 51, 60]
+    assert p == [-1, -1, 0, 2, 2, 3]                    # 60 under draft node 3 (the merged 50)
+    assert s == [False] * 4 + [True] * 2
+
+
+def random_draft_tree(rng, K, vocab):
+    toks, pars = [], []
+    for i in range(K):
+        p = rng.randrange(-1, i)
+        used = {toks[j] for j in range(i) if pars[j] == p}
+        toks.append(rng.choice([t for t in range(vocab) if t not in used]))
+        pars.append(p)
+    return T(toks), T(pars)
+
+
+def children_distinct(root_tok, tokens, parents):
+    seen = set()
+    for t, p in zip(tokens.tolist(), parents.tolist()):
+        if (p, t) in seen:
+            return False
+        seen.add((p, t))
+    return True
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_graft_random_invariants(seed):
+    # a small vocabulary makes merges frequent
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    vocab, k = 12, 4
+    K = rng.randrange(1, 20)
+    free = rng.randrange(1, 25)
+    d_tok, d_par = random_draft_tree(rng, K, vocab)
+    cm = ContinuationMatrix(vocab, k)
+    cm.update(torch.arange(vocab), torch.randn(vocab, vocab, generator=g))
+    tpl = build_template((0.6, 0.3, 0.2, 0.1), K + free)
+    anchor = -1 if seed % 3 else rng.randrange(K)
+    root = 3
+    r_tok = cm.retrieve(T(root if anchor < 0 else int(d_tok[anchor])), tpl)
+    t, p, s = graft_trees(d_tok, d_par, r_tok, tpl, free, anchor)
+    assert t.numel() == p.numel() == s.numel() == K + free
+    assert torch.equal(t[:K], d_tok) and torch.equal(p[:K], d_par)
+    assert s.tolist() == [False] * K + [True] * free
+    assert ((p >= -1) & (p < torch.arange(K + free))).all()
+    assert children_distinct(root, t, p), (t.tolist(), p.tolist())
+    # every retrieved node is a real retrieval: its token is in the continuation row of its parent
+    for i in range(K, K + free):
+        if anchor >= 0:
+            assert p[i] >= 0                            # nothing retrieved hangs at the root
+        par_tok = root if p[i] < 0 else int(t[p[i]])
+        assert int(t[i]) in cm.rows(T([par_tok]))[0].tolist()
+
+
+# ----------------------------------------------------------------------------- graft-tail in generate.py
+
+class FakeDrafter:
+    """Stands in for draft.Drafter: returns a fixed DraftTree whatever the features."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def reset(self):
+        pass
+
+    def extend(self, feats, ids):
+        return torch.zeros(1, 4)
+
+    def draft(self, h, levels=None, checkpoints=None, record=()):
+        return self.tree
+
+
+# BUG: (generate.py, Method.propose, graft-tail branch:
+#   `anchor = int(torch.nonzero(~is_parent[1:]).flatten()[0])`):
+# the comment there ("under the best-scoring deepest draft node") and GRAFT.md section 7 ("retrieval
+# appended under draft leaves", the naive tail) want the retrieval subtree under the deepest draft node,
+# but select() returns nodes in flat (level-by-level) order, so the first leaf found is the *shallowest*
+# leaf (typically a weak level-1 node that got no children). Suggested fix: take the selected nodes'
+# depths (a running depth, parents come first) and pick the leaf of maximal depth, ties broken by draft
+# score (DraftTree.scores at the selected flat indices), i.e. the end of the best deepest path.
+@torch.no_grad()
+def test_graft_tail_anchor_is_deepest_draft_node():
+    import types
+    import generate as GEN
+    from draft import DraftTree
+    #            flat:    0     1     2     3     4     5     6     7
+    #            level:   1     1     2     2     2     2     3     3
+    tree = DraftTree(scores=T([-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6], torch.float32),
+                     tokens=T([10, 11, 12, 13, 14, 15, 16, 17]),
+                     parents=T([-1, -1, 0, 0, 1, 1, 2, 2]), levels=3)
+    # budget 5 keeps flat nodes 0, 1, 2, 3, 6: leaves 1 (depth 1), 3 (depth 2), 6 (depth 3, best path)
+    sel_tok, sel_par = tree.select(5)
+    assert sel_tok.tolist() == [10, 11, 12, 13, 16] and sel_par.tolist() == [-1, -1, 0, 0, 2]
+    model = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(64, 4))
+    cfg = GEN.Config(method="graft-tail", budget=5, top_k=2, depth=3, ablation_size=3)
+    meth = GEN.Method(cfg, model, FakeDrafter(tree), ContinuationMatrix(64, 8))
+    ids = T([1, 5, 9, 13])
+    meth.begin(ids, torch.randn(4, 64, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 12))
+    prop = meth.propose(30)
+    assert prop.tokens[:6].tolist() == [30, 10, 11, 12, 13, 16]
+    assert prop.retrieved.tolist() == [False] * 6 + [True] * 3
+    # the retrieval subtree's top nodes hang under the anchor: proposal index 5 = draft node 16
+    tops = {int(prop.parents[i]) for i in range(6, 9) if not prop.retrieved[prop.parents[i]]}
+    assert tops == {5}, f"retrieval hangs under proposal node(s) {tops}, tokens {prop.tokens.tolist()}"
+
+
+# BUG: (generate.py, Config.keep_sizes / Method.propose `K = keep[cfg.checkpoints.index(tree.stopped_at)]`):
+# with a fourth checkpoint (`--checkpoints 0,1,5,6`) and no --keep, keep_sizes() still returns the three
+# scaled 8/24/40 sizes, so a round pruned at the fourth checkpoint dies with IndexError (a traceback out
+# of the CLI). config_from_args only checks --keep's length when --keep is given. Suggested fix: refuse
+# in config_from_args when len(checkpoints) != len(KEEP) and --keep is absent (one-line GraftError), or
+# make keep_sizes() derive one size per checkpoint.
+@torch.no_grad()
+def test_pruned_at_extra_checkpoint_has_a_keep_size():
+    import types
+    import generate as GEN
+    from draft import DraftTree
+    k = 2
+    # 7 levels of a k=2 tree: level 1 has 2 nodes, every later level k*k = 4 (parents: the level's beam)
+    scores, tokens, parents, off = [], [], [], 0
+    for lvl in range(1, 8):
+        n = k if lvl == 1 else k * k
+        scores += [-0.1 * lvl - 0.01 * j for j in range(n)]
+        tokens += [10 + off + j for j in range(n)]
+        parents += [-1] * n if lvl == 1 else [off - (k if lvl == 2 else k * k) + (j // k) for j in range(n)]
+        off += n
+    tree = DraftTree(scores=T(scores, torch.float32), tokens=T(tokens), parents=T(parents), levels=7,
+                     stopped_at=6)
+    cfg = GEN.Config(method="graft", budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6),
+                     thresholds={0: 0.0, 1: 0.0, 5: 0.0, 6: 0.9})
+    assert len(cfg.keep_sizes()) == len(cfg.checkpoints), cfg.keep_sizes()
+    model = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(64, 4))
+    meth = GEN.Method(cfg, model, FakeDrafter(tree), ContinuationMatrix(64, 8))
+    meth.begin(T([1, 5, 9]), torch.randn(3, 64), torch.zeros(3, 12))
+    prop = meth.propose(30)
+    assert prop.tokens.numel() == 1 + 20
