@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from model import (Attention, GraftError, KVCache, MLP, ModelArgs, RMSNorm, read_config,
-                   read_safetensors, resolve_checkpoint, rope_table)
+                   read_safetensors, resolve_checkpoint, rope_at, rope_table)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -113,8 +113,7 @@ class Eagle3(nn.Module):
             hidden = self.fc(hidden)
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
             self.rope = rope_table(self.config.layer, ids.shape[-1]).to(hidden.device)
-        rope = self.rope[positions]
-        rope = rope.unsqueeze(0) if rope.dim() == 3 else rope
+        rope = rope_at(self.rope, positions, hidden.dtype)
         emb = self.embed_tokens(ids).to(hidden.dtype)
         return self.midlayer(emb, hidden, rope, cache_rows, mask, steps_kv)
 

@@ -137,19 +137,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_pos: in
 
 
 def rope_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
-    """(max_seq_len, head_dim/2, 2) cos/sin for every absolute position."""
+    """(max_seq_len, 2, head_dim) float32: cos and sin of every absolute position, full width."""
     inv, scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)  # (S, hd/2)
-    return torch.stack([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+    freqs = torch.cat([freqs, freqs], dim=-1)                                  # (S, hd)
+    return torch.stack([freqs.cos() * scale, freqs.sin() * scale], dim=1)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: (B, H, T, D); rope: (B or 1, T, D/2, 2) for these positions."""
-    cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)  # (B, 1, T, D/2)
-    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).type_as(x)
+def rope_at(table: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
+    """cos, sin for these positions, (B or 1, 1, T, D) each, in the activations' dtype (as HF does);
+    computed once per forward and shared by every layer."""
+    cs = table[positions].to(dtype)                                            # (T, 2, D) or (B, T, 2, D)
+    if cs.dim() == 3:
+        cs = cs.unsqueeze(0)
+    return cs[:, None, :, 0], cs[:, None, :, 1]
+
+
+def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x: (B, H, T, D); rope: cos, sin from rope_at."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 # ----------------------------------------------------------------------------- layers
@@ -288,10 +296,8 @@ class Transformer(nn.Module):
         if self.rope is None or (cache_rows is None and self.rope.shape[0] < tokens.shape[-1]):
             # no cache (training): positions are 0..T-1, so a table of T rows is enough
             self.rope = rope_table(self.args, tokens.shape[-1]).to(self.embed_tokens.weight.device)
-        rope = self.rope[positions]                                   # (T, D/2, 2) or (B, T, D/2, 2)
-        if rope.dim() == 3:
-            rope = rope.unsqueeze(0)
         x = self.embed_tokens(tokens)                                 # (B, T, dim)
+        rope = rope_at(self.rope, positions, x.dtype if not torch.is_autocast_enabled("cpu") else torch.float32)
         feats = []
         for i, layer in enumerate(self.layers):
             if capture:

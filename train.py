@@ -265,6 +265,191 @@ def train_eagle3(a) -> str:
     return a.out
 
 
+# ----------------------------------------------------------------------------- a small target from scratch
+
+def stdlib_files(root: str | None = None) -> list:
+    """The running interpreter's own standard library sources (tests, idlelib and site-packages left
+    out), sorted: a code corpus present on every machine."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        dirs[:] = sorted(x for x in dirs if x not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        if rel.split(os.sep)[0] in ("test", "idlelib", "site-packages"):
+            continue
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return sorted(out)
+
+
+def is_heldout(path: str, root: str) -> bool:
+    """About 1 file in 25, chosen by a hash of its relative path: whole files, stable across machines."""
+    import hashlib
+    rel = os.path.relpath(path, root).replace(os.sep, "/")
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25 == 0
+
+
+def train_tokenizer(files: list, vocab: int, out_dir: str):
+    """Byte-level BPE (as GPT-2/Qwen use) over the training files; <|endoftext|> separates documents."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train(files, trainer)
+    tk.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as fh:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                   "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 2048}, fh, indent=2)
+    return tk
+
+
+def tokenize_files(tk, files: list) -> torch.Tensor:
+    eot = tk.token_to_id("<|endoftext|>")
+    ids = []
+    texts = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            texts.append(fh.read())
+    for enc in tk.encode_batch(texts):
+        ids += enc.ids + [eot]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def target_config(a, vocab: int) -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+            "hidden_size": a.dim, "intermediate_size": a.intermediate, "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
+            "max_position_embeddings": a.context, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+            "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "float16"}
+
+
+def lr_at(a, step: int, frac: float) -> float:
+    """Linear warm-up, then cosine to 10% over the run (frac: share of steps or minutes used)."""
+    if step < a.warmup_steps:
+        return a.lr * (step + 1) / a.warmup_steps
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_target(a) -> str:
+    """Pretrain a small Qwen3-architecture model (qk-norm) on a local corpus, CPU-friendly (bf16
+    autocast where the CPU has it), and save it as a standard HF folder in float16."""
+    from model import Transformer, ModelArgs
+    torch.manual_seed(a.seed)
+    os.makedirs(a.out, exist_ok=True)
+    log = lambda s: print(s, file=sys.stderr)
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for c in a.corpus or [root]:
+        files += stdlib_files(c) if os.path.isdir(c) else [c]
+    train_files = [f for f in files if not is_heldout(f, root)]
+    held = [f for f in files if is_heldout(f, root)]
+    if not train_files or not held:
+        raise GraftError("corpus needs at least one training and one held-out file")
+    with open(os.path.join(a.out, "heldout.txt"), "w") as fh:
+        fh.write("\n".join(os.path.relpath(f, root) for f in held) + "\n")
+    tok_path = os.path.join(a.out, "tokenizer.json")
+    if os.path.isfile(tok_path):
+        from tokenizers import Tokenizer as TK
+        tk = TK.from_file(tok_path)
+    else:
+        t0 = time.time()
+        tk = train_tokenizer(train_files, a.vocab, a.out)
+        log(f"tokenizer: {tk.get_vocab_size()} tokens in {time.time() - t0:.0f}s")
+    data = tokenize_files(tk, train_files)
+    val = tokenize_files(tk, held)
+    log(f"corpus: {len(train_files)} files, {data.numel()} tokens; held out {len(held)} files, {val.numel()} tokens")
+    cfg = target_config(a, tk.get_vocab_size())
+    with open(os.path.join(a.out, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    args = ModelArgs.from_hf_config(cfg)
+    model = Transformer(args)
+    std = 0.02
+    for n, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std / math.sqrt(2 * a.layers) if n.endswith(("o_proj.weight", "down_proj.weight")) else std)
+    model.lm_head.weight = model.embed_tokens.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    state_path = os.path.join(a.out, "train_state.pt")
+    step, spent, g = 0, 0.0, torch.Generator().manual_seed(a.seed)
+    if os.path.isfile(state_path) and not a.restart:
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        model.lm_head.weight = model.embed_tokens.weight
+        opt.load_state_dict(st["opt"])
+        step, spent = st["step"], st["seconds"]
+        g.set_state(st["gen"])
+        log(f"resumed at step {step} ({spent:.0f}s spent)")
+    T = a.seq_len
+    pos = torch.arange(T)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16)
+    vg = torch.Generator().manual_seed(1)
+    val_starts = torch.randint(0, val.numel() - T - 1, (8,), generator=vg)
+
+    from model import rope_table
+    model.rope = rope_table(args, T)
+
+    def lm_loss(xs):
+        with amp:
+            logits = model(xs[:, :-1], pos)
+        return F.cross_entropy(logits.float().flatten(0, 1), xs[:, 1:].flatten())
+
+    # torch.compile fuses the many small element-wise ops (norms, RoPE): about 3x faster on CPU
+    step_loss = torch.compile(lm_loss) if a.compile else lm_loss
+
+    def val_loss():
+        model.eval()
+        with torch.no_grad():
+            loss = lm_loss(torch.stack([val[s:s + T + 1] for s in val_starts]).long())
+        model.train()
+        return loss.item()
+
+    logf = open(os.path.join(a.out, "train_log.jsonl"), "a")
+    t0 = time.time() - spent
+    budget = a.minutes * 60 if a.minutes else float("inf")
+    model.train()
+    while step < a.steps and time.time() - t0 < budget:
+        starts = torch.randint(0, data.numel() - T - 1, (a.batch,), generator=g)
+        xs = torch.stack([data[s:s + T + 1] for s in starts]).long()                # (B, T+1)
+        frac = max(step / a.steps, (time.time() - t0) / budget)
+        lr = lr_at(a, step, frac)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        loss = step_loss(xs)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % a.log_every == 0:
+            rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6), "seconds": round(time.time() - t0, 1)}
+            if step % (a.log_every * 10) == 0:
+                rec["val_loss"] = round(val_loss(), 4)
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            progress("train", step, a.steps, t0, f"loss {rec['loss']:.3f}" + (f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""))
+        if step % a.save_every == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "seconds": time.time() - t0, "gen": g.get_state()}, state_path)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                "seconds": time.time() - t0, "gen": g.get_state()}, state_path)
+    vl = val_loss()
+    from safetensors.torch import save_file
+    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.detach().half().contiguous()
+          for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, os.path.join(a.out, "model.safetensors"), metadata={"format": "pt"})
+    summary = {"steps": step, "seconds": round(time.time() - t0), "train_tokens": step * a.batch * T,
+               "final_val_loss": round(vl, 4), "corpus_files": len(train_files), "heldout_files": len(held),
+               "corpus_tokens": int(data.numel()), "heldout_tokens": int(val.numel())}
+    with open(os.path.join(a.out, "train_summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    log(f"\nsaved target to {a.out}: {summary}")
+    return a.out
+
+
 # ----------------------------------------------------------------------------- stories260K
 
 STORIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models", "stories260K-hf")
@@ -340,6 +525,30 @@ def parse_args(argv=None):
     e.add_argument("--log-every", type=int, default=10)
     e.add_argument("--save-every", type=int, default=200)
     e.add_argument("--restart", action="store_true", help="ignore a saved train_state.pt")
+    t = sub.add_parser("target", help="pretrain a small Qwen3-architecture target from scratch")
+    t.add_argument("--out", required=True)
+    t.add_argument("--corpus", nargs="*", default=None,
+                   help="folders (all .py files) or files; default: this interpreter's standard library")
+    t.add_argument("--vocab", type=int, default=4096)
+    t.add_argument("--dim", type=int, default=192)
+    t.add_argument("--layers", type=int, default=8)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--head-dim", type=int, default=64)
+    t.add_argument("--intermediate", type=int, default=512)
+    t.add_argument("--context", type=int, default=2048)
+    t.add_argument("--seq-len", type=int, default=1024)
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--steps", type=int, default=100000)
+    t.add_argument("--minutes", type=float, default=60)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup-steps", type=int, default=30)
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the step")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, default=5)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--restart", action="store_true")
     h = sub.add_parser("stories-head", help="(re)create the stories260K-hf head in the cache folder")
     h.add_argument("--out", default=None)
     h.add_argument("--minutes", type=float, default=0)
@@ -350,6 +559,8 @@ def main(argv=None):
     a = parse_args(argv)
     if a.cmd == "eagle3":
         return train_eagle3(a)
+    if a.cmd == "target":
+        return train_target(a)
     if a.cmd == "stories-head":
         out = ensure_stories_head(a.out, a.minutes)
         print(out)

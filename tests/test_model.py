@@ -207,7 +207,7 @@ def test_cache_and_rope_table_shapes(loaded):
     cache = model.layers[0].self_attn.cache
     assert cache.k.shape == cache.v.shape == (1, 2, 256, 32)
     assert cache.k.dtype == torch.float32
-    assert model.rope.shape == (256, 16, 2)
+    assert model.rope.shape == (256, 2, 32)          # cos and sin, full head width
 
 
 def test_sibling_tokens_at_one_position_match_sequential(loaded):

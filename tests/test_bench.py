@@ -1,0 +1,125 @@
+"""bench.py end to end on a tiny random target and head (in-process), and its dataset names.
+
+The tiny model makes every number meaningless except the bookkeeping: the ar row is the baseline
+(speedup 1, MAT 1), every method reproduces ar exactly, and the JSON report has its keys.
+"""
+import json
+
+import pytest
+
+import bench
+from conftest import SHARED, needs_shared
+from test_lossless import random_head
+
+KEYS = {"dataset", "method", "budget", "prompts", "skipped", "mat", "tokens_per_s", "speedup",
+        "draft_forwards_per_round", "verified_per_round", "retrieval_share", "stages", "lossless"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt, tmp_path_factory):
+    target = tiny_ckpt("llama31")
+    d = tmp_path_factory.mktemp("bench")
+    head = random_head(target, d / "head")
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"turns": ["Once upon a time, there was a little"]}, {"prompt": "The ball was in the tree"},
+        {"turns": ["One day, she saw a big red ball.", "second turn, ignored"]}]) + "\n")
+    return target, head, prompts, d
+
+
+def run_bench(tiny, *extra, prompts=None):
+    target, head, default, d = tiny
+    out = d / f"report{len(extra)}.json"
+    report = bench.main(["--ckpt", str(target), "--draft", str(head), "--methods", "ar,eagle3,graft,recycle,pld",
+                         "--datasets", str(prompts or default), "--max-new-tokens", "16", "--warmup", "2",
+                         "--no-cache", "--json-out", str(out), *extra])
+    return report, json.loads(out.read_text())
+
+
+def test_report_rows_lossless_and_baseline(tiny, capsys):
+    report, saved = run_bench(tiny)
+    assert saved == json.loads(json.dumps(report))
+    rows = saved["rows"]
+    assert [r["method"] for r in rows] == ["ar", "eagle3", "graft", "recycle", "pld"]
+    for r in rows:
+        assert KEYS <= set(r), r
+        assert r["prompts"] == 3 and r["skipped"] == 0 and r["lossless"] is True
+    ar = rows[0]
+    assert ar["speedup"] == 1.0 and ar["mat"] == 1.0 and ar["verified_per_round"] == 0
+    assert rows[1]["draft_forwards_per_round"] > 0 and rows[1]["verified_per_round"] > 0
+    assert saved["meta"]["mismatches"] == [] and saved["meta"]["machine"]["cpu_count"]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("| dataset | method |")
+    assert json.loads(out[-1]) == saved                  # the last stdout line is the report, compact
+
+
+def test_budget_sweep_and_skipping(tiny):
+    # a prompt longer than the context (256) is skipped and counted, never truncated
+    long = tiny[3] / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Her mom said", "play " * 400, "The sun"]))
+    _, saved = run_bench(tiny, "--budgets", "8,20", "--methods", "ar,eagle3", prompts=long)
+    rows = saved["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("eagle3", 8), ("eagle3", 20)]
+    assert all(r["lossless"] and r["prompts"] == 2 and r["skipped"] == 1 for r in rows)
+    assert [r["verified_per_round"] for r in rows] == [0, 8, 20]     # the dense tree fills the budget
+
+
+@needs_shared
+@pytest.mark.parametrize("name,n", [("mt_bench", 80), ("humaneval", 164), ("spec_bench:coding", 10),
+                                    ("spec_bench", 480), ("sharegpt", 50)])
+def test_dataset_names(name, n):
+    bench.check_dataset(name)
+    prompts = bench.load_dataset(name, None, None)
+    assert len(prompts) == n and all(isinstance(p, str) and p for p in prompts)
+    assert len(bench.load_dataset(name, 7, None)) == 7
+
+
+@needs_shared
+def test_humaneval_is_raw_code():
+    assert bench.load_dataset("humaneval", 1, None)[0].startswith("from typing import List")
+
+
+def test_stdlib_snippets_are_deterministic():
+    a, b = bench.stdlib_prompts(5), bench.stdlib_prompts(5)
+    assert a == b and len(a) == 5 and all(len(s.splitlines()) <= 40 for s in a)
+
+
+@pytest.mark.parametrize("name", ["nope", "spec_bench:poetry", "mt_bench:coding"])
+def test_unknown_dataset_is_one_error_line(tiny, name, capsys):
+    target = tiny[0]
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--methods", "ar", "--datasets", name])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and name.split(":")[-1] in err[0]
+
+
+def test_shared_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAFT_SHARED", str(tmp_path))
+    with pytest.raises(bench.GraftError, match="not found"):
+        bench.check_dataset("mt_bench")
+    (tmp_path / "data" / "mt_bench").mkdir(parents=True)
+    (tmp_path / "data" / "mt_bench" / "question.jsonl").write_text('{"turns": ["hi", "again"]}\n')
+    assert bench.load_dataset("mt_bench", None, None) == ["hi"]
+    assert SHARED.name == "shared"
+
+
+def test_mismatch_is_reported_and_exits_1(tiny, monkeypatch, capsys):
+    real = bench.G.generate
+
+    def broken(model, method, *args, **kw):      # pld "loses" its 4th token
+        res = real(model, method, *args, **kw)
+        if method.name == "pld" and len(res.tokens) > 3:
+            res.tokens[3] = (res.tokens[3] + 1) % 300
+        return res
+
+    monkeypatch.setattr(bench.G, "generate", broken)
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",
+                   "--json-out", str(d / "broken.json")])
+    assert e.value.code == 1
+    assert "MISMATCH" in capsys.readouterr().err
+    saved = json.loads((d / "broken.json").read_text())
+    assert [r["lossless"] for r in saved["rows"]] == [True, False]
+    assert {(m["prompt"], m["position"]) for m in saved["meta"]["mismatches"]} == {(0, 3), (1, 3), (2, 3)}
