@@ -42,6 +42,13 @@ KNOWN_HEADS = {
     "Qwen/Qwen3-8B": "AngelSlim/Qwen3-8B_eagle3",
 }
 
+# The shipped demo pair (checkpoints/): a small Qwen3 pretrained on the stdlib and its EAGLE-3 head.
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO_CKPT = os.path.join(HERE, "checkpoints", "stdlib-qwen3")
+DEMO_DRAFT = os.path.join(HERE, "checkpoints", "stdlib-qwen3-eagle3")
+DEMO_PROMPT = ('def parse_header(line):\n    """Split a header line into its name and value.\n\n'
+               '    Leading and trailing whitespace is removed from both.\n    """\n')
+
 # Generic prompts for warm-up (filling the matrix, measuring hit rates, calibrating thresholds).
 WARMUP_PROMPTS = [
     "Once upon a time, there was a little",
@@ -380,9 +387,11 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Lossless speculative decoding with Graft (and its baselines).")
-    p.add_argument("--ckpt", default=None, help="target: a local HF folder or a hub id")
+    p.add_argument("--ckpt", default=None,
+                   help="target: a local HF folder or a hub id (default: the shipped demo model)")
     p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
-    p.add_argument("--method", default=None, choices=METHODS)
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="default: graft when a head is known or given, else ar")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the checkpoint's chat template")
@@ -454,10 +463,16 @@ def config_from_args(a, method: str) -> Config:
 def main(argv=None):
     a = parse_args(argv)
     err = sys.stderr
-    if a.ckpt is None:
-        raise GraftError("--ckpt is required (a local HF folder or a hub id)")
-    method = a.method or "ar"
-    draft = a.draft or (KNOWN_HEADS.get(a.ckpt) if method in NEEDS_HEAD else None)
+    if a.ckpt is None:  # the demo: the shipped pair, Graft on a code prompt, compared with plain decoding
+        if not os.path.isdir(DEMO_CKPT):
+            raise GraftError(f"no --ckpt given and the demo model is missing from {DEMO_CKPT}")
+        a.ckpt, a.draft = DEMO_CKPT, a.draft or DEMO_DRAFT
+        a.compare = True
+        if a.prompt is None and a.prompt_file is None:
+            a.prompt = DEMO_PROMPT
+        print(f"demo: {os.path.relpath(DEMO_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
+    draft = a.draft or KNOWN_HEADS.get(a.ckpt)
+    method = a.method or ("graft" if draft else "ar")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         raise GraftError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")

@@ -289,6 +289,28 @@ def is_heldout(path: str, root: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25 == 0
 
 
+def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root: str | None = None) -> list:
+    """n code prompts: `lines` consecutive lines from the stdlib's training (or held-out) files, starting
+    at a deterministic pseudo-random `def`/`class` line when the file has one. Files are cycled."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out, i = [], 0
+    while len(out) < n and i < 20 * max(n, 1) and files:
+        f = files[i % len(files)]
+        i += 1
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            src = fh.read().splitlines(keepends=True)
+        starts = [j for j, l in enumerate(src) if l.lstrip().startswith(("def ", "class "))] or [0]
+        j = rng.choice(starts)
+        text = "".join(src[j:j + lines])
+        if len(text.strip()) > 40 and text not in out:
+            out.append(text)
+    return out
+
+
 def train_tokenizer(files: list, vocab: int, out_dir: str):
     """Byte-level BPE (as GPT-2/Qwen use) over the training files; <|endoftext|> separates documents."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -341,16 +363,17 @@ def train_target(a) -> str:
     os.makedirs(a.out, exist_ok=True)
     log = lambda s: print(s, file=sys.stderr)
     import sysconfig
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for c in a.corpus or [root]:
-        files += stdlib_files(c) if os.path.isdir(c) else [c]
-    train_files = [f for f in files if not is_heldout(f, root)]
-    held = [f for f in files if is_heldout(f, root)]
+    train_files, held = [], []
+    for c in a.corpus or [sysconfig.get_paths()["stdlib"]]:
+        root = c if os.path.isdir(c) else os.path.dirname(c)
+        for f in (stdlib_files(c) if os.path.isdir(c) else [c]):
+            (held if is_heldout(f, root) else train_files).append(f)
+    if not held and len(train_files) > 1:
+        held.append(train_files.pop())          # a tiny corpus still gets a held-out file
     if not train_files or not held:
-        raise GraftError("corpus needs at least one training and one held-out file")
+        raise GraftError("the corpus needs at least two files (one is held out)")
     with open(os.path.join(a.out, "heldout.txt"), "w") as fh:
-        fh.write("\n".join(os.path.relpath(f, root) for f in held) + "\n")
+        fh.write("\n".join(os.path.basename(f) if a.corpus else os.path.relpath(f, root) for f in held) + "\n")
     tok_path = os.path.join(a.out, "tokenizer.json")
     if os.path.isfile(tok_path):
         from tokenizers import Tokenizer as TK
@@ -549,6 +572,12 @@ def parse_args(argv=None):
     t.add_argument("--log-every", type=int, default=5)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--restart", action="store_true")
+    sp = sub.add_parser("stdlib-prompts", help="write code prompts from the stdlib (train or held-out files)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--n", type=int, default=400)
+    sp.add_argument("--lines", type=int, default=24)
+    sp.add_argument("--heldout", action="store_true")
+    sp.add_argument("--seed", type=int, default=0)
     h = sub.add_parser("stories-head", help="(re)create the stories260K-hf head in the cache folder")
     h.add_argument("--out", default=None)
     h.add_argument("--minutes", type=float, default=0)
@@ -561,6 +590,11 @@ def main(argv=None):
         return train_eagle3(a)
     if a.cmd == "target":
         return train_target(a)
+    if a.cmd == "stdlib-prompts":
+        with open(a.out, "w") as fh:
+            for t in stdlib_snippets(a.heldout, a.n, a.lines, a.seed):
+                fh.write(json.dumps({"prompt": t}) + "\n")
+        return a.out
     if a.cmd == "stories-head":
         out = ensure_stories_head(a.out, a.minutes)
         print(out)
