@@ -26,6 +26,7 @@ import torch
 
 import generate as G
 from model import GraftError
+import train
 from train import STORIES, ensure_stories_head, sample_openings
 from verify import Sampling
 
@@ -49,12 +50,14 @@ SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "
 GENERATED = ("stories", "stdlib")      # made at run time, not read from shared/data
 GENERATED_DEFAULT = 80                 # their size without --limit (the EAGLE subsets' size)
 
-# stdlib hook: the demo code model's issue will set this (or GRAFT_STDLIB_FILES, a file with one path per
-# line) to its held-out split, so that no snippet the model was trained on is benchmarked.
+# stdlib hook: an explicit list of held-out source files (or GRAFT_STDLIB_FILES, a file with one path per
+# line) takes precedence; otherwise train.py's held-out split of the stdlib (the files the demo code
+# target never trains on), so that no benchmarked snippet was seen in training.
 STDLIB_FILES: list | None = None
 
 
 def data_dir() -> Path:
+    """../shared/data next to the repository, or $GRAFT_SHARED/data."""
     shared = os.environ.get("GRAFT_SHARED")
     return (Path(shared) if shared else Path(__file__).resolve().parent.parent / "shared") / "data"
 
@@ -82,16 +85,17 @@ def read_records(path: Path) -> list:
 
 
 def stdlib_prompts(limit: int) -> list:
-    """~40-line snippets from the beginning of Python files: the held-out list when one is provided,
-    else the running interpreter's stdlib (top-level modules sorted by name, evenly spaced picks)."""
+    """~40-line Python snippets from held-out files (see STDLIB_FILES above)."""
     listed = STDLIB_FILES
     if listed is None and os.environ.get("GRAFT_STDLIB_FILES"):
         listed = [l.strip() for l in open(os.environ["GRAFT_STDLIB_FILES"]) if l.strip()]
-    if listed is None:
+    if listed is None and hasattr(train, "stdlib_snippets"):
+        return train.stdlib_snippets(heldout=True, n=limit, lines=40)
+    if listed is None:      # no split known: top-level stdlib modules sorted by name
         root = Path(sysconfig.get_paths()["stdlib"])
         listed = [str(p) for p in sorted(root.glob("*.py")) if not p.name.startswith("_")]
     snippets = []
-    for f in listed:
+    for f in listed:        # the beginning of each file, evenly spaced picks: deterministic
         lines = Path(f).read_text(errors="replace").splitlines()[:40]
         if sum(1 for l in lines if l.strip()) >= 20:        # skip stubs: too little to continue
             snippets.append("\n".join(lines) + "\n")
@@ -144,15 +148,18 @@ class Row:
 
     def report(self, ar_tps: float) -> dict:
         t, r = self.tot, max(self.tot.get("rounds", 0), 1)
-        mean = sum(self.tps) / max(len(self.tps), 1)
-        return {"dataset": self.dataset, "method": self.method, "budget": self.budget, "prompts": len(self.tps),
-                "skipped": self.skipped, "mat": round(t.get("committed", 0) / r, 4),
-                "tokens_per_s": round(mean, 2), "speedup": round(mean / ar_tps, 4) if ar_tps else None,
+        mean = sum(self.tps) / len(self.tps) if self.tps else None     # None: every prompt was skipped
+        return {"dataset": self.dataset, "method": self.method, "budget": self.budget,
+                "prompts": len(self.tps), "skipped": self.skipped,
+                "mat": round(t["committed"] / r, 4) if self.tps else None,
+                "tokens_per_s": round(mean, 2) if mean else None,
+                "speedup": round(mean / ar_tps, 4) if mean and ar_tps else None,
                 "draft_forwards_per_round": round(t.get("draft_forwards", 0) / r, 4),
                 "verified_per_round": round(t.get("verified", 0) / r, 4),
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
-                "stages": dict(sorted(self.stages.items())) if self.method in G.NEEDS_HEAD else {}, "tokens": t.get("tokens", 0),
-                "seconds": round(t.get("seconds", 0.0), 3), "lossless": self.mismatches == 0}
+                "stages": dict(sorted(self.stages.items())) if self.method in G.NEEDS_HEAD else {},
+                "tokens": t.get("tokens", 0), "seconds": round(t.get("seconds", 0.0), 3),
+                "lossless": self.mismatches == 0}
 
 
 def first_difference(a: list, b: list) -> int:
@@ -259,7 +266,8 @@ def main(argv=None) -> dict:
 
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
-        ids = [eng.tokenizer.apply_chat(t) if a.chat else eng.tokenizer.encode(t) for t in load_dataset(d, a.limit, eng)]
+        enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+        ids = [enc(t) for t in load_dataset(d, a.limit, eng)]
         fits = [x for x in ids if len(x) + a.max_new_tokens <= eng.model.max_seq_len]   # never truncate
         prompts[d], skipped[d] = fits, len(ids) - len(fits)
         if skipped[d]:

@@ -131,11 +131,12 @@ class Method:
             self.matrix.update(ids, logits)    # seed from the prompt's own prefill logits
 
     def observe(self, prop: Proposal, v):
-        self.context += [int(t) for t in prop.tokens[:1].tolist()] + v.accepted
+        self.context += [self.root] + v.accepted
         if self.needs_features:
-            self.pending = (v.feats, torch.tensor(v.accepted, dtype=torch.long, device=v.feats.device))
+            self.pending = (v.feats, prop.tokens[v.path[1:]])
         if self.matrix is not None:
-            self.matrix.record(prop.tokens, v.target)
+            if self.calib is not None:          # hit rates are measured during warm-up only
+                self.matrix.record(prop.tokens, v.target)
             self.matrix.update(prop.tokens, v.logits, v.path)
         if self.calib is not None and getattr(self, "_conf", None) is not None:
             self.calib.append(({c: float(x) for c, x in self._conf.items()}, len(v.accepted)))
@@ -148,6 +149,7 @@ class Method:
 
     # -- the proposals
     def propose(self, root: int) -> Proposal:
+        self.root = root
         dev = self.model.embed_tokens.weight.device
         r = torch.tensor(root, device=dev)
         m, cfg = self.name, self.cfg
@@ -284,7 +286,7 @@ def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampl
         res.verified += prop.tokens.numel() - 1
         res.draft_forwards += prop.draft_forwards
         if prop.retrieved is not None and A:
-            res.from_retrieval += int(prop.retrieved[v.path[1:]].sum())
+            res.from_retrieval += prop.retrieved[v.path[1:]].sum()     # stays on the device until the end
         res.stages[prop.stage] = res.stages.get(prop.stage, 0) + 1
         new = v.accepted + [v.bonus]
         for i, t in enumerate(new):
@@ -298,6 +300,7 @@ def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampl
         if res.tokens[-1] in eos:
             break
     res.tokens = res.tokens[:max_new_tokens]
+    res.from_retrieval = int(res.from_retrieval)
     sync(dev)
     res.seconds = time.perf_counter() - t0
     return res

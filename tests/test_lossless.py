@@ -91,6 +91,7 @@ class Oracle(Method):
         self.truth, self.n0 = truth, prompt_len
 
     def propose(self, root):
+        self.root = root
         done = len(self.context) + 1 - self.n0          # generated tokens so far, root included
         nxt = self.truth[done:done + 6]
         toks, pars, prev = [root], [-1], 0
