@@ -315,13 +315,14 @@ class Engine:
     tokenizer: Tokenizer
     drafter: Drafter | None
     matrix: ContinuationMatrix | None
-    state_path: str | None = None
     thresholds: dict | None = None
     hit_rates: tuple | None = None
 
 
-def state_path_for(model, head) -> str:
-    key = f"{os.path.abspath(model.path)}|{os.path.abspath(head.path) if head is not None else '-'}"
+def state_path_for(engine: Engine, *settings) -> str:
+    """Warm-up state is cached per (target, head) and the settings that shaped it."""
+    head = engine.drafter.head.path if engine.drafter else "-"
+    key = json.dumps([os.path.abspath(engine.model.path), os.path.abspath(head), *settings], default=str)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
 
 
@@ -336,8 +337,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         head = load_head(draft, model)
         drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
-    return Engine(model, tok, drafter, matrix,
-                  state_path_for(model, drafter.head if drafter else None))
+    return Engine(model, tok, drafter, matrix)
 
 
 def make_method(engine: Engine, cfg: Config) -> Method:
@@ -358,22 +358,24 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
             use_cache: bool = True, chat: bool = False, log=None):
     """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
     a few generations with the dense tree (GRAFT.md sections 3, 4, 6). Cached per (target, head)."""
-    path = engine.state_path
-    if use_cache and path and prompts is None:
+    prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
+    d = engine.drafter
+    path = state_path_for(engine, prompts, max_new_tokens, chat, cfg.checkpoints, engine.matrix.k,
+                          (d.top_k, d.depth) if d else None)
+    if use_cache:
         got = load_state(path, engine.matrix)
         if got is not None:
             engine.thresholds = got["thresholds"]
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
             return
-    prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     wcfg = Config(**{**cfg.__dict__, "method": "eagle3" if engine.drafter else "recycle", "thresholds": None})
     m = Method(wcfg, engine.model, engine.drafter, engine.matrix)
     m.matrix = engine.matrix
     m.calib = []
-    room = engine.model.max_seq_len - max_new_tokens
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
-        generate(engine.model, m, ids[-room:], max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+        if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
+            generate(engine.model, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
     engine.matrix.refresh_fallback()
     engine.thresholds = calibrate(m.calib, cfg.checkpoints) if engine.drafter else {}
     rates = engine.matrix.hit_rates()
@@ -382,7 +384,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         log(f"warm-up: {len(prompts)} generations, thresholds "
             f"{ {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
             f"{[round(a, 3) for a in engine.hit_rates]}")
-    if use_cache and path:
+    if use_cache:
         save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates)})
 
 

@@ -239,7 +239,7 @@ def train_eagle3(a) -> str:
             logits, feats = target(x[:, :-1], torch.arange(x.shape[1] - 1, device=dev), capture=True)
             tgt = torch.log_softmax(logits.float(), -1)[:, 1:]      # the target's view of the token after next
         # row t pairs feature t with token t+1 and learns the target's distribution at t+1
-        lr = a.lr * min(1.0, (step + 1) / a.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / max(a.steps, 1), 1))))
+        lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
         loss, accs = ttt_loss(head, feats[:, :-1], x[:, 1:-1], tgt, valid[:, 2:], used, a.ttt)
