@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -85,15 +84,13 @@ def read_records(path: Path) -> list:
 
 
 def stdlib_prompts(limit: int) -> list:
-    """~40-line Python snippets from held-out files (see STDLIB_FILES above)."""
+    """40-line Python snippets from held-out files: STDLIB_FILES / $GRAFT_STDLIB_FILES when given,
+    else train.py's held-out split of the stdlib (files the demo target never trained on)."""
     listed = STDLIB_FILES
     if listed is None and os.environ.get("GRAFT_STDLIB_FILES"):
         listed = [l.strip() for l in open(os.environ["GRAFT_STDLIB_FILES"]) if l.strip()]
-    if listed is None and hasattr(train, "stdlib_snippets"):
+    if listed is None:
         return train.stdlib_snippets(heldout=True, n=limit, lines=40)
-    if listed is None:      # no split known: top-level stdlib modules sorted by name
-        root = Path(sysconfig.get_paths()["stdlib"])
-        listed = [str(p) for p in sorted(root.glob("*.py")) if not p.name.startswith("_")]
     snippets = []
     for f in listed:        # the beginning of each file, evenly spaced picks: deterministic
         lines = Path(f).read_text(errors="replace").splitlines()[:40]
