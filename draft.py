@@ -55,7 +55,7 @@ def head_config(cfg: dict) -> HeadConfig:
             rope_theta=float(layer_cfg.get("rope_theta") or 10000.0),   # official Llama-3.1 head: none -> 1e4
             rope_scaling=scaling,
             max_position_embeddings=int(layer_cfg.get("max_position_embeddings") or 2048),
-            attention_bias=bool(layer_cfg.get("attention_bias") or cfg.get("bias") or False))
+            attention_bias=bool(layer_cfg.get("attention_bias") or False))
         V = int(cfg.get("vocab_size") or layer_cfg["vocab_size"])
         return HeadConfig(layer=layer,
                           target_hidden=int(cfg.get("target_hidden_size") or H),
@@ -179,6 +179,10 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     if c.vocab_size != ta.vocab_size:
         raise GraftError(f"draft head does not fit the target: head vocab_size {c.vocab_size}, "
                          f"target vocab_size {ta.vocab_size}")
+    aux = (read_config(path).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and tuple(sorted(i + 1 for i in aux)) != ta.capture_layers:
+        raise GraftError(f"draft head reads the outputs of target layers {list(aux)}; this engine captures the "
+                         f"inputs of layers {list(ta.capture_layers)} (outputs of {[i - 1 for i in ta.capture_layers]})")
     own_embed = "embed_tokens.weight" in sd
     if not own_embed and c.layer.dim != ta.dim:
         raise GraftError(f"draft head has no embedding and its hidden size {c.layer.dim} differs from the "
@@ -210,6 +214,9 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     ids = head.d2t + torch.arange(c.draft_vocab_size, device=device)
     if int(ids.max()) >= ta.vocab_size or int(ids.min()) < 0:
         raise GraftError("draft head d2t maps draft ids outside the target vocabulary")
+    if own_embed and tuple(sd["embed_tokens.weight"].shape) != (ta.vocab_size, c.layer.dim):
+        raise GraftError(f"draft head embed_tokens has shape {tuple(sd['embed_tokens.weight'].shape)}, "
+                         f"expected {(ta.vocab_size, c.layer.dim)}")
     if own_embed:
         head.embed_tokens = nn.Embedding.from_pretrained(sd["embed_tokens.weight"].to(device, dtype))
     else:
@@ -230,8 +237,10 @@ def save_head(head: Eagle3, out_dir: str, t2d: torch.Tensor | None = None, extra
            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": 1,
            "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.norm_eps,
            "rope_theta": a.rope_theta, "hidden_act": "silu", "vocab_size": c.vocab_size,
-           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden,
+           "draft_vocab_size": c.draft_vocab_size,
            "tie_word_embeddings": False, "torch_dtype": str(head.fc.weight.dtype).replace("torch.", "")}
+    if c.target_hidden != a.dim:  # only when it differs: the official loader then expects its own embedding
+        cfg["target_hidden_size"] = c.target_hidden
     cfg.update(extra_config or {})
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)

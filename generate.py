@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import DTYPES, GraftError, Tokenizer, load_model, load_tokenizer
+from model import DTYPES, GraftError, Tokenizer, load_model, load_tokenizer, resolve_checkpoint
 from verify import Sampling, choose, verify
 from draft import Drafter, load_head
 from graft import (CHECKPOINTS, KEEP, PRIOR_HIT_RATES, ContinuationMatrix, build_template, cache_dir,
@@ -173,7 +173,7 @@ class Method:
         if tree.stopped_at is not None:
             K = keep[cfg.checkpoints.index(tree.stopped_at)]
         elif m == "graft-fixed":
-            K = budget - cfg.ablation_size
+            K = max(budget - cfg.ablation_size, 1)
         else:
             K = budget
         d_tok, d_par = tree.select(K)
@@ -296,7 +296,7 @@ def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampl
         res.tokens += new
         root = v.bonus
         if on_tokens:
-            on_tokens(res.tokens)
+            on_tokens(res.tokens[:max_new_tokens])
         if res.tokens[-1] in eos:
             break
     res.tokens = res.tokens[:max_new_tokens]
@@ -320,9 +320,14 @@ class Engine:
 
 
 def state_path_for(engine: Engine, *settings) -> str:
-    """Warm-up state is cached per (target, head) and the settings that shaped it."""
-    head = engine.drafter.head.path if engine.drafter else "-"
-    key = json.dumps([os.path.abspath(engine.model.path), os.path.abspath(head), *settings], default=str)
+    """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
+    model in the same folder is a different model) and the settings that shaped it."""
+    def stamp(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
+        return [path] + [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns)
+                         for f in files]
+    head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
+    key = json.dumps([stamp(os.path.abspath(engine.model.path)), head, *settings], default=str)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
 
 
@@ -330,8 +335,9 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                  matrix_k=8) -> Engine:
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
-    model = load_model(ckpt, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
-    tok = load_tokenizer(model.path, model.args)
+    path = resolve_checkpoint(ckpt)
+    tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
     drafter = None
     if draft:
         head = load_head(draft, model)
@@ -360,7 +366,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     a few generations with the dense tree (GRAFT.md sections 3, 4, 6). Cached per (target, head)."""
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
-    path = state_path_for(engine, prompts, max_new_tokens, chat, cfg.checkpoints, engine.matrix.k,
+    path = state_path_for(engine, prompts, max_new_tokens, chat, cfg.checkpoints, cfg.budget, engine.matrix.k,
                           (d.top_k, d.depth) if d else None)
     if use_cache:
         got = load_state(path, engine.matrix)
@@ -370,7 +376,6 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
             return
     wcfg = Config(**{**cfg.__dict__, "method": "eagle3" if engine.drafter else "recycle", "thresholds": None})
     m = Method(wcfg, engine.model, engine.drafter, engine.matrix)
-    m.matrix = engine.matrix
     m.calib = []
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
@@ -481,9 +486,16 @@ def main(argv=None):
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         raise GraftError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if a.max_new_tokens < 1 or a.draft_top_k < 1 or a.depth < 1:
+        raise GraftError("need --max-new-tokens, --draft-top-k and --depth >= 1")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
                        a.draft_top_k, a.depth)
-    text = a.prompt if a.prompt is not None else (read_prompts(a.prompt_file)[0] if a.prompt_file else "")
+    if a.prompt is None and a.prompt_file:
+        got = read_prompts(a.prompt_file)
+        if not got:
+            raise GraftError(f"no prompt in {a.prompt_file}")
+        a.prompt = got[0]
+    text = a.prompt or ""
     ids = eng.tokenizer.apply_chat(text) if a.chat else eng.tokenizer.encode(text)
     if len(ids) + a.max_new_tokens > eng.model.max_seq_len:
         raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "

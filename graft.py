@@ -9,6 +9,7 @@ Everything here works on tensors of static shape: retrieval is one gather per te
 """
 import heapq
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -138,7 +139,7 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
             for r in range(len(a)):
                 heapq.heappush(heap, (neg * a[r], counter, j, r, d + 1))
                 counter += 1
-    P, R, D = torch.tensor(parents), torch.tensor(ranks), torch.tensor(depth)
+    P, R, D = (torch.tensor(x, dtype=torch.long) for x in (parents, ranks, depth))
     levels = []
     for d in range(1, int(D.max()) + 1 if n else 1):
         idx = (D == d).nonzero().flatten()
@@ -224,8 +225,11 @@ def cache_dir() -> str:
 
 
 def save_state(path: str, matrix: ContinuationMatrix, thresholds: dict, meta: dict):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"matrix": matrix.state_dict(), "thresholds": thresholds, "meta": meta}, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"matrix": matrix.state_dict(), "thresholds": thresholds, "meta": meta}, path)
+    except OSError as e:   # a read-only cache only costs the next run its warm-up
+        print(f"warning: could not save warm-up state to {path}: {e}", file=sys.stderr)
 
 
 def load_state(path: str, matrix: ContinuationMatrix) -> dict | None:

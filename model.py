@@ -321,13 +321,13 @@ def resolve_checkpoint(ckpt: str, patterns=None) -> str:
     looks_like_hub = ckpt.count("/") == 1 and not ckpt.startswith((".", "/", "~")) and not os.path.exists(ckpt)
     if not looks_like_hub:
         raise GraftError(f"checkpoint folder not found: {ckpt}")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     try:
         from huggingface_hub import snapshot_download
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         return snapshot_download(ckpt, allow_patterns=patterns or HUB_PATTERNS, local_files_only=offline)
     except Exception as e:  # hub errors are many and verbose; the user needs one line
         reason = type(e).__name__
-        if "offline" in str(e).lower() or "LocalEntryNotFound" in reason or os.environ.get("HF_HUB_OFFLINE"):
+        if offline or "offline" in str(e).lower() or "LocalEntryNotFound" in reason:
             raise GraftError(f"{ckpt} is not in the local hub cache and the hub is offline "
                              f"(HF_HUB_OFFLINE is set or there is no network)") from None
         raise GraftError(f"could not fetch {ckpt} from the hub: {reason}: {str(e).splitlines()[0][:200]}") from None
@@ -344,9 +344,21 @@ def read_config(path: str) -> dict:
         raise GraftError(f"malformed config.json in {path}: {e}") from None
 
 
-def safetensors_files(path: str) -> list:
-    """The weight files of a checkpoint folder: one model.safetensors, or the shards its index names."""
-    index = os.path.join(path, "model.safetensors.index.json")
+def weight_files(path: str) -> list:
+    """The weight files of a checkpoint folder: model.safetensors or its shards, else (older checkpoints
+    such as Vicuna's) pytorch_model.bin or its shards."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if os.path.isfile(os.path.join(path, index)) or os.path.isfile(os.path.join(path, single)):
+            return _files_of(path, single, index)
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if found:
+        return [os.path.join(path, f) for f in found]
+    raise GraftError(f"no model.safetensors (or sharded index) in {path}")
+
+
+def _files_of(path: str, single: str, index_name: str) -> list:
+    index = os.path.join(path, index_name)
     if os.path.isfile(index):
         try:
             with open(index) as fh:
@@ -357,13 +369,7 @@ def safetensors_files(path: str) -> list:
         if missing:
             raise GraftError(f"missing shard {missing[0]} listed in {index}")
         return [os.path.join(path, s) for s in shards]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if found:
-        return [os.path.join(path, f) for f in found]
-    raise GraftError(f"no model.safetensors (or sharded index) in {path}")
+    return [os.path.join(path, single)]
 
 
 def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
@@ -371,6 +377,15 @@ def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
     from safetensors import safe_open
     out = {}
     for f in files:
+        if f.endswith(".bin"):  # weights_only: tensors only, never arbitrary pickled code
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+            for name, t in sd.items():
+                if keep is None or keep(name):
+                    out[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
+            continue
         try:
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for name in fh.keys():
@@ -392,7 +407,7 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
     (default: the model's own context)."""
     path = resolve_checkpoint(ckpt)
     args = ModelArgs.from_hf_config(read_config(path))
-    files = safetensors_files(path)
+    files = weight_files(path)
     with torch.device("meta"):
         model = Transformer(args)
     sd = read_safetensors(files, device, dtype, keep=lambda n: "rotary_emb" not in n)
@@ -418,6 +433,14 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
 
 # ----------------------------------------------------------------------------- tokenizer
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise GraftError(f"malformed {path}: {e}") from None
+
+
 class Tokenizer:
     """tokenizer.json through `tokenizers`; special tokens and the chat template from tokenizer_config.json."""
 
@@ -430,8 +453,7 @@ class Tokenizer:
         cfg = {}
         cf = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cf):
-            with open(cf) as fh:
-                cfg = json.load(fh)
+            cfg = _read_json(cf)
         self.chat_template = cfg.get("chat_template")
         jt = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(jt):
@@ -445,8 +467,7 @@ class Tokenizer:
         eos = set(model_args.eos_token_ids if model_args else [])
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
-            with open(gen) as fh:
-                g = json.load(fh).get("eos_token_id")
+            g = _read_json(gen).get("eos_token_id")
             eos |= set([g] if isinstance(g, int) else (g or []))
         if self.eos_token and self.tk.token_to_id(self.eos_token) is not None:
             eos.add(self.tk.token_to_id(self.eos_token))
@@ -469,9 +490,12 @@ class Tokenizer:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(GraftError(f"chat template: {msg}"))
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-        text = env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", enable_thinking=False)
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", enable_thinking=False)
+        except jinja2.TemplateError as e:
+            raise GraftError(f"chat template: {type(e).__name__}: {e}") from None
         return self.encode(text, add_special_tokens=False)
 
 

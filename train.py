@@ -44,7 +44,10 @@ def read_prompt_file(path: str) -> list:
             if not line.strip():
                 continue
             if line.lstrip().startswith("{"):
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise GraftError(f"bad json line in {path}: {e}") from None
                 out.append(rec["turns"][0] if rec.get("turns") else rec.get("prompt", ""))
             else:
                 out.append(line.rstrip("\n").replace("\\n", "\n"))
@@ -62,15 +65,16 @@ def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), 
     B, dev = len(prompts), model.embed_tokens.weight.device
     n = max(len(p) for p in prompts)
     S = n + new_tokens
-    if S > model.max_seq_len or model.layers[0].self_attn.cache.k.shape[0] != B:
-        model.setup_caches(max(S, model.max_seq_len), batch=B)
+    prev = model.max_seq_len
+    model.setup_caches(S, batch=B)          # just what this batch needs; restored at the end
     offset = torch.tensor([n - len(p) for p in prompts], device=dev)                 # (B,)
     ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts], device=dev)      # (B, n)
     col = torch.arange(S, device=dev)
     valid = col[None, :] >= offset[:, None]                                          # (B, S) real columns
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
     rows = torch.arange(n, device=dev)
-    mask = (causal[:n, :n][None] & valid[:, None, :n])[:, None]                      # (B, 1, n, n)
+    # a padded row sees itself, so no attention row is empty (an all-masked softmax may give NaN)
+    mask = ((causal[:n, :n][None] & valid[:, None, :n]) | torch.eye(n, dtype=torch.bool, device=dev))[:, None]
     logits = model(ids, (rows[None] - offset[:, None]).clamp(min=0), rows, mask)
     out = [list(p) for p in prompts]
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -88,21 +92,22 @@ def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), 
         r = torch.tensor([n + i], device=dev)
         m = (causal[n + i:n + i + 1, :n + i + 1][None] & valid[:, None, :n + i + 1])[:, None]  # (B,1,1,S')
         logits = model(nxt[:, None], (n + i - offset)[:, None], r, m)
+    model.setup_caches(prev, batch=1)
     return out
 
 
 def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print) -> list:
     """Token sequences = each prompt followed by the target's own continuation."""
     seqs, t0 = [], time.time()
-    enc = [tok.encode(p) for p in prompts]
-    room = model.max_seq_len - new_tokens
-    enc = [e[-room:] for e in enc if e]
+    room = model.args.max_position_embeddings - new_tokens
+    enc = [e for e in (tok.encode(p) for p in prompts) if 0 < len(e) <= room]
+    if len(enc) < len(prompts):
+        log(f"data: skipped {len(prompts) - len(enc)} empty prompts or prompts longer than {room} tokens")
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))      # similar lengths pad less
     for s in range(0, len(order), batch):
         idx = order[s:s + batch]
         seqs += continue_batch(model, [enc[i] for i in idx], new_tokens, sampling, tok.eos_ids)
         progress("data", min(s + batch, len(order)), len(order), t0)
-    model.setup_caches(model.max_seq_len, batch=1)
     return seqs
 
 
@@ -136,9 +141,7 @@ def ttt_mask(T: int, step: int, device) -> torch.Tensor:
     blocks = [p[None, :] <= (p[:, None] - step)]
     for i in range(1, step + 1):
         blocks.append(p[None, :] == (p[:, None] - step + i))
-    m = torch.cat(blocks, dim=1)
-    m[:, 0] |= ~m.any(-1)          # rows with nothing to see (p < step) are masked from the loss anyway
-    return m
+    return torch.cat(blocks, dim=1)     # every row sees at least its own step's diagonal
 
 
 def ttt_loss(head: Eagle3, feats, ids, target_logp, valid, used, steps: int):
@@ -193,7 +196,11 @@ def new_head(target, draft_vocab_size: int) -> Eagle3:
 def train_eagle3(a) -> str:
     dev = a.device
     torch.manual_seed(a.seed)
-    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16)
+    if a.ttt < 1:
+        raise GraftError("--ttt must be at least 1")
+    # no cache is needed to train; self-distillation sizes one per batch
+    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
+                        max_seq_len=a.seq_len + 1)
     for p in target.parameters():
         p.requires_grad_(False)
     tok = load_tokenizer(target.path, target.args)
@@ -202,7 +209,10 @@ def train_eagle3(a) -> str:
     state_path = os.path.join(a.out, "train_state.pt")
     log = lambda s: print(s, file=sys.stderr)
     if os.path.isfile(data_path):
-        seqs = torch.load(data_path, weights_only=True)["seqs"]
+        try:
+            seqs = torch.load(data_path, weights_only=True)["seqs"]
+        except Exception as e:
+            raise GraftError(f"cannot read {data_path} ({type(e).__name__}); delete it to regenerate") from None
         log(f"data: {len(seqs)} sequences from {data_path}")
     else:
         prompts = read_prompt_file(a.prompts)
@@ -214,9 +224,8 @@ def train_eagle3(a) -> str:
         torch.save({"seqs": seqs}, data_path)
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
     used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
-    head = new_head(target, used.numel()).to(dev)
+    head = new_head(target, used.numel()).to(dev)          # float32 weights; features are cast to them
     head.d2t.copy_(used - torch.arange(used.numel()))
-    head.embed_tokens = target.embed_tokens
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, rng = 0, random.Random(a.seed)
@@ -242,7 +251,7 @@ def train_eagle3(a) -> str:
         lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, accs = ttt_loss(head, feats[:, :-1], x[:, 1:-1], tgt, valid[:, 2:], used, a.ttt)
+        loss, accs = ttt_loss(head, feats[:, :-1].float(), x[:, 1:-1], tgt, valid[:, 2:], used, a.ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -488,7 +497,6 @@ def sample_openings(model, tok, n: int, length: int = 8, seed: int = 0, temperat
         seqs = continue_batch(model, [bos] * len(rows), length,
                               [Sampling(temperature, 1.0, 0, seed * 100003 + r) for r in rows], tok.eos_ids)
         out += [tok.decode(q[len(bos):]).strip() for q in seqs]
-    model.setup_caches(model.max_seq_len, batch=1)
     return [o for o in out if o]
 
 

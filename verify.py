@@ -40,6 +40,18 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+_TOKEN_HASH = {}
+
+
+def _token_hash(vocab: int, device) -> torch.Tensor:
+    """Per-token-id hash (V,): depends on nothing else, so it is computed once per (V, device)."""
+    key = (vocab, str(device))
+    if key not in _TOKEN_HASH:
+        ids = torch.arange(vocab, device=device, dtype=torch.int64)
+        _TOKEN_HASH[key] = _hash32(ids * 0x165667B1 + 0x3C6EF372)
+    return _TOKEN_HASH[key]
+
+
 def position_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise (N, V) that depends only on (seed, absolute position, token id).
 
@@ -49,8 +61,7 @@ def position_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tens
     dev = positions.device
     base = _hash32(torch.tensor(seed, dtype=torch.int64, device=dev) * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (N,)
-    ids = torch.arange(vocab, device=dev, dtype=torch.int64)
-    h = _hash32(h_pos[:, None] ^ _hash32(ids * 0x165667B1 + 0x3C6EF372)[None, :])  # (N, V)
+    h = _hash32(h_pos[:, None] ^ _token_hash(vocab, dev)[None, :])                 # (N, V)
     u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
 

@@ -234,7 +234,7 @@ def test_load_config_defaults(target, tmp_path):
     d = tmp_path / "mha"
     D.save_head(mha, str(d))
     cfg = json.loads((d / "config.json").read_text())
-    for k in ("num_key_value_heads", "rope_theta", "head_dim", "target_hidden_size"):
+    for k in ("num_key_value_heads", "rope_theta", "head_dim"):
         cfg.pop(k)
     (d / "config.json").write_text(json.dumps(cfg))
     loaded = D.load_head(str(d), target)

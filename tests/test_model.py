@@ -289,7 +289,7 @@ def shard_checkpoint(src, dst, n_shards=3):
 @pytest.mark.parametrize("kind", ["llama2", "qwen3"])
 def test_sharded_checkpoint_loads_identically(tiny_ckpt, loaded, tmp_path, kind):
     sharded = shard_checkpoint(tiny_ckpt(kind), tmp_path / "sharded")
-    assert M.safetensors_files(str(sharded)) == [str(sharded / f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
+    assert M.weight_files(str(sharded)) == [str(sharded / f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
     model = M.load_model(str(sharded))
     ids = random_ids(24, seed=8)
     assert torch.equal(full_forward(model, ids), full_forward(loaded(kind), ids))
@@ -459,3 +459,26 @@ def test_error_hub_id_when_offline(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     msg = load_error("nobody-graft-test/no-such-model")
     assert "nobody-graft-test/no-such-model" in msg and "offline" in msg
+
+
+def test_pytorch_bin_shards_load_like_safetensors(tiny_ckpt, tmp_path):
+    """Older checkpoints (Vicuna) ship pytorch_model-*.bin shards: read with weights_only=True."""
+    import json as _json
+    import shutil
+    from safetensors.torch import load_file
+    src = tiny_ckpt("llama2")
+    dst = tmp_path / "bin"
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = sorted(sd)
+    half = len(names) // 2
+    torch.save({k: sd[k] for k in names[:half]}, dst / "pytorch_model-00001-of-00002.bin")
+    torch.save({k: sd[k] for k in names[half:]}, dst / "pytorch_model-00002-of-00002.bin")
+    wm = {k: "pytorch_model-00001-of-00002.bin" if i < half else "pytorch_model-00002-of-00002.bin"
+          for i, k in enumerate(names)}
+    (dst / "pytorch_model.bin.index.json").write_text(_json.dumps({"weight_map": wm}))
+    a, b = M.load_model(str(src)), M.load_model(str(dst))
+    x = torch.tensor([[1, 5, 9, 13, 17]])
+    with torch.no_grad():
+        assert torch.equal(a(x, torch.arange(5)), b(x, torch.arange(5)))
