@@ -198,7 +198,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--budget", type=int, default=None, help="default: 60 on a GPU, generate.CPU_BUDGET on a CPU")
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
     p.add_argument("--draft-top-k", type=int, default=10)
     p.add_argument("--depth", type=int, default=8)
@@ -229,6 +229,7 @@ def main(argv=None) -> dict:
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
+    a.budget = a.budget or G.default_budget(a.device)
     budgets = G.numbers("--budgets", a.budgets) if a.budgets else [a.budget]
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         raise GraftError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
