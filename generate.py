@@ -126,8 +126,12 @@ class Method:
         self.name = cfg.method
         self.needs_features = drafter is not None and cfg.method in NEEDS_HEAD
         self.calib = None                      # a list to collect (confidences, accepted) when warming up
+        self._conf = None                      # this round's checkpoint confidences (warm-up only)
         self._templates = {}
         self.hit_rates = PRIOR_HIT_RATES
+        self.context: list = []                # committed tokens (prompt lookup reads them)
+        self.root: int | None = None           # this round's root
+        self.pending = None                    # (features, next tokens) the draft head has yet to read
 
     # -- bookkeeping shared by all methods
     def begin(self, ids: torch.Tensor, logits: torch.Tensor, feats):
@@ -147,7 +151,7 @@ class Method:
             if self.calib is not None:          # hit rates are measured during warm-up only
                 self.matrix.record(prop.tokens, v.target)
             self.matrix.update(prop.tokens, v.logits, v.path)
-        if self.calib is not None and getattr(self, "_conf", None) is not None:
+        if self.calib is not None and self._conf is not None:
             self.calib.append(({c: float(x) for c, x in self._conf.items()}, len(v.accepted)))
 
     def template(self, n: int, device):

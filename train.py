@@ -30,29 +30,10 @@ import torch.nn.functional as F
 from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
+from generate import read_prompts
 
 
 # ----------------------------------------------------------------------------- data
-
-def read_prompt_file(path: str) -> list:
-    """One prompt per line (\\n escapes allowed), or jsonl records with `turns` (first) or `prompt`."""
-    if not os.path.isfile(path):
-        raise GraftError(f"prompt file not found: {path}")
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise GraftError(f"bad json line in {path}: {e}") from None
-                out.append(rec["turns"][0] if rec.get("turns") else rec.get("prompt", ""))
-            else:
-                out.append(line.rstrip("\n").replace("\\n", "\n"))
-    return out
-
 
 @torch.no_grad()
 def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), pad: int = 0) -> list:
@@ -215,7 +196,7 @@ def train_eagle3(a) -> str:
             raise GraftError(f"cannot read {data_path} ({type(e).__name__}); delete it to regenerate") from None
         log(f"data: {len(seqs)} sequences from {data_path}")
     else:
-        prompts = read_prompt_file(a.prompts)
+        prompts = read_prompts(a.prompts)
         if a.max_prompts:
             prompts = prompts[:a.max_prompts]
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
