@@ -297,7 +297,8 @@ class Transformer(nn.Module):
             # no cache (training): positions are 0..T-1, so a table of T rows is enough
             self.rope = rope_table(self.args, tokens.shape[-1]).to(self.embed_tokens.weight.device)
         x = self.embed_tokens(tokens)                                 # (B, T, dim)
-        rope = rope_at(self.rope, positions, x.dtype if not torch.is_autocast_enabled("cpu") else torch.float32)
+        # under CPU autocast (training) the activations' dtype varies by op: keep RoPE in float32 then
+        rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
         feats = []
         for i, layer in enumerate(self.layers):
             if capture:
