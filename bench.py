@@ -159,6 +159,30 @@ class Row:
                 "lossless": self.mismatches == 0}
 
 
+@torch.no_grad()
+def pass_cost(model, sizes: list, context: int = 256, repeats: int = 20) -> dict:
+    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens: the price
+    of verifying a budget. On a GPU it barely grows with N; on a CPU it does, which is what sets the
+    best budget there. (A chain; the cost does not depend on the tree's shape.)"""
+    dev = model.embed_tokens.weight.device
+    context = max(1, min(context, model.max_seq_len - max(sizes)))
+    ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).to(dev)
+    pos = torch.arange(context, device=dev)
+    model(ids[None, :context], pos, pos, torch.ones(context, context, dtype=torch.bool, device=dev).tril_())
+    out = {}
+    for n in sizes:
+        rows = torch.arange(context, context + n, device=dev)
+        mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril_(context)
+        for i in range(repeats + 3):                 # 3 untimed passes first
+            if i == 3:
+                G.sync(dev)
+                t0 = time.perf_counter()
+            model(ids[None, context:context + n], rows, rows, mask)
+        G.sync(dev)
+        out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
+    return out
+
+
 def first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -262,6 +286,8 @@ def main(argv=None) -> dict:
     for meth in runs.values():
         G.generate(eng.model, meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
+    cost = pass_cost(eng.model, sorted({1} | {b + 1 for b in budgets}))
+
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
         enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
@@ -311,9 +337,12 @@ def main(argv=None) -> dict:
         "warmup": a.warmup, "thresholds": {str(c): round(t, 4) for c, t in (eng.thresholds or {}).items()},
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
+        "pass_ms": {str(n): ms for n, ms in cost.items()},
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     print(table(rows, sweep))
+    print("\ntarget pass (ms) over N nodes after 256 tokens: " +
+          ", ".join(f"N={n}: {ms:.2f} ({ms / cost[1]:.2f}x N=1)" for n, ms in cost.items()))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if mismatches:

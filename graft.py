@@ -30,20 +30,21 @@ class ContinuationMatrix:
     """M[t] lists the k tokens the target most recently ranked highest after token t, best first.
 
     Rows are overwritten whole from verification logits (free: they are computed anyway). Rows never
-    written fall back to the unigram top-k of the target's choices, so every lookup is a real token.
-    Per-rank hit rates (how often M[t, r] was the target's actual next token) size the templates."""
+    written hold the fallback, the unigram top-k of the target's choices, so every lookup is a real
+    token and a lookup is one gather. Per-rank hit rates (how often M[t, r] was the target's actual
+    next token) size the templates."""
 
     def __init__(self, vocab: int, k: int = 8, device="cpu"):
         self.k, self.vocab = k, vocab
-        self.M = torch.zeros(vocab, k, dtype=torch.int32, device=device)
+        self.fallback = torch.arange(k, dtype=torch.int32, device=device)
+        self.M = self.fallback.repeat(vocab, 1)                                 # (V, k) int32
         self.written = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab, dtype=torch.float64, device=device)   # target choices seen
         self.hits = torch.zeros(k + 1, dtype=torch.float64, device=device)      # per rank; [k] = miss
-        self.fallback = torch.arange(k, dtype=torch.int32, device=device)
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(n,) tokens -> (n, k) continuations, unigram fallback for unwritten rows."""
-        return torch.where(self.written[tokens, None], self.M[tokens], self.fallback[None, :])
+        """(n,) tokens -> (n, k) continuations (the fallback for rows never written)."""
+        return self.M[tokens]
 
     def record(self, tokens: torch.Tensor, target: torch.Tensor):
         """Count, before updating, at which rank the target's actual choice sat in each node's row."""
@@ -69,8 +70,10 @@ class ContinuationMatrix:
         self.written[tokens[win]] = True
 
     def refresh_fallback(self):
+        """The fallback becomes the k tokens the target chose most often; unwritten rows take it."""
         if self.counts.sum() > 0:
             self.fallback = self.counts.topk(self.k).indices.int()
+        self.M[~self.written] = self.fallback
 
     def hit_rates(self) -> torch.Tensor | None:
         total = self.hits.sum()
@@ -86,15 +89,16 @@ class ContinuationMatrix:
             raise ValueError(f"matrix shape {tuple(sd['M'].shape)} != {tuple(self.M.shape)}")
         for name in ("M", "written", "counts", "hits", "fallback"):
             setattr(self, name, sd[name].to(dev))
+        self.M[~self.written] = self.fallback
 
     @torch.no_grad()
     def retrieve(self, root: torch.Tensor, tpl: "Template") -> torch.Tensor:
         """The template's tokens under `root` (0-d): node j gets M[token(parent j), rank j]. (n,)"""
-        buf = torch.empty(tpl.size + 1, dtype=torch.long, device=self.M.device)
+        buf = torch.empty(tpl.size + 1, dtype=torch.int32, device=self.M.device)   # [root, nodes...]
         buf[0] = root
-        for idx, par, rank in tpl.levels:                                      # one gather per level
-            buf[idx + 1] = self.rows(buf[par + 1])[torch.arange(idx.numel(), device=buf.device), rank].long()
-        return buf[1:]
+        for idx, par, rank in tpl.gathers:                                     # one gather per level
+            buf[idx] = self.M[buf[par], rank]
+        return buf[1:].long()
 
 
 # ----------------------------------------------------------------------------- templates
@@ -109,6 +113,7 @@ class Template:
     ranks: torch.Tensor          # (n,)
     depth: torch.Tensor          # (n,) 1-based
     levels: list                 # per depth: (node idx, parent idx, rank) tensors, for batched gathers
+    gathers: list                # the same with node and parent shifted by one (slot 0 holds the root)
 
     @property
     def size(self) -> int:
@@ -119,7 +124,8 @@ class Template:
 
     def to(self, device) -> "Template":
         return Template(self.parents.to(device), self.ranks.to(device), self.depth.to(device),
-                        [tuple(x.to(device) for x in lv) for lv in self.levels])
+                        [tuple(x.to(device) for x in lv) for lv in self.levels],
+                        [tuple(x.to(device) for x in g) for g in self.gathers])
 
 
 def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Template:
@@ -144,7 +150,7 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
     for d in range(1, int(D.max()) + 1 if n else 1):
         idx = (D == d).nonzero().flatten()
         levels.append((idx, P[idx], R[idx]))
-    return Template(P, R, D, levels)
+    return Template(P, R, D, levels, [(i + 1, p + 1, r) for i, p, r in levels])
 
 
 # ----------------------------------------------------------------------------- calibration

@@ -160,6 +160,14 @@ def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def mask_bias(mask, dtype):
+    """A bool mask (True = may attend) as an additive bias (0 or -inf), made once per forward: every
+    layer would otherwise convert it again inside scaled_dot_product_attention."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, 0.0, float("-inf")).to(dtype)
+
+
 # ----------------------------------------------------------------------------- layers
 
 class RMSNorm(nn.Module):
@@ -174,24 +182,22 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values (B, H_kv, max_seq_len, D), written at explicit rows."""
+    """Preallocated keys/values (B, H_kv, max_seq_len, D), written at explicit rows.
 
-    def __init__(self, batch: int, n_kv: int, max_seq_len: int, head_dim: int, dtype, device):
+    `kv` (2, B, H_kv, max_seq_len, D), when given, is this layer's slice of a buffer shared by all
+    layers, so that KV compaction moves every layer's rows in one gather and one copy."""
+
+    def __init__(self, batch: int, n_kv: int, max_seq_len: int, head_dim: int, dtype, device, kv=None):
         super().__init__()
-        shape = (batch, n_kv, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if kv is None:
+            kv = torch.zeros(2, batch, n_kv, max_seq_len, head_dim, dtype=dtype, device=device)
+        self.register_buffer("k", kv[0], persistent=False)
+        self.register_buffer("v", kv[1], persistent=False)
 
     def update(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int):
         self.k.index_copy_(2, rows, k)
         self.v.index_copy_(2, rows, v)
         return self.k[:, :, :S], self.v[:, :, :S]
-
-    def move_rows(self, src: torch.Tensor, dst_start: int):
-        """Copy rows `src` to the contiguous rows dst_start.. (gather first, so overlap is safe)."""
-        n = src.numel()
-        self.k[:, :, dst_start:dst_start + n] = self.k[:, :, src]
-        self.v[:, :, dst_start:dst_start + n] = self.v[:, :, src]
 
 
 class Attention(nn.Module):
@@ -270,20 +276,25 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq_len = 0
         self.rope = None
+        self.kv = None                      # (layers, 2, B, H_kv, S, D) once setup_caches ran
 
     def setup_caches(self, max_seq_len: int, batch: int = 1):
-        """Preallocate the KV cache and the RoPE table for positions 0..max_seq_len-1."""
-        p = self.embed_tokens.weight
+        """Preallocate the KV cache and the RoPE table for positions 0..max_seq_len-1. One buffer
+        (layers, 2, B, H_kv, S, D) holds every layer's keys and values."""
+        p, a = self.embed_tokens.weight, self.args
         self.max_seq_len = max_seq_len
-        self.rope = rope_table(self.args, max_seq_len).to(p.device)
-        for layer in self.layers:
-            layer.self_attn.cache = KVCache(batch, self.args.n_kv_heads, max_seq_len, self.args.head_dim,
-                                            p.dtype, p.device)
+        self.rope = rope_table(a, max_seq_len).to(p.device)
+        self.kv = torch.zeros(a.n_layers, 2, batch, a.n_kv_heads, max_seq_len, a.head_dim, dtype=p.dtype,
+                              device=p.device)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.cache = KVCache(batch, a.n_kv_heads, max_seq_len, a.head_dim, p.dtype, p.device,
+                                            kv=self.kv[i])
 
     def move_cache_rows(self, src: torch.Tensor, dst_start: int):
-        """KV compaction after verification: accepted rows `src` become rows dst_start.. in every layer."""
-        for layer in self.layers:
-            layer.self_attn.cache.move_rows(src, dst_start)
+        """KV compaction after verification: accepted rows `src` become rows dst_start.. in every layer
+        (gather first, so overlapping source and destination rows are safe)."""
+        n = src.numel()
+        self.kv[..., dst_start:dst_start + n, :] = self.kv[..., src, :]
 
     def forward(self, tokens, positions, cache_rows=None, mask=None, capture=False):
         """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
@@ -299,6 +310,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)                                 # (B, T, dim)
         # under CPU autocast (training) the activations' dtype varies by op: keep RoPE in float32 then
         rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
+        mask = mask_bias(mask, x.dtype)
         feats = []
         for i, layer in enumerate(self.layers):
             if capture:

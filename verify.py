@@ -139,6 +139,7 @@ class Verified:
     feats: torch.Tensor | None  # (A+1, 3*dim) EAGLE-3 features of the root and accepted nodes
 
 
+@torch.no_grad()
 def verify(model, tokens: torch.Tensor, parents: torch.Tensor, L: int, s: Sampling,
            capture: bool = False) -> Verified:
     """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed), commit the accepted path.

@@ -62,6 +62,9 @@ def test_budget_sweep_and_skipping(tiny):
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("eagle3", 8), ("eagle3", 20)]
     assert all(r["lossless"] and r["prompts"] == 2 and r["skipped"] == 1 for r in rows)
     assert [r["verified_per_round"] for r in rows] == [0, 8, 20]     # the dense tree fills the budget
+    # the cost of a target pass is measured at 1 node and at each budget's tree size (root included)
+    assert sorted(saved["meta"]["pass_ms"], key=int) == ["1", "9", "21"]
+    assert all(ms > 0 for ms in saved["meta"]["pass_ms"].values())
 
 
 @needs_shared
