@@ -229,6 +229,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints", default="0,1,5")
     p.add_argument("--keep", default=None, help="fixed keep sizes (default: 8/24/40 scaled to the budget)")
     p.add_argument("--thresholds", default=None, help="override the calibrated taus")
+    p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -434,6 +434,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
     p.add_argument("--keep", default=None, help="draft nodes kept per checkpoint, e.g. 8,24,40")
     p.add_argument("--thresholds", default=None, help="override calibrated taus, e.g. 0.4,0.3,0.2")
+    p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
     p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
     p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
@@ -470,7 +471,10 @@ def numbers(flag: str, text: str, kind=int) -> list:
 
 def config_from_args(a, method: str) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
-    cfg = Config(method=method, budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps)
+    cfg = Config(method=method, budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps,
+                 recycle_size=a.recycle_size)
+    if a.recycle_size < 1:
+        raise GraftError("--recycle-size must be at least 1")
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
         if len(cfg.keep) != len(cps):

@@ -133,3 +133,9 @@ def test_mismatch_is_reported_and_exits_1(tiny, monkeypatch, capsys):
     saved = json.loads((d / "broken.json").read_text())
     assert [r["lossless"] for r in saved["rows"]] == [True, False]
     assert {(m["prompt"], m["position"]) for m in saved["meta"]["mismatches"]} == {(0, 3), (1, 3), (2, 3)}
+
+
+def test_recycle_size_sets_the_retrieval_tree(tiny):
+    _, saved = run_bench(tiny, "--methods", "ar,recycle", "--recycle-size", "5")
+    assert [(r["method"], r["verified_per_round"], r["lossless"]) for r in saved["rows"]] == \
+        [("ar", 0, True), ("recycle", 5, True)]
