@@ -160,10 +160,11 @@ class Row:
 
 
 @torch.no_grad()
-def pass_cost(model, sizes: list, context: int = 256, repeats: int = 20) -> dict:
+def pass_cost(model, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
     """Milliseconds per target pass over a tree of N nodes after `context` committed tokens: the price
     of verifying a budget. On a GPU it barely grows with N; on a CPU it does, which is what sets the
-    best budget there. (A chain; the cost does not depend on the tree's shape.)"""
+    best budget there. (A chain; the cost does not depend on the tree's shape.) Returns (context used,
+    {N: ms}): the context shrinks when max_seq_len leaves no room for it."""
     dev = model.embed_tokens.weight.device
     context = max(1, min(context, model.max_seq_len - max(sizes)))
     ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -180,7 +181,7 @@ def pass_cost(model, sizes: list, context: int = 256, repeats: int = 20) -> dict
             model(ids[None, context:context + n], rows, rows, mask)
         G.sync(dev)
         out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
-    return out
+    return context, out
 
 
 def first_difference(a: list, b: list) -> int:
@@ -287,7 +288,7 @@ def main(argv=None) -> dict:
     for meth in runs.values():
         G.generate(eng.model, meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost = pass_cost(eng.model, sorted({1} | {b + 1 for b in budgets}))
+    cost_context, cost = pass_cost(eng.model, sorted({1} | {b + 1 for b in budgets}))
 
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
@@ -338,11 +339,11 @@ def main(argv=None) -> dict:
         "warmup": a.warmup, "thresholds": {str(c): round(t, 4) for c, t in (eng.thresholds or {}).items()},
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
-        "pass_ms": {str(n): ms for n, ms in cost.items()},
+        "pass_ms": {str(n): ms for n, ms in cost.items()}, "pass_context": cost_context,
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     print(table(rows, sweep))
-    print("\ntarget pass (ms) over N nodes after 256 tokens: " +
+    print(f"\ntarget pass (ms) over N nodes after {cost_context} tokens: " +
           ", ".join(f"N={n}: {ms:.2f} ({ms / cost[1]:.2f}x N=1)" for n, ms in cost.items()))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")

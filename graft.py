@@ -94,11 +94,12 @@ class ContinuationMatrix:
     @torch.no_grad()
     def retrieve(self, root: torch.Tensor, tpl: "Template") -> torch.Tensor:
         """The template's tokens under `root` (0-d): node j gets M[token(parent j), rank j]. (n,)"""
-        buf = torch.empty(tpl.size + 1, dtype=torch.int32, device=self.M.device)   # [root, nodes...]
-        buf[0] = root
-        for idx, par, rank in tpl.gathers:                                     # one gather per level
+        n = tpl.size
+        buf = torch.empty(n + 1, dtype=torch.int32, device=self.M.device)      # [nodes..., root]
+        buf[n] = root                                                          # parent -1 reads the root
+        for idx, par, rank in tpl.levels:                                      # one gather per level
             buf[idx] = self.M[buf[par], rank]
-        return buf[1:].long()
+        return buf[:n].long()
 
 
 # ----------------------------------------------------------------------------- templates
@@ -113,7 +114,6 @@ class Template:
     ranks: torch.Tensor          # (n,)
     depth: torch.Tensor          # (n,) 1-based
     levels: list                 # per depth: (node idx, parent idx, rank) tensors, for batched gathers
-    gathers: list                # the same with node and parent shifted by one (slot 0 holds the root)
 
     @property
     def size(self) -> int:
@@ -124,8 +124,7 @@ class Template:
 
     def to(self, device) -> "Template":
         return Template(self.parents.to(device), self.ranks.to(device), self.depth.to(device),
-                        [tuple(x.to(device) for x in lv) for lv in self.levels],
-                        [tuple(x.to(device) for x in g) for g in self.gathers])
+                        [tuple(x.to(device) for x in lv) for lv in self.levels])
 
 
 def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Template:
@@ -150,7 +149,7 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
     for d in range(1, int(D.max()) + 1 if n else 1):
         idx = (D == d).nonzero().flatten()
         levels.append((idx, P[idx], R[idx]))
-    return Template(P, R, D, levels, [(i + 1, p + 1, r) for i, p, r in levels])
+    return Template(P, R, D, levels)
 
 
 # ----------------------------------------------------------------------------- calibration
