@@ -76,11 +76,19 @@ def check_dataset(name: str):
 
 
 def read_records(path: Path) -> list:
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as fh:
-        return [json.loads(l) for l in fh if l.strip()]
+    """The records of a dataset file: a JSON array (.json) or JSON lines (.jsonl, .jsonl.gz)."""
+    try:
+        if path.suffix == ".json":
+            recs = json.loads(path.read_bytes().decode("utf-8"))
+        else:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt", encoding="utf-8") as fh:
+                recs = [json.loads(l) for l in fh if l.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraftError(f"cannot read dataset {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(recs, list):
+        raise GraftError(f"dataset {path} must hold a list of records")
+    return recs
 
 
 def stdlib_prompts(limit: int) -> list:
@@ -111,13 +119,24 @@ def load_dataset(name: str, limit: int | None, eng) -> list:
     base, _, cat = name.partition(":")
     path, field = FILES[base]
     recs = [r for r in read_records(data_dir() / path) if not cat or r.get("category") == cat]
+    where = lambda i: f"record {i} of {data_dir() / path}"
     if field == "turns":
-        texts = [r["turns"][0] for r in recs]
+        texts = [G.prompt_of(r, where(i)) for i, r in enumerate(recs)]
     elif field == "conversations":
-        texts = [next(t["value"] for t in r["conversations"] if t["from"] == "human") for r in recs]
+        texts = [human_turn(r, where(i)) for i, r in enumerate(recs)]
     else:
-        texts = [r[field] for r in recs]
+        texts = [G.prompt_of({"prompt": r.get(field) if isinstance(r, dict) else None}, where(i))
+                 for i, r in enumerate(recs)]
     return texts[:limit]
+
+
+def human_turn(rec, where: str) -> str:
+    """The first human turn of a ShareGPT-style record."""
+    turns = rec.get("conversations") if isinstance(rec, dict) else None
+    for t in turns if isinstance(turns, list) else []:
+        if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str):
+            return t["value"]
+    raise GraftError(f"{where}: no human turn in `conversations`")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -212,40 +231,35 @@ def table(rows: list, sweep: bool) -> str:
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
-    p.add_argument("--ckpt", required=True, help="target: a local HF folder or a hub id")
-    p.add_argument("--draft", default=None, help="EAGLE-3 head (default: known mapping; stories260K: trained)")
+    p = G.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
+    p.add_argument("--ckpt", default=None, help="target: a local HF folder or a hub id (default: the demo pair)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
-    p.add_argument("--datasets", default="mt_bench")
+    p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--budget", type=int, default=None, help="default: 60 on a GPU, generate.CPU_BUDGET on a CPU")
+    p.add_argument("--json-out", default=None,
+                   help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
-    p.add_argument("--draft-top-k", type=int, default=10)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--checkpoints", default="0,1,5")
-    p.add_argument("--keep", default=None, help="fixed keep sizes (default: 8/24/40 scaled to the budget)")
-    p.add_argument("--thresholds", default=None, help="override the calibrated taus")
-    p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    G.add_engine_flags(p)
     return p.parse_args(argv)
+
+
+def runs_path(json_out: str) -> str:
+    """The JSONL of finished runs, beside the report: report.json -> report.jsonl."""
+    root, ext = os.path.splitext(json_out)
+    return (root if ext == ".json" else json_out) + ".jsonl"
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
     t_start = time.time()
-    if a.threads:
+    if a.ckpt is None:          # like generate.py: the shipped demo pair, on code
+        a.ckpt, a.draft = G.DEMO_CKPT, a.draft or G.DEMO_DRAFT
+        a.datasets = a.datasets or "humaneval"
+    a.datasets = a.datasets or "mt_bench"
+    if a.threads is not None:
+        if a.threads < 1:
+            raise GraftError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:
@@ -255,10 +269,9 @@ def main(argv=None) -> dict:
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
-    a.budget = a.budget or G.default_budget(a.device)
-    budgets = G.numbers("--budgets", a.budgets) if a.budgets else [a.budget]
-    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-        raise GraftError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    budgets = G.numbers("--budgets", a.budgets) if a.budgets else None
+    G.check_args(a, budgets)
+    budgets = budgets or [a.budget]
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in G.NEEDS_HEAD for m in methods)
@@ -271,7 +284,8 @@ def main(argv=None) -> dict:
     eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth)
     log = lambda s: print(s, file=sys.stderr)
     if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
-        G.warm_up(eng, G.config_from_args(a, methods[-1]), rounds=a.warmup, use_cache=not a.no_cache,
+        wp = G.read_prompts(a.warmup_file) if a.warmup_file else None
+        G.warm_up(eng, G.config_from_args(a, methods[-1]), wp, rounds=a.warmup, use_cache=not a.no_cache,
                   chat=a.chat, log=log)
 
     # One method object per (method, budget), kept for the whole run. Each gets its own copy of the
@@ -302,27 +316,44 @@ def main(argv=None) -> dict:
 
     rows, mismatches, done, t0 = [], [], 0, time.time()
     total = sum(len(p) for p in prompts.values()) * len(runs)
-    for d in datasets:
-        acc = {k: Row(d, k[0], k[1], skipped[d]) for k in runs}
-        for i, ids in enumerate(prompts[d]):
-            # every method on this prompt before the next prompt: slow drifts of a shared machine's load
-            # then hit all methods alike instead of whichever ran last
-            base = None
-            for (m, b), meth in runs.items():
-                bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else ""))
-                res = G.generate(eng.model, meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
-                acc[(m, b)].add(res)
-                base = res.tokens if m == "ar" else base
-                if res.tokens != base:
-                    acc[(m, b)].mismatches += 1
-                    pos = first_difference(res.tokens, base)
-                    mismatches.append({"dataset": d, "method": m, "budget": b, "prompt": i, "position": pos})
-                    sys.stderr.write(f"\nMISMATCH dataset={d} method={m} budget={b} prompt={i} first differing "
-                                     f"position={pos}\n")
-                done += 1
-        ar_tps = acc[("ar", None)].report(0)["tokens_per_s"]
-        rows += [r.report(ar_tps) for r in acc.values()]
-    bar(done, total, t0, "done")
+    jsonl = open(runs_path(a.json_out), "w") if a.json_out else None
+    interrupted = False
+    try:
+        for d in datasets:
+            acc = {k: Row(d, k[0], k[1], skipped[d]) for k in runs}
+            try:
+                for i, ids in enumerate(prompts[d]):
+                    # every method on this prompt before the next prompt: slow drifts of a shared machine's
+                    # load then hit all methods alike instead of whichever ran last
+                    base = None
+                    for (m, b), meth in runs.items():
+                        bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else ""))
+                        res = G.generate(eng.model, meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                        acc[(m, b)].add(res)
+                        base = res.tokens if m == "ar" else base
+                        same = res.tokens == base
+                        if not same:
+                            acc[(m, b)].mismatches += 1
+                            pos = first_difference(res.tokens, base)
+                            mismatches.append({"dataset": d, "method": m, "budget": b, "prompt": i, "position": pos})
+                            sys.stderr.write(f"\nMISMATCH dataset={d} method={m} budget={b} prompt={i} first "
+                                             f"differing position={pos}\n")
+                        if jsonl:      # each finished run at once: an interrupted bench keeps what it did
+                            jsonl.write(json.dumps({"dataset": d, "method": m, "budget": b, "prompt": i,
+                                                    "same_as_ar": same, "tokens": len(res.tokens),
+                                                    "seconds": round(res.seconds, 5), **res.stats()}) + "\n")
+                            jsonl.flush()
+                        done += 1
+            finally:        # on an interrupt too: the rows of what finished
+                ar_tps = acc[("ar", None)].report(0)["tokens_per_s"]
+                rows += [r.report(ar_tps) for r in acc.values() if r.tps]
+    except KeyboardInterrupt:
+        interrupted = True
+        log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
+    finally:
+        if jsonl:
+            jsonl.close()
+    bar(done, total, t0, "interrupted" if interrupted else "done")
     sys.stderr.write("\n")
 
     sweep = len(budgets) > 1
@@ -340,6 +371,7 @@ def main(argv=None) -> dict:
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
         "pass_ms": {str(n): ms for n, ms in cost.items()}, "pass_context": cost_context,
+        "runs_done": done, "runs_total": total, "interrupted": interrupted,
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     print(table(rows, sweep))
@@ -350,6 +382,8 @@ def main(argv=None) -> dict:
     if mismatches:
         log(f"{len(mismatches)} outputs differ from ar: NOT lossless")
     print(json.dumps(report, separators=(",", ":")))
+    if interrupted:
+        raise KeyboardInterrupt
     return report
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from model import (Attention, GraftError, KVCache, MLP, ModelArgs, RMSNorm, read_config,
-                   read_safetensors, resolve_checkpoint, rope_at, rope_table)
+from model import (Attention, Fields, GraftError, KVCache, MLP, ModelArgs, RMSNorm, check_finite, read_config,
+                   read_rope, read_safetensors, resolve_checkpoint, rope_at, rope_table)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -33,37 +33,42 @@ class HeadConfig:
     norm_before_residual: bool = False
 
 
-def head_config(cfg: dict) -> HeadConfig:
+def head_config(cfg, what: str = "draft head config.json") -> HeadConfig:
     """Read any published EAGLE-3 config.json: official/SpecForge/AngelSlim (Llama-style keys at the
-    top) or speculators-style (the layer's keys under `transformer_layer_config`)."""
-    archs = cfg.get("architectures") or []
+    top) or speculators-style (the layer's keys under `transformer_layer_config`). Every field is
+    checked (model.Fields); RoPE settings go through model.read_rope, the target's reader, so
+    `rope_parameters` (transformers 5) and `rope_theta` (transformers 4) read the same. A head that
+    states no rope_theta runs at 10000, as the official Llama-3.1 head does (eagle3.md section 1.3).
+    Errors: GraftError, one line."""
+    c = Fields(cfg, what)
+    archs = c.get("architectures", list, [])
     known = {"LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"}
     if archs and not set(archs) & known:
         raise GraftError(f"unsupported draft head architecture {archs}: supported are {', '.join(sorted(known))}")
-    layer_cfg = dict(cfg.get("transformer_layer_config") or cfg)
-    try:
-        H, nh = int(layer_cfg["hidden_size"]), int(layer_cfg["num_attention_heads"])
-        scaling = layer_cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) in ("dynamic", "default"):
-            scaling = None  # dynamic NTK only acts past max_position_embeddings; the table is built exactly
-        layer = ModelArgs(
-            arch="llama", vocab_size=int(layer_cfg.get("vocab_size") or cfg["vocab_size"]), dim=H, n_layers=1,
-            n_heads=nh, n_kv_heads=int(layer_cfg.get("num_key_value_heads") or nh),
-            head_dim=int(layer_cfg.get("head_dim") or H // nh),
-            intermediate_size=int(layer_cfg["intermediate_size"]),
-            norm_eps=float(layer_cfg.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(layer_cfg.get("rope_theta") or 10000.0),   # official Llama-3.1 head: none -> 1e4
-            rope_scaling=scaling,
-            max_position_embeddings=int(layer_cfg.get("max_position_embeddings") or 2048),
-            attention_bias=bool(layer_cfg.get("attention_bias") or False))
-        V = int(cfg.get("vocab_size") or layer_cfg["vocab_size"])
-        return HeadConfig(layer=layer,
-                          target_hidden=int(cfg.get("target_hidden_size") or H),
-                          vocab_size=V,
-                          draft_vocab_size=int(cfg.get("draft_vocab_size") or V),
-                          norm_before_residual=bool(cfg.get("norm_before_residual", False)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise GraftError(f"malformed draft head config.json: missing or bad field {e}") from None
+    layer_cfg = c.get("transformer_layer_config", dict, None) or cfg
+    lc = Fields(layer_cfg, what)
+    if lc.get("hidden_act", str, "silu") != "silu":
+        raise GraftError(f"{what}: hidden_act {layer_cfg['hidden_act']!r} is not supported (only silu)")
+    H, nh = lc.int("hidden_size"), lc.int("num_attention_heads")
+    nkv = lc.int("num_key_value_heads", nh)
+    if nh % nkv:
+        raise GraftError(f"{what}: num_attention_heads {nh} is not a multiple of num_key_value_heads {nkv}")
+    hd = lc.int("head_dim", None)
+    if hd is None and H % nh:
+        raise GraftError(f"{what}: hidden_size {H} is not a multiple of num_attention_heads {nh}")
+    hd = hd or H // nh
+    if hd % 2:
+        raise GraftError(f"{what}: head_dim {hd} is odd; RoPE rotates pairs")
+    V = c.int("vocab_size", None) or lc.int("vocab_size")
+    theta, scaling = read_rope(layer_cfg, what)
+    layer = ModelArgs(arch="llama", vocab_size=lc.int("vocab_size", V), dim=H, n_layers=1, n_heads=nh,
+                      n_kv_heads=nkv, head_dim=hd, intermediate_size=lc.int("intermediate_size"),
+                      norm_eps=lc.float("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                      max_position_embeddings=lc.int("max_position_embeddings", 2048),
+                      attention_bias=lc.get("attention_bias", bool, False))
+    return HeadConfig(layer=layer, target_hidden=c.int("target_hidden_size", H), vocab_size=V,
+                      draft_vocab_size=c.int("draft_vocab_size", V),
+                      norm_before_residual=c.get("norm_before_residual", bool, False))
 
 
 class DraftLayer(nn.Module):
@@ -127,6 +132,8 @@ class Eagle3(nn.Module):
 
 # ----------------------------------------------------------------------------- loading
 
+INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+
 def normalize_names(sd: dict) -> dict:
     """Map every published naming onto ours: `model.` prefix, `layers.0.` for `midlayer.`,
     `draft_id_to_target_id` for `d2t`; rotary buffers dropped."""
@@ -147,22 +154,19 @@ def normalize_names(sd: dict) -> dict:
 
 
 def read_head_weights(path: str) -> dict:
-    st = os.path.join(path, "model.safetensors")
-    pt = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(st):
-        return read_safetensors([st])
-    if os.path.isfile(pt):
-        try:  # weights_only: tensors and plain containers, never arbitrary pickled code
-            return torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            raise GraftError(f"cannot read {pt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    """model.safetensors, else pytorch_model.bin (weights_only=True: tensors, never pickled code)."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return read_safetensors([f])
     raise GraftError(f"no model.safetensors or pytorch_model.bin in draft head folder {path}")
 
 
 def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     """Load a published EAGLE-3 head for `target` (a model.Transformer), checking that it fits."""
     path = resolve_checkpoint(ckpt, patterns=["*.json", "*.safetensors", "*.bin"])
-    c = head_config(read_config(path))
+    cfg = read_config(path)
+    c = head_config(cfg)
     sd = normalize_names(read_head_weights(path))
     ta = target.args
     device = device or target.embed_tokens.weight.device
@@ -170,6 +174,9 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     # infer what the config may leave out from the tensors themselves
     if "fc.weight" not in sd:
         raise GraftError(f"draft head {path} has no fc.weight: not an EAGLE-3 head")
+    if sd["fc.weight"].dim() != 2 or sd["fc.weight"].shape[1] % 3:
+        raise GraftError(f"draft head fc.weight has shape {tuple(sd['fc.weight'].shape)}: EAGLE-3 fuses three "
+                         f"target features, so its input width must be a multiple of 3")
     c.target_hidden = sd["fc.weight"].shape[1] // 3
     if "lm_head.weight" in sd:
         c.draft_vocab_size = sd["lm_head.weight"].shape[0]
@@ -179,7 +186,14 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     if c.vocab_size != ta.vocab_size:
         raise GraftError(f"draft head does not fit the target: head vocab_size {c.vocab_size}, "
                          f"target vocab_size {ta.vocab_size}")
-    aux = (read_config(path).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    for name, kinds in (("d2t", INT_DTYPES), ("t2d", INT_DTYPES | {torch.bool})):
+        if name in sd and sd[name].dtype not in kinds:
+            raise GraftError(f"draft head {path}: {name} must be an integer tensor, found "
+                             f"{str(sd[name].dtype).replace('torch.', '')}")
+    eagle_cfg = Fields(cfg, "draft head config.json").get("eagle_config", dict, {})
+    aux = Fields(eagle_cfg, "draft head eagle_config").get("eagle_aux_hidden_state_layer_ids", list, None)
+    if aux is not None and not all(type(i) is int for i in aux):
+        raise GraftError("draft head config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids")
     if aux is not None and tuple(sorted(i + 1 for i in aux)) != ta.capture_layers:
         raise GraftError(f"draft head reads the outputs of target layers {list(aux)}; this engine captures the "
                          f"inputs of layers {list(ta.capture_layers)} (outputs of {[i - 1 for i in ta.capture_layers]})")
@@ -208,16 +222,26 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
             raise GraftError(f"draft head {path} lacks weight {k}")
         if tuple(sd[k].shape) != tuple(t.shape):
             raise GraftError(f"draft head weight {k} has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
+    for k in expected:
+        if k != "d2t" and not sd[k].is_floating_point():
+            raise GraftError(f"draft head weight {k} is {str(sd[k].dtype).replace('torch.', '')}, not floating-point")
     state = {k: (sd[k].to(device, dtype) if sd[k].is_floating_point() else sd[k].to(device).long())
              for k in expected}
+    for k, t in state.items():
+        check_finite(f"draft head {k}", t)
     head.load_state_dict(state, assign=True, strict=True)
     ids = head.d2t + torch.arange(c.draft_vocab_size, device=device)
     if int(ids.max()) >= ta.vocab_size or int(ids.min()) < 0:
         raise GraftError("draft head d2t maps draft ids outside the target vocabulary")
+    if "t2d" in sd and c.draft_vocab_size != c.vocab_size:       # both maps given: they must agree
+        t2d = sd["t2d"]
+        if tuple(t2d.shape) != (ta.vocab_size,) or not torch.equal(t2d.bool().nonzero().flatten().cpu(), torch.sort(ids).values.cpu()):
+            raise GraftError(f"draft head {path}: d2t and t2d name different draft vocabularies")
     if own_embed and tuple(sd["embed_tokens.weight"].shape) != (ta.vocab_size, c.layer.dim):
         raise GraftError(f"draft head embed_tokens has shape {tuple(sd['embed_tokens.weight'].shape)}, "
                          f"expected {(ta.vocab_size, c.layer.dim)}")
     if own_embed:
+        check_finite("draft head embed_tokens.weight", sd["embed_tokens.weight"].float())
         head.embed_tokens = nn.Embedding.from_pretrained(sd["embed_tokens.weight"].to(device, dtype))
     else:
         head.embed_tokens = target.embed_tokens

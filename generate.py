@@ -17,6 +17,7 @@ the same verifier (verify.py) commits the longest path the target agrees with pl
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import DTYPES, GraftError, Tokenizer, load_model, load_tokenizer, resolve_checkpoint
-from verify import Sampling, choose, verify
+from verify import MIN_TEMPERATURE, Sampling, choose, verify
 from draft import Drafter, load_head
 from graft import (CHECKPOINTS, KEEP, PRIOR_HIT_RATES, ContinuationMatrix, build_template, cache_dir,
                    calibrate, graft_trees, load_state, save_state, scaled_keep)
@@ -277,6 +278,9 @@ def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampl
     mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril_()
     out = model(ids[None], pos, pos, mask, capture=method.needs_features)
     logits, feats = (out[0][0], out[1][0]) if method.needs_features else (out[0], None)
+    if not bool(torch.isfinite(logits).all()):
+        raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
+                         "in this dtype or its weights are broken")
     root = int(choose(logits[-1:], torch.tensor([N], device=dev), sampling)[0])
     method.begin(ids, logits, feats)
     res = Result(tokens=[root], prompt_tokens=N, seconds=0.0)
@@ -294,25 +298,25 @@ def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampl
         A = len(v.accepted)
         L += A + 1
         res.rounds += 1
-        res.committed += A + 1
-        res.accepted += A
         res.verified += prop.tokens.numel() - 1
         res.draft_forwards += prop.draft_forwards
-        if prop.retrieved is not None and A:
-            res.from_retrieval += prop.retrieved[v.path[1:]].sum()     # stays on the device until the end
         res.stages[prop.stage] = res.stages.get(prop.stage, 0) + 1
+        # what this round returns: the accepted tokens and the bonus, cut after an EOS and at
+        # max_new_tokens. Every count is of returned tokens (Spec-Bench's MAT), not of verified ones.
         new = v.accepted + [v.bonus]
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[:i + 1]
-                break
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        new = new[:min(cut, max_new_tokens - len(res.tokens))]
+        kept = min(len(new), A)                      # accepted tokens among those returned
+        res.committed += len(new)
+        res.accepted += kept
+        if prop.retrieved is not None and kept:
+            res.from_retrieval += prop.retrieved[v.path[1:kept + 1]].sum()   # stays on the device until the end
         res.tokens += new
         root = v.bonus
         if on_tokens:
-            on_tokens(res.tokens[:max_new_tokens])
+            on_tokens(res.tokens)
         if res.tokens[-1] in eos:
             break
-    res.tokens = res.tokens[:max_new_tokens]
     res.from_retrieval = int(res.from_retrieval)
     sync(dev)
     res.seconds = time.perf_counter() - t0
@@ -334,14 +338,20 @@ class Engine:
 
 def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model) and the settings that shaped it."""
+    model in the same folder is a different model), the dtype, device and cache length they ran with,
+    and every setting that shaped the warm-up."""
     def stamp(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
-        return [path] + [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns)
-                         for f in files]
+        files = ([path] if os.path.isfile(path) else
+                 [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
+        return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
-    key = json.dumps([stamp(os.path.abspath(engine.model.path)), head, *settings], default=str)
-    return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, str(m.embed_tokens.weight.dtype),
+                      str(m.embed_tokens.weight.device), m.max_seq_len, *settings], default=str)
+    return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
+
+
+WARMUP_FORMAT = 2        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
@@ -376,56 +386,75 @@ def make_method(engine: Engine, cfg: Config) -> Method:
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
             use_cache: bool = True, chat: bool = False, log=None):
     """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
-    a few generations with the dense tree (GRAFT.md sections 3, 4, 6). Cached per (target, head)."""
+    a few generations with the dense tree (GRAFT.md sections 3, 4, 6). Cached per (target, head) and
+    settings. A prompt too long for the cache is skipped, never truncated; a warm-up in which no
+    generation ran calibrates nothing (the thresholds never prune) and is not cached."""
+    log = log or (lambda s: None)
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
-    path = state_path_for(engine, prompts, max_new_tokens, chat, cfg.checkpoints, cfg.budget, engine.matrix.k,
+    checkpoints = tuple(cfg.checkpoints) if d else ()
+    path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, cfg.budget, engine.matrix.k,
                           (d.top_k, d.depth) if d else None)
     if use_cache:
-        got = load_state(path, engine.matrix)
+        got = load_state(path, engine.matrix, checkpoints)
         if got is not None:
             engine.thresholds = got["thresholds"]
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
+            log(f"warm-up: loaded from {path}")
             return
-    wcfg = Config(**{**cfg.__dict__, "method": "eagle3" if engine.drafter else "recycle", "thresholds": None})
-    m = Method(wcfg, engine.model, engine.drafter, engine.matrix)
+    wcfg = Config(**{**cfg.__dict__, "method": "eagle3" if d else "recycle", "thresholds": None})
+    m = Method(wcfg, engine.model, d, engine.matrix)
     m.calib = []
+    ran = 0
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
             generate(engine.model, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+            ran += 1
     engine.matrix.refresh_fallback()
-    engine.thresholds = calibrate(m.calib, cfg.checkpoints) if engine.drafter else {}
     rates = engine.matrix.hit_rates()
     engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
-    if log:
-        log(f"warm-up: {len(prompts)} generations, thresholds "
-            f"{ {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
-            f"{[round(a, 3) for a in engine.hit_rates]}")
+    calibrated = ran > 0 and (not d or all(any(c in conf for conf, _ in m.calib) for c in checkpoints))
+    engine.thresholds = calibrate(m.calib, checkpoints) if calibrated else {c: 0.0 for c in checkpoints}
+    if not calibrated:
+        log(f"warning: warm-up ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
+            f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
+            f"is off (pass --thresholds to set it), and nothing is cached")
+        return
+    log(f"warm-up: {ran} of {len(prompts)} generations ran, thresholds "
+        f"{ {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
+        f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
-        save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates)})
+        save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates), "generations": ran})
 
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Lossless speculative decoding with Graft (and its baselines).")
-    p.add_argument("--ckpt", default=None,
-                   help="target: a local HF folder or a hub id (default: the shipped demo model)")
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one `error:` line (a GraftError), like every other bad input."""
+
+    def error(self, message):
+        raise GraftError(message)
+
+
+# Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
+# uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
+MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
+
+
+def add_engine_flags(p):
+    """The flags generate.py and bench.py share: model, sampling and tree shape."""
     p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
-    p.add_argument("--method", default=None, choices=METHODS,
-                   help="default: graft when a head is known or given, else ar")
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--prompt-file", default=None)
-    p.add_argument("--chat", action="store_true", help="format the prompt with the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help=f"0 (or below {MIN_TEMPERATURE}) = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="format prompts with the checkpoint's chat template")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: the model's context)")
     p.add_argument("--budget", type=int, default=None,
                    help=f"verification budget: candidate nodes per round (default {GPU_BUDGET} on a GPU, "
                         f"{CPU_BUDGET} on a CPU)")
@@ -438,28 +467,116 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
     p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="Lossless speculative decoding with Graft (and its baselines).")
+    p.add_argument("--ckpt", default=None,
+                   help="target: a local HF folder or a hub id (default: the shipped demo model)")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="default: graft when a head is known or given, else ar")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompt-file", default=None, help="the prompt: the whole file, as written (UTF-8)")
+    add_engine_flags(p)
     p.add_argument("--compare", action="store_true", help="also run ar and print the speedup")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     return p.parse_args(argv)
 
 
+def check_device(name: str):
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise GraftError(f"--device {name!r} is not a device name (use cpu or cuda[:N])") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GraftError(f"--device {name}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise GraftError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise GraftError(f"--device {name}: only cpu and cuda are supported")
+
+
+def check_args(a, budgets=None):
+    """Every engine flag checked before any model loads: bad values are one-line errors, never a
+    silent default (no `x or default`), never a traceback later. Fills in the budget default."""
+    def need(ok, msg):
+        if not ok:
+            raise GraftError(msg)
+    need(math.isfinite(a.temperature) and a.temperature >= 0, f"--temperature must be a finite number >= 0, "
+                                                               f"got {a.temperature}")
+    need(math.isfinite(a.top_p) and 0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
+    need(a.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {a.top_k}")
+    need(0 <= a.seed < 2 ** 63, f"--seed must be in [0, 2^63), got {a.seed}")
+    need(a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
+    need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
+    need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
+    need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
+    need(a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
+    need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
+    check_device(a.device)
+    if a.budget is None:
+        a.budget = default_budget(a.device)
+    budgets = budgets or [a.budget]
+    need(all(b >= 1 for b in budgets), f"--budget must be >= 1, got {min(budgets)}")
+    cps = numbers("--checkpoints", a.checkpoints)
+    need(all(0 <= c < a.depth for c in cps), f"--checkpoints must be depths in [0, --depth {a.depth}), got {cps}")
+    need(cps == sorted(set(cps)), f"--checkpoints must be increasing, got {cps}")
+    if a.keep:
+        keep = numbers("--keep", a.keep)
+        need(len(keep) == len(cps), "--keep needs one size per checkpoint")
+        need(all(1 <= k <= min(budgets) for k in keep),
+             f"--keep sizes must be in [1, --budget {min(budgets)}], got {keep}")
+    if a.thresholds:
+        th = numbers("--thresholds", a.thresholds, float)
+        need(len(th) == len(cps), "--thresholds needs one value per checkpoint")
+        need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
+    if a.warmup_file:
+        read_prompts(a.warmup_file)
+
+
+def read_text(path: str, what: str = "prompt file") -> str:
+    """A text file, strictly UTF-8 (a binary file is refused, not decoded into garbage)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise GraftError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraftError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+    if "\x00" in text:
+        raise GraftError(f"{what} {path} looks binary (it holds NUL bytes)")
+    return text
+
+
 def read_prompts(path: str) -> list:
-    """One prompt per line, or jsonl with `turns` (first turn) or `prompt`."""
-    if not os.path.isfile(path):
-        raise GraftError(f"prompt file not found: {path}")
+    """Many prompts (warm-up, training, bench datasets): one per line, or jsonl records with `turns`
+    (the first turn) or `prompt`. Errors: GraftError naming the line."""
     out = []
-    with open(path) as fh:
-        lines = [l for l in fh.read().splitlines() if l.strip()]
-    for l in lines:
-        if l.lstrip().startswith("{"):
-            try:
-                rec = json.loads(l)
-            except json.JSONDecodeError as e:
-                raise GraftError(f"bad json line in {path}: {e}") from None
-            out.append(rec["turns"][0] if rec.get("turns") else rec.get("prompt", ""))
-        else:
-            out.append(l.replace("\\n", "\n"))
+    for i, l in enumerate(read_text(path, "prompts file").splitlines(), 1):
+        if not l.strip():
+            continue
+        if not l.lstrip().startswith("{"):
+            out.append(l)
+            continue
+        try:
+            rec = json.loads(l)
+        except json.JSONDecodeError as e:
+            raise GraftError(f"bad json on line {i} of {path}: {e}") from None
+        out.append(prompt_of(rec, f"line {i} of {path}"))
     return out
+
+
+def prompt_of(rec, where: str) -> str:
+    """The prompt of a dataset record: the first of its `turns`, or its `prompt`."""
+    if isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+        return rec["turns"][0]
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        return rec["prompt"]
+    raise GraftError(f"{where}: a record needs `turns` (a list of strings) or `prompt` (a string)")
 
 
 def numbers(flag: str, text: str, kind=int) -> list:
@@ -473,53 +590,66 @@ def config_from_args(a, method: str) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
     cfg = Config(method=method, budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps,
                  recycle_size=a.recycle_size)
-    if a.recycle_size < 1:
-        raise GraftError("--recycle-size must be at least 1")
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
-        if len(cfg.keep) != len(cps):
-            raise GraftError("--keep needs one size per checkpoint")
     if a.thresholds:
-        th = numbers("--thresholds", a.thresholds, float)
-        if len(th) != len(cps):
-            raise GraftError("--thresholds needs one value per checkpoint")
-        cfg.thresholds = dict(zip(cps, th))
-    if cfg.budget < 1:
-        raise GraftError("--budget must be at least 1")
+        cfg.thresholds = dict(zip(cps, numbers("--thresholds", a.thresholds, float)))
     return cfg
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, and in the end exactly the final text, byte for byte.
+
+    Only text that later tokens cannot change is printed. A token can end inside a multi-byte UTF-8
+    character (byte-level BPE, byte fallback): the prefix then decodes to U+FFFD until the rest of the
+    character arrives, so a trailing run of U+FFFD is held back. `finish` prints what is left."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.shown = tokenizer, out or sys.stdout, ""
+
+    def __call__(self, tokens):
+        text = self.tok.decode(tokens).rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self, tokens) -> str:
+        final = self.tok.decode(tokens)
+        if not final.startswith(self.shown):   # a decoder that rewrote earlier text: print it whole again
+            self.out.write("\n")
+            self.shown = ""
+        self.out.write(final[len(self.shown):] + "\n")
+        self.out.flush()
+        return final
 
 
 def main(argv=None):
     a = parse_args(argv)
     err = sys.stderr
+    check_args(a)
+    if a.prompt is not None and a.prompt_file is not None:
+        raise GraftError("give --prompt or --prompt-file, not both")
+    if a.prompt_file is not None:
+        a.prompt = read_text(a.prompt_file)
     if a.ckpt is None:  # the demo: the shipped pair, Graft on a code prompt, compared with plain decoding
         if not os.path.isdir(DEMO_CKPT):
             raise GraftError(f"no --ckpt given and the demo model is missing from {DEMO_CKPT}")
         a.ckpt, a.draft = DEMO_CKPT, a.draft or DEMO_DRAFT
         a.compare = True
-        if a.prompt is None and a.prompt_file is None:
+        if a.prompt is None:
             a.prompt = DEMO_PROMPT
         print(f"demo: {os.path.relpath(DEMO_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
     draft = a.draft or KNOWN_HEADS.get(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
-    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-        raise GraftError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    if a.max_new_tokens < 1 or a.draft_top_k < 1 or a.depth < 1:
-        raise GraftError("need --max-new-tokens, --draft-top-k and --depth >= 1")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
                        a.draft_top_k, a.depth)
-    if a.prompt is None and a.prompt_file:
-        got = read_prompts(a.prompt_file)
-        if not got:
-            raise GraftError(f"no prompt in {a.prompt_file}")
-        a.prompt = got[0]
     text = a.prompt or ""
     ids = eng.tokenizer.apply_chat(text) if a.chat else eng.tokenizer.encode(text)
     if len(ids) + a.max_new_tokens > eng.model.max_seq_len:
         raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                          f"--max-seq-len ({eng.model.max_seq_len})")
-    a.budget = a.budget or default_budget(a.device)
     cfg = config_from_args(a, method)
     if method in NEEDS_MATRIX | {"prune"} and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
@@ -527,20 +657,9 @@ def main(argv=None):
                 log=lambda s: print(s, file=err))
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     m = make_method(eng, cfg)
-    shown = [""]
-
-    def stream(tokens):
-        t = eng.tokenizer.decode(tokens)
-        if t.startswith(shown[0]):
-            sys.stdout.write(t[len(shown[0]):])
-            sys.stdout.flush()
-            shown[0] = t
-
+    stream = TextStream(eng.tokenizer)
     res = generate(eng.model, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream)
-    text_out = eng.tokenizer.decode(res.tokens)
-    if text_out.startswith(shown[0]):
-        sys.stdout.write(text_out[len(shown[0]):])
-    sys.stdout.write("\n")
+    text_out = stream.finish(res.tokens)
     st = res.stats()
     line = (f"[{method}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s")
     if method != "ar":

@@ -8,6 +8,8 @@ Follows ../shared/GRAFT.md sections 2-6; names are the paper's. The pieces:
 Everything here works on tensors of static shape: retrieval is one gather per template level.
 """
 import heapq
+import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -229,21 +231,56 @@ def cache_dir() -> str:
     return os.environ.get("GRAFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graft"))
 
 
-def save_state(path: str, matrix: ContinuationMatrix, thresholds: dict, meta: dict):
+def save_state(path: str, matrix: ContinuationMatrix, thresholds: dict, meta: dict) -> bool:
+    """Cache the warm-up result: the matrix's tensors in safetensors, thresholds and `meta` as JSON in
+    its metadata (no pickle). Written atomically (a temporary file, then os.replace), so a concurrent
+    reader never sees half a file. A cache that cannot be written (read-only folder, full disk) only
+    costs the next run its warm-up: a warning, never an error. Returns whether it was saved."""
+    from safetensors.torch import save_file
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"matrix": matrix.state_dict(), "thresholds": thresholds, "meta": meta}, path)
-    except OSError as e:   # a read-only cache only costs the next run its warm-up
-        print(f"warning: could not save warm-up state to {path}: {e}", file=sys.stderr)
+        save_file({k: v.contiguous() for k, v in matrix.state_dict().items()}, tmp,
+                  metadata={"graft": json.dumps({"thresholds": {str(c): float(t) for c, t in thresholds.items()},
+                                                 **meta})})
+        os.replace(tmp, path)
+        return True
+    except Exception as e:      # OSError, or the RuntimeError safetensors/torch raise on a read-only folder
+        print(f"warning: could not save warm-up state to {path}: {type(e).__name__}: {str(e)[:160]}",
+              file=sys.stderr)
+        if os.path.exists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        return False
 
 
-def load_state(path: str, matrix: ContinuationMatrix) -> dict | None:
-    """Restore a saved matrix; returns {"thresholds", "meta"} or None when absent or unusable."""
+def load_state(path: str, matrix: ContinuationMatrix, checkpoints=CHECKPOINTS) -> dict | None:
+    """Restore a saved matrix; returns {"thresholds", "meta"}, or None when the file is absent,
+    unreadable, or does not fit this model (a shape, a token id outside the vocabulary, a threshold
+    that is not a probability, a checkpoint it does not calibrate): such a cache counts as absent."""
+    from safetensors import safe_open
     if not os.path.isfile(path):
         return None
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        matrix.load_state_dict(sd["matrix"])
-        return {"thresholds": {int(c): float(t) for c, t in sd["thresholds"].items()}, "meta": sd.get("meta", {})}
-    except Exception:
+        with safe_open(path, framework="pt") as fh:
+            sd = {k: fh.get_tensor(k) for k in fh.keys()}
+            meta = json.loads(fh.metadata()["graft"])
+        th = {int(c): float(t) for c, t in meta.pop("thresholds").items()}
+        V, k = matrix.vocab, matrix.k
+        fits = (set(sd) == {"M", "written", "counts", "hits", "fallback"}
+                and tuple(sd["M"].shape) == (V, k) and tuple(sd["fallback"].shape) == (k,)
+                and tuple(sd["written"].shape) == (V,) and tuple(sd["counts"].shape) == (V,)
+                and tuple(sd["hits"].shape) == (k + 1,)
+                and sd["M"].dtype == sd["fallback"].dtype == torch.int32 and sd["written"].dtype == torch.bool
+                and all(int(sd[n].min()) >= 0 and int(sd[n].max()) < V for n in ("M", "fallback"))
+                and all(bool(torch.isfinite(sd[n]).all()) and float(sd[n].min()) >= 0 for n in ("counts", "hits"))
+                and set(th) == set(checkpoints) and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in th.values())
+                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta.get("hit_rates") or []))
+        if not fits:
+            return None
+        matrix.load_state_dict(sd)
+        return {"thresholds": th, "meta": meta}
+    except Exception:           # unreadable or malformed: recompute rather than trust it
         return None

@@ -31,6 +31,99 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # ----------------------------------------------------------------------------- config
 
+_REQUIRED = object()
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}
+
+
+class Fields:
+    """Typed reads of one JSON object read from a file (a config), with one-line errors that name the
+    file and the field. A field set to null counts as absent, as transformers treats it."""
+
+    def __init__(self, obj, what: str):
+        if not isinstance(obj, dict):
+            raise GraftError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+        self.obj, self.what = obj, what
+
+    def _raw(self, key, default):
+        v = self.obj.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise GraftError(f"malformed {self.what}: missing field {key!r}")
+            return _REQUIRED
+        return v
+
+    def get(self, key, kind, default=_REQUIRED):
+        v = self._raw(key, default)
+        if v is _REQUIRED:
+            return default
+        if not isinstance(v, kind):
+            raise GraftError(f"malformed {self.what}: {key} must be {_JSON_TYPES[kind]}, got {v!r:.60}")
+        return v
+
+    def int(self, key, default=_REQUIRED, lo: int = 1, hi: int = 2 ** 31 - 1):
+        v = self._raw(key, default)
+        if v is _REQUIRED:
+            return default
+        if type(v) is not int or not lo <= v <= hi:
+            raise GraftError(f"malformed {self.what}: {key} must be an integer in [{lo}, {hi}], got {v!r:.60}")
+        return v
+
+    def float(self, key, default=_REQUIRED, positive: bool = True):
+        v = self._raw(key, default)
+        if v is _REQUIRED:
+            return default
+        if type(v) not in (int, float) or not math.isfinite(v) or (positive and v <= 0):
+            raise GraftError(f"malformed {self.what}: {key} must be a finite {'positive ' if positive else ''}"
+                             f"number, got {v!r:.60}")
+        return float(v)
+
+    def ids(self, key, vocab: int) -> list:
+        """A token id or a list of them (EOS may be several), each in [0, vocab)."""
+        v = self._raw(key, [])
+        if v is _REQUIRED or v == []:
+            return []
+        ids = v if isinstance(v, list) else [v]
+        if not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise GraftError(f"malformed {self.what}: {key} must be token ids in [0, {vocab}), got {v!r:.60}")
+        return list(ids)
+
+
+# the keys each RoPE scaling type needs (transformers' rope_config_validation), all positive numbers
+ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def read_rope(cfg: dict, what: str, default_theta: float = 10000.0) -> tuple:
+    """(rope_theta, rope_scaling or None) from a config, in either form transformers writes:
+    `rope_theta` + `rope_scaling` at the top (transformers 4), or both inside `rope_parameters`
+    (transformers 5). One reader for targets and draft heads, so both read RoPE the same way.
+    `dynamic` NTK scaling only acts past max_position_embeddings, which the cache never reaches, so
+    it reads as plain RoPE. Errors: GraftError for an unknown type or a missing or bad key."""
+    c = Fields(cfg, what)
+    params, scaling = c.get("rope_parameters", dict, None), c.get("rope_scaling", dict, None)
+    theta = cfg.get("rope_theta")
+    if theta is None:
+        theta = (params or {}).get("rope_theta", (scaling or {}).get("rope_theta", default_theta))
+    theta = Fields({"rope_theta": theta}, what).float("rope_theta")
+    scaling = scaling or params
+    if not scaling:
+        return theta, None
+    s = Fields(scaling, f"{what} rope_scaling")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default", "dynamic"):
+        return theta, None
+    if kind not in ROPE_KEYS:
+        raise GraftError(f"unsupported rope_scaling type {kind!r}: supported are linear, llama3, yarn")
+    for key in ROPE_KEYS[kind]:
+        s.float(key)
+    for key in ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                "mscale", "mscale_all_dim"):
+        s.float(key, None)
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise GraftError(f"malformed {what}: llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+    return theta, dict(scaling)
+
+
 @dataclass
 class ModelArgs:
     arch: str = "llama"                  # "llama" or "qwen3"
@@ -52,43 +145,50 @@ class ModelArgs:
     eos_token_ids: list = field(default_factory=list)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        archs = cfg.get("architectures") or []
+    def from_hf_config(cls, cfg, what: str = "config.json") -> "ModelArgs":
+        """Read a transformers config.json (Llama or Qwen3), checking every field it uses.
+
+        Errors: GraftError, one line naming the file and the field, for anything malformed,
+        inconsistent (heads that do not divide, an odd head_dim) or unsupported (another
+        architecture, activation or RoPE type). Nothing is guessed from a bad value."""
+        c = Fields(cfg, what)
+        archs = c.get("architectures", list, [])
+        if not all(isinstance(a, str) for a in archs):
+            raise GraftError(f"{what}: architectures must be a list of names")
         arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
-        if arch is None:
-            arch = {"llama": "llama", "qwen3": "qwen3"}.get(cfg.get("model_type", "")) if not archs else None
+        if arch is None and not archs:
+            arch = {"llama": "llama", "qwen3": "qwen3"}.get(c.get("model_type", str, ""))
         if arch is None:
             raise GraftError(f"unsupported architecture {archs or cfg.get('model_type')}: "
                              f"supported are {', '.join(SUPPORTED)}")
-        try:
-            dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-            # transformers 5 keeps rope_theta inside rope_parameters, even when the type is "default"
-            rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
-            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-                rope_scaling = None
-            return cls(
-                arch=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                dim=dim,
-                n_layers=int(cfg["num_hidden_layers"]),
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or dim // n_heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", False)),
-                qk_norm=arch == "qwen3",
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise GraftError(f"malformed config.json: missing or bad field {e}") from None
+        if c.get("hidden_act", str, "silu") != "silu":
+            raise GraftError(f"{what}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        for flag in ("mlp_bias", "use_sliding_window"):
+            if c.get(flag, bool, False):
+                raise GraftError(f"{what}: {flag}=true is not supported")
+        dim, n_heads = c.int("hidden_size"), c.int("num_attention_heads")
+        n_kv = c.int("num_key_value_heads", n_heads)
+        if n_heads % n_kv:
+            raise GraftError(f"{what}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+        head_dim = c.int("head_dim", None)
+        if head_dim is None:
+            if dim % n_heads:
+                raise GraftError(f"{what}: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
+                                 f"and there is no head_dim")
+            head_dim = dim // n_heads
+        if head_dim % 2:
+            raise GraftError(f"{what}: head_dim {head_dim} is odd; RoPE rotates pairs")
+        vocab = c.int("vocab_size")
+        theta, scaling = read_rope(cfg, what)
+        return cls(
+            arch=arch, vocab_size=vocab, dim=dim, n_layers=c.int("num_hidden_layers"), n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=head_dim, intermediate_size=c.int("intermediate_size"),
+            norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=c.int("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
+            attention_bias=c.get("attention_bias", bool, False), qk_norm=arch == "qwen3",
+            bos_token_id=c.int("bos_token_id", None, lo=0, hi=vocab - 1),
+            eos_token_ids=c.ids("eos_token_id", vocab))
 
     @property
     def capture_layers(self) -> tuple:
@@ -346,15 +446,23 @@ def resolve_checkpoint(ckpt: str, patterns=None) -> str:
         raise GraftError(f"could not fetch {ckpt} from the hub: {reason}: {str(e).splitlines()[0][:200]}") from None
 
 
+def read_json(path: str, what: str | None = None):
+    """A JSON file, strictly UTF-8. Errors: GraftError (one line) for unreadable or malformed files."""
+    what = what or os.path.basename(path)
+    try:
+        with open(path, "rb") as fh:
+            return json.loads(fh.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise GraftError(f"malformed {what} in {os.path.dirname(path) or '.'}: {str(e).splitlines()[0][:200]}") from None
+    except OSError as e:
+        raise GraftError(f"cannot read {path}: {e.strerror or e}") from None
+
+
 def read_config(path: str) -> dict:
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise GraftError(f"no config.json in {path}")
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise GraftError(f"malformed config.json in {path}: {e}") from None
+    return read_json(f, "config.json")
 
 
 def weight_files(path: str) -> list:
@@ -385,73 +493,189 @@ def _files_of(path: str, single: str, index_name: str) -> list:
     return [os.path.join(path, single)]
 
 
+def check_finite(name: str, t: torch.Tensor):
+    """Refuse a weight holding NaN or inf (one check per tensor, at load): such a model emits garbage
+    while every decoding method still agrees with every other, so nothing downstream would notice."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
+
+
 def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
-    """Memory-mapped read; tensors are cast to `dtype` (floating ones only) on their way to `device`."""
+    """Memory-mapped read; tensors are cast to `dtype` (floating ones only) on their way to `device`.
+    pytorch_model*.bin files are read with weights_only=True (tensors and plain containers, never
+    pickled code) and must hold a dict of tensors. Errors: GraftError, one line."""
     from safetensors import safe_open
     out = {}
+    cast = lambda t: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
     for f in files:
-        if f.endswith(".bin"):  # weights_only: tensors only, never arbitrary pickled code
+        if f.endswith(".bin"):
             try:
                 sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:
                 raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
-            for name, t in sd.items():
-                if keep is None or keep(name):
-                    out[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
+            if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                                   for k, t in sd.items()):
+                raise GraftError(f"{f} does not hold a dict of named tensors (found {type(sd).__name__})")
+            out.update({name: cast(t) for name, t in sd.items() if keep is None or keep(name)})
             continue
         try:
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for name in fh.keys():
-                    if keep is not None and not keep(name):
-                        continue
-                    t = fh.get_tensor(name)
-                    if dtype is not None and t.is_floating_point():
-                        t = t.to(dtype)
-                    out[name] = t.to(device)
-        except GraftError:
-            raise
+                    if keep is None or keep(name):
+                        out[name] = cast(fh.get_tensor(name))
         except Exception as e:
             raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
     return out
 
 
+def cache_budget(args: ModelArgs, max_seq_len, dtype=torch.float32, device="cpu") -> int:
+    """The KV cache length to allocate: max_seq_len (default: the model's context), checked before any
+    weight loads. Refused: not a positive integer, beyond the model's context (RoPE and the model's
+    training end there), or a cache larger than the memory there is."""
+    n = args.max_position_embeddings if max_seq_len is None else max_seq_len
+    if type(n) is not int or n < 1:
+        raise GraftError(f"--max-seq-len must be a positive integer, got {n!r}")
+    if n > args.max_position_embeddings:
+        raise GraftError(f"--max-seq-len {n} exceeds the model's context (max_position_embeddings "
+                         f"{args.max_position_embeddings})")
+    need = 2 * args.n_layers * args.n_kv_heads * args.head_dim * n * torch.empty(0, dtype=dtype).element_size()
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise GraftError(f"a KV cache of {n} positions needs {need / 2**30:.1f} GiB, more than the "
+                         f"{free / 2**30:.1f} GiB free on {device}: lower --max-seq-len")
+    return n
+
+
+def free_memory(device) -> int | None:
+    """Bytes free on a device (None when unknown)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None) -> Transformer:
     """Build the model from its config and load its weights; the KV cache holds max_seq_len positions
-    (default: the model's own context)."""
+    (default: the model's own context).
+
+    The files must agree with each other both ways: every weight the config implies is there with its
+    shape, and every tensor in the files is one the model uses (an lm_head stored beside tied
+    embeddings must equal them). Errors: GraftError, one line."""
     path = resolve_checkpoint(ckpt)
     args = ModelArgs.from_hf_config(read_config(path))
+    n_cache = cache_budget(args, max_seq_len, dtype, device)
     files = weight_files(path)
     with torch.device("meta"):
         model = Transformer(args)
     sd = read_safetensors(files, device, dtype, keep=lambda n: "rotary_emb" not in n)
     sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
-    tied = args.tie_word_embeddings or "lm_head.weight" not in sd  # a missing head can only be tied
-    if tied and "embed_tokens.weight" in sd:
+    if args.tie_word_embeddings and "lm_head.weight" in sd and "embed_tokens.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd["embed_tokens.weight"]):
+            raise GraftError(f"config.json in {path} ties the embeddings, but the checkpoint's lm_head.weight "
+                             f"differs from embed_tokens.weight")
+    if args.tie_word_embeddings and "embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]
     expected = dict(model.state_dict())
     missing = [k for k in expected if k not in sd]
     if missing:
         raise GraftError(f"checkpoint {path} lacks weight {missing[0]} ({len(missing)} missing)")
+    unknown = sorted(set(sd) - set(expected))
+    if unknown:      # e.g. biases the config says are absent: ignoring them would run another model
+        raise GraftError(f"checkpoint {path} has weights this config does not use: {', '.join(unknown[:3])}"
+                         + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""))
     for k, t in expected.items():
         if tuple(sd[k].shape) != tuple(t.shape):
             raise GraftError(f"weight {k} has shape {tuple(sd[k].shape)}, config implies {tuple(t.shape)}")
+        if not sd[k].is_floating_point():
+            raise GraftError(f"weight {k} is {str(sd[k].dtype).replace('torch.', '')}, not a floating-point tensor")
+        check_finite(k, sd[k])
     model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
-    if tied:
+    if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.path = path
     model.eval()
-    model.setup_caches(max_seq_len or args.max_position_embeddings)
+    model.setup_caches(n_cache)
     return model
 
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _read_json(path: str) -> dict:
+def pick_chat_template(value, what: str) -> str | None:
+    """The template string of a tokenizer config: a string, or (the Hub allows it) a list of named
+    templates, of which the one named `default` is the chat template."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" not in named:
+            raise GraftError(f"{what}: chat_template lists {sorted(named)} but none named 'default'")
+        return named["default"]
+    raise GraftError(f"malformed {what}: chat_template must be a string or a list of named templates")
+
+
+def _plain(value):
+    """Chat-template inputs rebuilt from plain JSON types, so a template sees no object with methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise TypeError(f"chat template input of type {type(value).__name__}")
+
+
+def _template_env():
+    """jinja2's immutable sandbox with the helpers Hub chat templates use (those transformers gives them):
+    `raise_exception`, `strftime_now`, `tojson` with its json.dumps options, loop controls, and a no-op
+    `{% generation %}` block. The sandbox refuses attribute access to Python internals, so a template
+    cannot reach `os` or anything else through `__globals__` and friends."""
+    import datetime
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):        # training-time marker of assistant spans; renders its body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def render_chat(template: str, messages: list, add_generation_prompt: bool = True, **context) -> str:
+    """Render a chat template the way transformers' apply_chat_template does (same sandbox, helpers and
+    variables: messages, add_generation_prompt, the special tokens, extra keywords such as
+    enable_thinking). Errors: GraftError, one line, for a template that fails to parse or to render
+    (a division by zero, a type error, a raise_exception, a sandbox violation)."""
     try:
-        with open(path) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise GraftError(f"malformed {path}: {e}") from None
+        return _template_env().from_string(template).render(
+            messages=_plain(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            **_plain(context))
+    except GraftError:
+        raise
+    except Exception as e:      # jinja2 errors, and whatever Python raises inside the template
+        raise GraftError(f"chat template: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
 
 
 class Tokenizer:
@@ -462,29 +686,54 @@ class Tokenizer:
         f = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(f):
             raise GraftError(f"no tokenizer.json in {path}")
-        self.tk = HFTokenizer.from_file(f)
-        cfg = {}
+        try:
+            self.tk = HFTokenizer.from_file(f)
+        except Exception as e:     # the Rust side reports bad JSON and bad models alike as Exception
+            raise GraftError(f"malformed tokenizer.json in {path}: {str(e).splitlines()[0][:200]}") from None
         cf = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cf):
-            cfg = _read_json(cf)
-        self.chat_template = cfg.get("chat_template")
+        cfg = Fields(read_json(cf) if os.path.isfile(cf) else {}, "tokenizer_config.json")
+        self.chat_template = pick_chat_template(cfg.obj.get("chat_template"), "tokenizer_config.json")
         jt = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(jt):
-            with open(jt) as fh:
-                self.chat_template = fh.read()
-        tok = lambda v: v.get("content") if isinstance(v, dict) else v
-        self.bos_token, self.eos_token = tok(cfg.get("bos_token")), tok(cfg.get("eos_token"))
+            try:
+                with open(jt, "rb") as fh:
+                    self.chat_template = fh.read().decode("utf-8")
+            except UnicodeDecodeError:
+                raise GraftError(f"chat_template.jinja in {path} is not UTF-8 text") from None
+        self.special = {}                  # bos_token, eos_token, ...: the strings templates may print
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = cfg.obj.get(name)
+            v = v.get("content") if isinstance(v, dict) else v
+            if v is not None and not isinstance(v, str):
+                raise GraftError(f"malformed tokenizer_config.json: {name} must be a string")
+            if v is not None and name in ("bos_token", "eos_token") and self.tk.token_to_id(v) is None:
+                raise GraftError(f"tokenizer_config.json names {name} {v!r}, which tokenizer.json does not have")
+            self.special[name] = v
+        self.bos_token, self.eos_token = self.special["bos_token"], self.special["eos_token"]
         self.bos_id = model_args.bos_token_id if model_args else None
         if self.bos_id is None and self.bos_token:
             self.bos_id = self.tk.token_to_id(self.bos_token)
         eos = set(model_args.eos_token_ids if model_args else [])
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
-            g = _read_json(gen).get("eos_token_id")
-            eos |= set([g] if isinstance(g, int) else (g or []))
-        if self.eos_token and self.tk.token_to_id(self.eos_token) is not None:
+            vocab = model_args.vocab_size if model_args else self.tk.get_vocab_size()
+            eos |= set(Fields(read_json(gen), "generation_config.json").ids("eos_token_id", vocab))
+        if self.eos_token:
             eos.add(self.tk.token_to_id(self.eos_token))
         self.eos_ids = sorted(eos)
+        if model_args is not None:
+            self.check_fits(model_args, path)
+
+    def check_fits(self, args: ModelArgs, where: str):
+        """The tokenizer and the config must agree: every id the tokenizer can produce, and the BOS and
+        EOS ids, are rows of the model's embedding."""
+        top = max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= args.vocab_size:
+            raise GraftError(f"the tokenizer in {where} produces id {top}, beyond the model's vocab_size "
+                             f"{args.vocab_size}")
+        for name, i in [("bos", self.bos_id)] + [("eos", e) for e in self.eos_ids]:
+            if i is not None and not 0 <= i < args.vocab_size:
+                raise GraftError(f"{name} token id {i} in {where} is outside the vocabulary ({args.vocab_size})")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
@@ -496,19 +745,13 @@ class Tokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat(self, user_text: str) -> list:
-        """Render one user turn with the checkpoint's own chat template, ready for the reply."""
+        """Render one user turn with the checkpoint's own chat template, ready for the reply
+        (enable_thinking=False: Qwen3 templates then skip the reasoning block)."""
         if not self.chat_template:
             raise GraftError("--chat: this checkpoint has no chat_template in tokenizer_config.json")
-        import jinja2
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(GraftError(f"chat template: {msg}"))
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-        try:
-            text = env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", enable_thinking=False)
-        except jinja2.TemplateError as e:
-            raise GraftError(f"chat template: {type(e).__name__}: {e}") from None
+        specials = {k: v for k, v in self.special.items() if v is not None}
+        text = render_chat(self.chat_template, [{"role": "user", "content": user_text}], True,
+                           enable_thinking=False, **specials)
         return self.encode(text, add_special_tokens=False)
 
 

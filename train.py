@@ -14,7 +14,8 @@ EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
      step j weighted 0.8^j.
   4. Saved in the published format (config.json + model.safetensors with fc, midlayer.*, norm,
      lm_head, d2t, t2d; no embedding), loadable by draft.load_head and by EAGLE/SGLang/vLLM.
-Progress on stderr, a loss log (train_log.jsonl), resumable from train_state.pt in --out.
+Progress on stderr, a loss log (train_log.jsonl), resumable from train_state.safetensors in --out
+(tensors + JSON, never a pickle).
 """
 import argparse
 import json
@@ -31,6 +32,86 @@ from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
 from generate import read_prompts
+
+
+# ----------------------------------------------------------------------------- resumable state
+
+# Resume files never hold pickles: tensors go into safetensors, everything else (step, optimizer
+# hyper-parameters, the Python RNG) into JSON inside the same file's metadata. Loading them cannot run
+# code, whatever a file placed in --out contains.
+
+def save_state(path: str, tensors: dict, meta: dict):
+    """Write {name: tensor} and a JSON-able dict to one safetensors file, atomically (a temporary file,
+    then os.replace), so an interrupted save never leaves half a file."""
+    from safetensors.torch import save_file
+    tmp = path + ".tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+              metadata={"graft": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_state(path: str) -> tuple:
+    """(tensors, meta) from save_state's file. Errors: GraftError, one line."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {})["graft"])
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:
+        raise GraftError(f"cannot resume from {path} ({type(e).__name__}); delete it or pass --restart") from None
+    if not isinstance(meta, dict):
+        raise GraftError(f"cannot resume from {path}: malformed metadata; delete it or pass --restart")
+    return tensors, meta
+
+
+def pack(model_sd: dict, opt, extra: dict) -> tuple:
+    """A module's and an optimizer's state as (tensors, meta) for save_state."""
+    osd = opt.state_dict()
+    tensors = {f"model.{k}": v for k, v in model_sd.items()}
+    state = {}
+    for idx, st in osd["state"].items():
+        state[str(idx)] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"opt.{idx}.{k}"] = v
+            else:
+                state[str(idx)][k] = v
+    return tensors, {"opt_groups": osd["param_groups"], "opt_state": state, **extra}
+
+
+def unpack(tensors: dict, meta: dict, path: str) -> tuple:
+    """(model state dict, optimizer state dict, meta) from pack's output."""
+    try:
+        model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        state = {int(i): dict(st) for i, st in meta["opt_state"].items()}
+        for k, v in tensors.items():
+            if k.startswith("opt."):
+                _, idx, name = k.split(".", 2)
+                state.setdefault(int(idx), {})[name] = v
+        return model_sd, {"state": state, "param_groups": meta["opt_groups"]}, meta
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise GraftError(f"cannot resume from {path}: malformed state ({e}); delete it or pass --restart") from None
+
+
+def save_sequences(path: str, seqs: list):
+    """Token sequences as one flat int32 tensor and their lengths (no pickle)."""
+    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+    save_state(path, {"tokens": flat, "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)}, {})
+
+
+def load_sequences(path: str) -> list:
+    tensors, _ = load_state(path)
+    try:
+        flat, lengths = tensors["tokens"].tolist(), tensors["lengths"].tolist()
+    except KeyError:
+        raise GraftError(f"{path} holds no token sequences; delete it to regenerate") from None
+    if sum(lengths) != len(flat) or min(lengths, default=0) < 0:
+        raise GraftError(f"{path}: lengths do not match the tokens; delete it to regenerate")
+    out, i = [], 0
+    for n in lengths:
+        out.append(flat[i:i + n])
+        i += n
+    return out
 
 
 # ----------------------------------------------------------------------------- data
@@ -174,6 +255,11 @@ def new_head(target, draft_vocab_size: int) -> Eagle3:
     return head
 
 
+def head_state(head) -> dict:
+    """What training changes: everything but the target's (frozen, shared) embedding."""
+    return {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+
+
 def train_eagle3(a) -> str:
     dev = a.device
     torch.manual_seed(a.seed)
@@ -186,14 +272,14 @@ def train_eagle3(a) -> str:
         p.requires_grad_(False)
     tok = load_tokenizer(target.path, target.args)
     os.makedirs(a.out, exist_ok=True)
-    data_path = os.path.join(a.out, "train_data.pt")
-    state_path = os.path.join(a.out, "train_state.pt")
+    data_path = os.path.join(a.out, "train_data.safetensors")
+    state_path = os.path.join(a.out, "train_state.safetensors")
     log = lambda s: print(s, file=sys.stderr)
     if os.path.isfile(data_path):
-        try:
-            seqs = torch.load(data_path, weights_only=True)["seqs"]
-        except Exception as e:
-            raise GraftError(f"cannot read {data_path} ({type(e).__name__}); delete it to regenerate") from None
+        seqs = load_sequences(data_path)
+        vocab = target.args.vocab_size
+        if any(t < 0 or t >= vocab for s in seqs for t in s):
+            raise GraftError(f"{data_path} holds token ids outside the target's vocabulary; delete it to regenerate")
         log(f"data: {len(seqs)} sequences from {data_path}")
     else:
         prompts = read_prompts(a.prompts)
@@ -202,7 +288,7 @@ def train_eagle3(a) -> str:
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
         t0 = time.time()
         seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log)
-        torch.save({"seqs": seqs}, data_path)
+        save_sequences(data_path, seqs)
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
     used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
     head = new_head(target, used.numel()).to(dev)          # float32 weights; features are cast to them
@@ -211,11 +297,15 @@ def train_eagle3(a) -> str:
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, rng = 0, random.Random(a.seed)
     if os.path.isfile(state_path) and not a.restart:
-        st = torch.load(state_path, map_location=dev, weights_only=False)
-        head.load_state_dict(st["head"], strict=False)
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
-        rng.setstate(st["rng"])
+        head_sd, opt_sd, meta = unpack(*load_state(state_path), state_path)
+        try:
+            head.load_state_dict({k: v.to(dev) for k, v in head_sd.items()}, strict=False)
+            opt.load_state_dict(opt_sd)
+            step = int(meta["step"])
+            rng.setstate((meta["rng"][0], tuple(meta["rng"][1]), meta["rng"][2]))
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise GraftError(f"cannot resume from {state_path}: it does not fit this run ({str(e)[:120]}); "
+                             f"delete it or pass --restart") from None
         log(f"resumed at step {step}")
     used = used.to(dev)
     data = batches(seqs, a.seq_len, a.batch, rng)
@@ -245,10 +335,9 @@ def train_eagle3(a) -> str:
             logf.flush()
             progress("train", step, a.steps, t0, f"loss {rec['loss']:.3f} acc0 {accs[0]:.2f}")
         if step % a.save_every == 0:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate()},
-                       state_path)
+            save_state(state_path, *pack(head_state(head), opt, {"step": step, "rng": rng.getstate()}))
     sys.stderr.write("\n")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate()}, state_path)
+    save_state(state_path, *pack(head_state(head), opt, {"step": step, "rng": rng.getstate()}))
     head.eval()
     save_head(head, a.out)
     log(f"saved head to {a.out} after {step} steps ({time.time() - t0:.0f}s)")
@@ -345,6 +434,12 @@ def lr_at(a, step: int, frac: float) -> float:
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def save_target_state(path, model, opt, g, step: int, seconds: float):
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}     # tied: stored once
+    tensors, meta = pack(sd, opt, {"step": step, "seconds": seconds})
+    save_state(path, {**tensors, "gen": g.get_state()}, meta)
+
+
 def train_target(a) -> str:
     """Pretrain a small Qwen3-architecture model (qk-norm) on a local corpus, CPU-friendly (bf16
     autocast where the CPU has it), and save it as a standard HF folder in float16."""
@@ -386,15 +481,21 @@ def train_target(a) -> str:
             torch.nn.init.normal_(p, std=std / math.sqrt(2 * a.layers) if n.endswith(("o_proj.weight", "down_proj.weight")) else std)
     model.lm_head.weight = model.embed_tokens.weight
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    state_path = os.path.join(a.out, "train_state.pt")
+    state_path = os.path.join(a.out, "train_state.safetensors")
     step, spent, g = 0, 0.0, torch.Generator().manual_seed(a.seed)
     if os.path.isfile(state_path) and not a.restart:
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        model.lm_head.weight = model.embed_tokens.weight
-        opt.load_state_dict(st["opt"])
-        step, spent = st["step"], st["seconds"]
-        g.set_state(st["gen"])
+        tensors, meta = load_state(state_path)
+        model_sd, opt_sd, meta = unpack(tensors, meta, state_path)
+        try:
+            model_sd["lm_head.weight"] = model_sd["embed_tokens.weight"]
+            model.load_state_dict(model_sd)
+            model.lm_head.weight = model.embed_tokens.weight
+            opt.load_state_dict(opt_sd)
+            step, spent = int(meta["step"]), float(meta["seconds"])
+            g.set_state(tensors["gen"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise GraftError(f"cannot resume from {state_path}: it does not fit this run ({str(e)[:120]}); "
+                             f"delete it or pass --restart") from None
         log(f"resumed at step {step} ({spent:.0f}s spent)")
     T = a.seq_len
     pos = torch.arange(T)
@@ -445,10 +546,8 @@ def train_target(a) -> str:
             logf.flush()
             progress("train", step, a.steps, t0, f"loss {rec['loss']:.3f}" + (f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""))
         if step % a.save_every == 0:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "seconds": time.time() - t0, "gen": g.get_state()}, state_path)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                "seconds": time.time() - t0, "gen": g.get_state()}, state_path)
+            save_target_state(state_path, model, opt, g, step, time.time() - t0)
+    save_target_state(state_path, model, opt, g, step, time.time() - t0)
     vl = val_loss()
     from safetensors.torch import save_file
     sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.detach().half().contiguous()
@@ -496,12 +595,12 @@ def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) ->
     if not os.path.isdir(STORIES):
         raise GraftError(f"stories260K-hf not found at {STORIES}")
     os.makedirs(out, exist_ok=True)
-    prompts = os.path.join(out, "prompts.txt")
+    prompts = os.path.join(out, "prompts.jsonl")
     if not os.path.isfile(prompts):
         m = load_model(STORIES)
         ops = sample_openings(m, load_tokenizer(STORIES, m.args), 300, seed=0)
         with open(prompts, "w") as fh:
-            fh.write("\n".join(o.replace("\n", "\\n") for o in ops) + "\n")
+            fh.write("".join(json.dumps({"prompt": o}) + "\n" for o in ops))
     argv = ["eagle3", "--ckpt", STORIES, "--prompts", prompts, "--out", out, "--device", "cpu",
             "--new-tokens", "160", "--steps", "400", "--batch", "32", "--seq-len", "64", "--ttt", "5",
             "--lr", "3e-3"]
@@ -536,7 +635,7 @@ def parse_args(argv=None):
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--log-every", type=int, default=10)
     e.add_argument("--save-every", type=int, default=200)
-    e.add_argument("--restart", action="store_true", help="ignore a saved train_state.pt")
+    e.add_argument("--restart", action="store_true", help="ignore a saved train_state.safetensors")
     t = sub.add_parser("target", help="pretrain a small Qwen3-architecture target from scratch")
     t.add_argument("--out", required=True)
     t.add_argument("--corpus", nargs="*", default=None,

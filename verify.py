@@ -14,19 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
+from model import GraftError
+
 
 # ----------------------------------------------------------------------------- sampling
 
+# Below this temperature, sampling is greedy decoding: dividing the logits by it would overflow
+# float32 (1e-45 gives inf - inf = NaN), and the draw it approximates is the argmax anyway (vLLM's
+# _SAMPLING_EPS is the same value).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class Sampling:
-    temperature: float = 0.0     # 0 = greedy
+    temperature: float = 0.0     # < MIN_TEMPERATURE = greedy
     top_p: float = 1.0
     top_k: int = 0               # 0 = off
     seed: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 _M32 = 0xFFFFFFFF
@@ -156,11 +164,16 @@ def verify(model, tokens: torch.Tensor, parents: torch.Tensor, L: int, s: Sampli
     logits, feats = (out[0][0], out[1][0]) if capture else (out[0], None)
     target = choose(logits, L + depth + 1, s)                                        # (N,)
     order, bonus, A = accept(tokens, parents, mask, depth, target)
-    # the one host sync of the round: the accepted length, its tokens and the bonus, in one transfer
-    got = torch.cat([A.view(1), bonus.view(1), tokens[order]]).tolist()
+    # the one host sync of the round: the accepted length, the bonus, whether every logit was finite
+    # (a NaN would make the argmax silently pick token 0), and the accepted tokens, in one transfer
+    finite = torch.isfinite(logits).all().long()
+    got = torch.cat([A.view(1), bonus.view(1), finite.view(1), tokens[order]]).tolist()
+    if not got[2]:
+        raise GraftError("the target's logits are not finite (NaN or inf) in this pass: the model overflows "
+                         "in this dtype or its weights are broken")
     A, bonus = got[0], got[1]
     path = order[:A + 1]
     if A > 0:
         model.move_cache_rows(L + path, L)
-    return Verified(path=path, accepted=got[3:3 + A], bonus=bonus, logits=logits,
+    return Verified(path=path, accepted=got[4:4 + A], bonus=bonus, logits=logits,
                     target=target, feats=None if feats is None else feats[path])
