@@ -364,6 +364,9 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     drafter = None
     if draft:
         head = load_head(draft, model)
+        if top_k > head.config.draft_vocab_size:
+            raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
+                             f"({head.config.draft_vocab_size} tokens)")
         drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
     return Engine(model, tok, drafter, matrix)

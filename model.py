@@ -744,14 +744,17 @@ class Tokenizer:
     def decode(self, ids: list) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat(self, user_text: str) -> list:
-        """Render one user turn with the checkpoint's own chat template, ready for the reply
-        (enable_thinking=False: Qwen3 templates then skip the reasoning block)."""
+    def render(self, messages: list, add_generation_prompt: bool = True, **context) -> str:
+        """The checkpoint's chat template rendered for `messages`, with its special tokens in scope."""
         if not self.chat_template:
             raise GraftError("--chat: this checkpoint has no chat_template in tokenizer_config.json")
         specials = {k: v for k, v in self.special.items() if v is not None}
-        text = render_chat(self.chat_template, [{"role": "user", "content": user_text}], True,
-                           enable_thinking=False, **specials)
+        return render_chat(self.chat_template, messages, add_generation_prompt, **{**specials, **context})
+
+    def apply_chat(self, user_text: str) -> list:
+        """One user turn rendered with the checkpoint's own chat template, ready for the reply
+        (enable_thinking=False: Qwen3 templates then skip the reasoning block), as token ids."""
+        text = self.render([{"role": "user", "content": user_text}], True, enable_thinking=False)
         return self.encode(text, add_special_tokens=False)
 
 
