@@ -13,7 +13,6 @@ import argparse
 import copy
 import dataclasses
 import datetime
-import gzip
 import json
 import os
 import platform
@@ -24,119 +23,25 @@ from pathlib import Path
 import torch
 
 import generate as G
+from data import STORIES, check_dataset, load_dataset, read_prompts, stories_head_dir
 from model import GraftError
-import train
-from train import STORIES, ensure_stories_head, sample_openings
 from verify import Sampling
 
 # ----------------------------------------------------------------------------- datasets
 
-# name -> (file under shared/data, field holding the prompt); "turns" = first turn (MT-bench style)
-FILES = {
-    "spec_bench": ("spec_bench/question.jsonl", "turns"),
-    "mt_bench": ("mt_bench/question.jsonl", "turns"),
-    "humaneval": ("humaneval/HumanEval.jsonl.gz", "prompt"),   # raw code, no instruction
-    "eagle_humaneval": ("eagle_humaneval/question.jsonl", "turns"),
-    "gsm8k": ("gsm8k/test.jsonl", "question"),
-    "eagle_gsm8k": ("eagle_gsm8k/question.jsonl", "turns"),
-    "alpaca": ("eagle_alpaca/question.jsonl", "turns"),
-    "cnndm": ("eagle_sum/question.jsonl", "turns"),
-    "eagle_qa": ("eagle_qa/question.jsonl", "turns"),
-    "sharegpt": ("sharegpt_sample/sharegpt_sample.json", "conversations"),
-}
-SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-                         "translation", "summarization", "qa", "math_reasoning", "rag")
-GENERATED = ("stories", "stdlib")      # made at run time, not read from shared/data
-GENERATED_DEFAULT = 80                 # their size without --limit (the EAGLE subsets' size)
-
-# stdlib hook: an explicit list of held-out source files (or GRAFT_STDLIB_FILES, a file with one path per
-# line) takes precedence; otherwise train.py's held-out split of the stdlib (the files the demo code
-# target never trains on), so that no benchmarked snippet was seen in training.
-STDLIB_FILES: list | None = None
 
 
-def data_dir() -> Path:
-    """../shared/data next to the repository, or $GRAFT_SHARED/data."""
-    shared = os.environ.get("GRAFT_SHARED")
-    return (Path(shared) if shared else Path(__file__).resolve().parent.parent / "shared") / "data"
 
 
-def check_dataset(name: str):
-    """Fail fast (before loading any model) on an unknown name or a missing file."""
-    if name in GENERATED or os.path.isfile(name):
-        return
-    base, _, cat = name.partition(":")
-    if base == "spec_bench" and cat and cat not in SPEC_BENCH_CATEGORIES:
-        raise GraftError(f"unknown Spec-Bench category {cat!r}: one of {', '.join(SPEC_BENCH_CATEGORIES)}")
-    if base not in FILES or (cat and base != "spec_bench"):
-        raise GraftError(f"unknown dataset {name!r}: use {', '.join(list(FILES) + list(GENERATED))}, "
-                         f"spec_bench:<category> or a path to a .jsonl file")
-    if not (data_dir() / FILES[base][0]).is_file():
-        raise GraftError(f"dataset {name}: {data_dir() / FILES[base][0]} not found (set GRAFT_SHARED)")
 
 
-def read_records(path: Path) -> list:
-    """The records of a dataset file: a JSON array (.json) or JSON lines (.jsonl, .jsonl.gz)."""
-    try:
-        if path.suffix == ".json":
-            recs = json.loads(path.read_bytes().decode("utf-8"))
-        else:
-            opener = gzip.open if path.suffix == ".gz" else open
-            with opener(path, "rt", encoding="utf-8") as fh:
-                recs = [json.loads(l) for l in fh if l.strip()]
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GraftError(f"cannot read dataset {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
-    if not isinstance(recs, list):
-        raise GraftError(f"dataset {path} must hold a list of records")
-    return recs
 
 
-def stdlib_prompts(limit: int) -> list:
-    """40-line Python snippets from held-out files: STDLIB_FILES / $GRAFT_STDLIB_FILES when given,
-    else train.py's held-out split of the stdlib (files the demo target never trained on)."""
-    listed = STDLIB_FILES
-    if listed is None and os.environ.get("GRAFT_STDLIB_FILES"):
-        listed = [l.strip() for l in open(os.environ["GRAFT_STDLIB_FILES"]) if l.strip()]
-    if listed is None:
-        return train.stdlib_snippets(heldout=True, n=limit, lines=40)
-    snippets = []
-    for f in listed:        # the beginning of each file, evenly spaced picks: deterministic
-        lines = Path(f).read_text(errors="replace").splitlines()[:40]
-        if sum(1 for l in lines if l.strip()) >= 20:        # skip stubs: too little to continue
-            snippets.append("\n".join(lines) + "\n")
-    n = min(limit, len(snippets))
-    return [snippets[i * len(snippets) // n] for i in range(n)]
 
 
-def load_dataset(name: str, limit: int | None, eng) -> list:
-    """The prompt texts of a dataset, the first `limit` of them."""
-    if name == "stories":       # held out: the head's training openings are sampled with seed 0
-        return sample_openings(eng.model, eng.tokenizer, limit or GENERATED_DEFAULT, seed=1)
-    if name == "stdlib":
-        return stdlib_prompts(limit or GENERATED_DEFAULT)
-    if os.path.isfile(name):
-        return G.read_prompts(name)[:limit]
-    base, _, cat = name.partition(":")
-    path, field = FILES[base]
-    recs = [r for r in read_records(data_dir() / path) if not cat or r.get("category") == cat]
-    where = lambda i: f"record {i} of {data_dir() / path}"
-    if field == "turns":
-        texts = [G.prompt_of(r, where(i)) for i, r in enumerate(recs)]
-    elif field == "conversations":
-        texts = [human_turn(r, where(i)) for i, r in enumerate(recs)]
-    else:
-        texts = [G.prompt_of({"prompt": r.get(field) if isinstance(r, dict) else None}, where(i))
-                 for i, r in enumerate(recs)]
-    return texts[:limit]
 
 
-def human_turn(rec, where: str) -> str:
-    """The first human turn of a ShareGPT-style record."""
-    turns = rec.get("conversations") if isinstance(rec, dict) else None
-    for t in turns if isinstance(turns, list) else []:
-        if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str):
-            return t["value"]
-    raise GraftError(f"{where}: no human turn in `conversations`")
+
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -151,13 +56,16 @@ class Row:
     tps: list = dataclasses.field(default_factory=list)    # per-prompt tokens/s
     tot: dict = dataclasses.field(default_factory=dict)    # summed Result counters
     stages: dict = dataclasses.field(default_factory=dict)
+    times: dict = dataclasses.field(default_factory=dict)  # seconds per phase
     mismatches: int = 0
 
     def add(self, res: G.Result):
         self.tps.append(res.tokens_per_s)
-        for k in ("rounds", "committed", "draft_forwards", "verified", "from_retrieval", "accepted", "seconds"):
+        for k in ("rounds", "committed", "draft_forwards", "verified", "from_retrieval", "accepted", "seconds", "syncs"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
         self.tot["tokens"] = self.tot.get("tokens", 0) + len(res.tokens)
+        for phase, s in res.times.items():
+            self.times[phase] = self.times.get(phase, 0.0) + s
         for s, n in res.stages.items():
             key = "full" if s is None else str(s)      # full = not pruned: drafted to full depth
             self.stages[key] = self.stages.get(key, 0) + n
@@ -165,6 +73,8 @@ class Row:
     def report(self, ar_tps: float) -> dict:
         t, r = self.tot, max(self.tot.get("rounds", 0), 1)
         mean = sum(self.tps) / len(self.tps) if self.tps else None     # None: every prompt was skipped
+        round_ms = {k: round(v / r * 1000, 4) for k, v in sorted(self.times.items()) if k != "prefill"}
+        total = sum(round_ms.values())
         return {"dataset": self.dataset, "method": self.method, "budget": self.budget,
                 "prompts": len(self.tps), "skipped": self.skipped,
                 "mat": round(t["committed"] / r, 4) if self.tps else None,
@@ -174,30 +84,42 @@ class Row:
                 "verified_per_round": round(t.get("verified", 0) / r, 4),
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
                 "stages": dict(sorted(self.stages.items())) if self.method in G.NEEDS_HEAD else {},
+                "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
+                # everything but the verify pass, as a share of the round (GPU: CUDA events, no syncs)
+                "overhead": round(1 - round_ms.get("verify", 0.0) / total, 4) if total else None,
+                "prefill_ms": round(self.times.get("prefill", 0.0) / max(len(self.tps), 1) * 1000, 3),
                 "tokens": t.get("tokens", 0), "seconds": round(t.get("seconds", 0.0), 3),
                 "lossless": self.mismatches == 0}
 
 
 @torch.no_grad()
-def pass_cost(model, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
-    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens: the price
-    of verifying a budget. On a GPU it barely grows with N; on a CPU it does, which is what sets the
-    best budget there. (A chain; the cost does not depend on the tree's shape.) Returns (context used,
-    {N: ms}): the context shrinks when max_seq_len leaves no room for it."""
-    dev = model.embed_tokens.weight.device
-    context = max(1, min(context, model.max_seq_len - max(sizes)))
-    ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).to(dev)
-    pos = torch.arange(context, device=dev)
-    model(ids[None, :context], pos, pos, torch.ones(context, context, dtype=torch.bool, device=dev).tril_())
+def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
+    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
+    the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
+    verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
+    which is what sets the best budget there. (A chain; the cost does not depend on the tree's
+    shape.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    dev, m = eng.device, eng.model
+    context = max(1, min(context, m.max_seq_len - 1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
+    from verify import chain
     out = {}
     for n in sizes:
-        rows = torch.arange(context, context + n, device=dev)
-        mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril_(context)
+        eng.begin(Sampling())
+        G.prefill(eng, G.Plain(eng), ids[:context].tolist())
+        tree = chain(ids[context:context + n])
         for i in range(repeats + 3):                 # 3 untimed passes first
             if i == 3:
                 G.sync(dev)
                 t0 = time.perf_counter()
-            model(ids[None, context:context + n], rows, rows, mask)
+            if eng.compiling and eng.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            if n == 1:
+                eng.decode(tree.tokens[0])
+            else:
+                eng.verify(tree, n)
+            eng.L.fill_(context)                     # undo what the pass committed
         G.sync(dev)
         out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
     return context, out
@@ -277,32 +199,40 @@ def main(argv=None) -> dict:
     need_head = any(m in G.NEEDS_HEAD for m in methods)
     draft = a.draft or (G.KNOWN_HEADS.get(a.ckpt) if need_head else None)
     if need_head and not draft and os.path.realpath(a.ckpt) == os.path.realpath(STORIES):
-        draft = ensure_stories_head()              # trained into the cache on first use (~2 min)
+        draft = stories_head_dir()                 # made by `python train.py stories-head` (~2 min)
+        if not os.path.isfile(os.path.join(draft, "model.safetensors")):
+            raise GraftError(f"no head for stories260K-hf in {draft}: make it with `python train.py stories-head`")
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in G.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
-    eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth)
+    eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
+                         compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
     if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
-        wp = G.read_prompts(a.warmup_file) if a.warmup_file else None
-        G.warm_up(eng, G.config_from_args(a, methods[-1]), wp, rounds=a.warmup, use_cache=not a.no_cache,
-                  chat=a.chat, log=log)
+        wp = read_prompts(a.warmup_file) if a.warmup_file else None
+        G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log)
 
-    # One method object per (method, budget), kept for the whole run. Each gets its own copy of the
+    # One proposer per (method, budget), kept for the whole run. Each gets its own copy of the
     # warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
-    runs = {("ar", None): G.make_method(eng, G.Config(method="ar"))}
+    runs = {("ar", None): G.make_method(eng, "ar")}
     for m in methods[1:]:
         for b in budgets:
-            own = dataclasses.replace(eng, matrix=copy.deepcopy(eng.matrix)) if m in G.NEEDS_MATRIX else eng
-            runs[(m, b)] = G.make_method(own, G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b}), m))
+            own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
+            cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b}))
+            runs[(m, b)] = G.make_method(eng, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
-    # one short untimed generation per run (a warm-up prompt, so no benchmark prompt leaks into the
-    # matrix): first-call costs (allocator, kernel selection) would otherwise land on the first prompt
-    w = eng.tokenizer.encode(G.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
-    for meth in runs.values():
-        G.generate(eng.model, meth, w, 16, sampling, eng.tokenizer.eos_ids)
+    # before anything is timed: compile every graph (compiled engines), or one short generation per run
+    # (eager: first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
+    # benchmark prompt leaks into the matrix.
+    how = ("compiled (CUDA graphs)" if eng.cuda else "compiled (inductor)") if eng.compiling else "eager"
+    if eng.compiling:
+        log(f"compile: {G.compile_warmup(eng, list(runs.values()), sampling):.1f}s")
+    else:
+        w = eng.tokenizer.encode(G.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+        for meth in runs.values():
+            G.generate(eng, meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost_context, cost = pass_cost(eng.model, sorted({1} | {b + 1 for b in budgets}))
+    cost_context, cost = pass_cost(eng, sorted({1} | {meth.N for meth in runs.values()}))
 
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
@@ -328,7 +258,7 @@ def main(argv=None) -> dict:
                     base = None
                     for (m, b), meth in runs.items():
                         bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else ""))
-                        res = G.generate(eng.model, meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                        res = G.generate(eng, meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
                         acc[(m, b)].add(res)
                         base = res.tokens if m == "ar" else base
                         same = res.tokens == base
@@ -365,6 +295,8 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_seq_len": eng.model.max_seq_len,
+        "execution": how, "attention": "window" if eng.window else "full",
+        "compile_seconds": round(eng.compile_seconds, 2), "prefill_chunk": eng.chunk,
         "max_new_tokens": a.max_new_tokens, "limit": a.limit, "chat": a.chat, "budgets": budgets,
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed},
         "warmup": a.warmup, "thresholds": {str(c): round(t, 4) for c, t in (eng.thresholds or {}).items()},

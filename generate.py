@@ -1,11 +1,13 @@
-"""The command line and the decoding loop for every method.
+"""The decoding loop, the engine that runs it (eager or compiled), and the command line.
 
     python generate.py --ckpt Qwen/Qwen3-8B --method graft --chat --prompt "Write a haiku"
 
-Every method proposes a tree each round (tokens, parents; the root is the last committed token) and
-the same verifier (verify.py) commits the longest path the target agrees with plus one bonus token:
-  ar       the root alone: plain decoding
-  eagle3   dense EAGLE-3 tree (budget 60, top_k 10, 8 levels)
+gpt-fast's shape: `prefill_chunk` and `decode_one_token` are flat functions, compiled where the
+engine is built; a round of any method is a few static-shaped steps with one host sync. Every method
+is a proposer (verify.Proposer): each round it proposes a tree under the root, the one verifier
+(verify.py) commits the longest path the target agrees with plus one bonus token, and it learns:
+  ar       the root alone: plain decoding (`Plain`, decode_one_token)
+  eagle3   dense EAGLE-3 tree (budget 60, top_k 10, 8 levels)             (graft.Graft, configured)
   prune    EAGLE-3 stopped at calibrated checkpoints; freed slots left empty (ECHO-style)
   graft    prune, then fill the freed slots from the continuation matrix (this project's point)
   recycle  Token Recycling: an 80-node retrieval tree from the continuation matrix, no draft head
@@ -15,6 +17,7 @@ the same verifier (verify.py) commits the longest path the target agrees with pl
   graft-tail   dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)
 """
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,18 +25,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from model import DTYPES, GraftError, Tokenizer, load_model, load_tokenizer, resolve_checkpoint
-from verify import MIN_TEMPERATURE, Sampling, choose, verify
+from data import read_prompts, read_text
 from draft import Drafter, load_head
-from graft import (CHECKPOINTS, KEEP, PRIOR_HIT_RATES, ContinuationMatrix, build_template, cache_dir,
-                   calibrate, graft_trees, load_state, save_state, scaled_keep)
-
-METHODS = ("ar", "eagle3", "prune", "graft", "recycle", "pld", "graft-fixed", "graft-root", "graft-tail")
-NEEDS_HEAD = {"eagle3", "prune", "graft", "graft-fixed", "graft-root", "graft-tail"}
-NEEDS_MATRIX = {"graft", "recycle", "graft-fixed", "graft-root", "graft-tail"}
+from graft import (CHECKPOINTS, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, build_template, cache_dir,
+                   calibrate, load_state, save_state, with_root)
+from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
+from verify import MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token, verify
 
 # Published EAGLE-3 heads for well-known targets (eagle3.md section 3).
 KNOWN_HEADS = {
@@ -53,6 +54,12 @@ DEMO_PROMPT = ('def parse_header(line):\n    """Split a header line into its nam
 # The verification budget. On a GPU a 61-node tree costs about what one token does (the paper's 60);
 # on a CPU verification cost grows with the nodes, and the budget sweep in the README found this best.
 GPU_BUDGET, CPU_BUDGET = 60, 16
+# The KV cache length when --max-seq-len is not given: the model's context, capped. A GPU step reads
+# the whole cache (static shapes), so a 128K-context model would pay for 128K rows every token.
+DEFAULT_MAX_SEQ_LEN = 4096
+# Prefill chunk: a prompt of any length runs as chunks of this many tokens (the last one padded), so
+# a few graphs serve every length and memory grows with the context, not with its square.
+PREFILL_CHUNK = 128
 
 
 def default_budget(device) -> int:
@@ -72,156 +79,247 @@ WARMUP_PROMPTS = [
 ]
 
 
+# ----------------------------------------------------------------------------- the target's steps
+
+@torch.no_grad()
+def prefill_chunk(model, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, cols: torch.Tensor,
+                  capture: bool) -> tuple:
+    """C prompt tokens (the first n real, the rest padding) at rows L..L+C-1, causal among themselves
+    and over the committed rows. Returns logits (C, V) and features (C, 3*dim) or None; L advances by n."""
+    C, dev = tokens.numel(), tokens.device
+    rows = L + torch.arange(C, device=dev)
+    mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), L, cols)
+    out = model(tokens[None], rows, rows, mask, capture)
+    L.add_(n)
+    return (out[0][0], out[1][0]) if capture else (out[0], None)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+class Engine:
+    """A target with its tokenizer, optional head and continuation matrix, and how its steps run:
+    eager, or compiled (inductor on a CPU, CUDA graphs on a GPU), with attention over a window of the
+    cache that grows with the context (`window`, a CPU's fastest) or over the whole cache (static
+    shapes, what CUDA graphs need). It owns the device-side round state: the committed length L, the
+    sampling seed, and the clock of the round's phases."""
+
+    def __init__(self, model, tokenizer: Tokenizer, drafter: Drafter | None, matrix: ContinuationMatrix,
+                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK):
+        self.model, self.tokenizer, self.drafter, self.matrix = model, tokenizer, drafter, matrix
+        self.thresholds, self.hit_rates = None, None
+        p = model.embed_tokens.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.cuda = self.device.type == "cuda"
+        self.compiling, self.window, self.chunk = compile, window, chunk
+        self.L = torch.zeros((), dtype=torch.long, device=self.device)       # committed rows, on the device
+        self.L_host = 0                                                      # and its mirror on the host
+        self.seed = torch.zeros((), dtype=torch.long, device=self.device)
+        self.sampling = Sampling()
+        self.clock = Clock(self.device)
+        self.compile_seconds = 0.0
+        self._cols = self._head_cols = None
+        self.reserve(1, 1)
+        self._decode = self.compile(partial(decode_one_token, model))
+        self._verify = self.compile(partial(verify, model))
+        self._prefill = self.compile(partial(prefill_chunk, model))
+        self._head_prefill = self.compile(drafter.prefill) if drafter else None
+        self.static(self.L, self.seed, matrix.M, matrix.written, matrix.counts, matrix.hits)
+
+    # -- compilation
+    def compile(self, fn):
+        """fn as it runs on this engine: itself, or compiled. A CPU gets inductor; a GPU gets CUDA
+        graphs through torch.compile's reduce-overhead mode. One graph per shape: N, P, stage."""
+        if not self.compiling:
+            return fn
+        if self.cuda:
+            return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        return torch.compile(fn, fullgraph=True, **CPU_COMPILE)
+
+    def static(self, *tensors):
+        """Tensors that live across rounds at a fixed address (caches, state buffers): CUDA graphs
+        read and write them in place instead of copying them in and out."""
+        if self.compiling and self.cuda:
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
+
+    def reserve(self, nodes: int, path: int):
+        """Make room in the caches for rounds of `nodes` tree nodes and `path` accepted rows (done when
+        a method is set up, before anything is compiled)."""
+        need = max(nodes, path, self.chunk)
+        m = self.model
+        if self._cols is None or m.cache.rows < m.max_seq_len + need:
+            m.setup_caches(m.max_seq_len, slack=max(need, 64))
+            self._cols = torch.arange(m.cache.rows, device=self.device)
+            self.static(*m.cache.tensors())
+        d = self.drafter
+        if d is not None and (self._head_cols is None or d.P < path):
+            d.setup(m.max_seq_len, max(path, d.P), self.chunk)
+            self._head_cols = torch.arange(d.head.cache.rows, device=self.device)
+            self.static(*d.buffers())
+
+    def cols(self, n: int, head: bool = False) -> torch.Tensor:
+        """The cache rows a step reads: 0..n-1 (window: a size that varies, compiled once as a
+        dynamic dimension), or all of them (static)."""
+        full = self._head_cols if head else self._cols
+        if not self.window:
+            return full
+        c = full[:n]
+        if self.compiling:
+            torch._dynamo.mark_dynamic(c, 0)
+        return c
+
+    # -- the steps every method uses
+    def begin(self, sampling: Sampling):
+        self.sampling = sampling
+        self.seed.fill_(sampling.seed)
+        self.L.zero_()
+        self.L_host = 0
+        self.clock.reset()
+
+    def prefill(self, tokens: torch.Tensor, n: int, capture: bool) -> tuple:
+        out = self._prefill(tokens, self.L, torch.tensor(n, device=self.device), self.cols(self.L_host + tokens.numel()),
+                            capture)
+        self.L_host += n
+        return out
+
+    def head_prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: int):
+        d = self.drafter
+        self._head_prefill(feats, ids, torch.tensor(n, device=self.device), self.cols(d.Ld_host + ids.numel(), head=True))
+        d.Ld_host += n
+
+    def decode(self, root: torch.Tensor) -> tuple:
+        return self._decode(root.view(1), self.L, self.cols(self.L_host + 1), self.sampling, self.seed)
+
+    def verify(self, tree, P: int, capture: bool = False) -> Verified:
+        return self._verify(tree, self.L, self.cols(self.L_host + tree.tokens.numel()), self.sampling, self.seed,
+                            P, capture)
+
+
+# torch.compile settings on a CPU (inductor's defaults: graphs go to the FX graph cache, so a second
+# run starts fast). Measured against max-autotune with freezing in the README.
+CPU_COMPILE = {}
+
+
 # ----------------------------------------------------------------------------- methods
 
-@dataclass
-class Proposal:
-    tokens: torch.Tensor               # (N,) root first
-    parents: torch.Tensor              # (N,) -1 for the root
-    retrieved: torch.Tensor | None = None   # (N,) bool: node came from retrieval (stats only)
-    draft_forwards: int = 0
-    stage: int | None = None           # checkpoint that pruned, None if not pruned / no draft
+class Plain(Proposer):
+    """ar: the root alone, one token a round through decode_one_token."""
+
+    def __init__(self, eng: Engine):
+        self.eng = eng
+
+    def round(self, root: torch.Tensor) -> Verified:
+        nxt, finite = self.eng.decode(root)
+        self.eng.clock.mark("verify")
+        got = torch.stack([nxt[0], finite.long()]).tolist()     # the round's one host sync
+        if not got[1]:
+            raise GraftError("the target's logits are not finite (NaN or inf) in this pass: the model overflows "
+                             "in this dtype or its weights are broken")
+        return Verified(None, nxt[0], None, None, None, None, finite, accepted=[], bonus_id=got[0], from_retrieval=[])
 
 
-def with_root(root: torch.Tensor, tokens, parents, retrieved=None) -> Proposal:
-    """Prepend the root to a root-less tree whose parents index it with -1 for the root."""
-    dev = root.device
-    t = torch.cat([root.view(1), tokens])
-    p = torch.cat([torch.tensor([-1], device=dev), torch.where(parents < 0, 0, parents + 1)])
-    r = None if retrieved is None else torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), retrieved])
-    return Proposal(t, p, r)
+class Recycle(Proposer):
+    """Token Recycling: a static retrieval tree from the continuation matrix, no draft head."""
+
+    def __init__(self, eng: Engine, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
+        self.eng, self.matrix = eng, matrix
+        self.tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size).to(eng.device)
+        self.N, self.P = cfg.recycle_size + 1, 1 + int(self.tpl.depth.max())
+        eng.reserve(self.N, self.P)
+        self.propose, self.learn = eng.compile(self.propose_step), eng.compile(self.learn_step)
+        self.seed_matrix = eng.compile(matrix.update)
+        self.records = None
+
+    def prompt_chunk(self, ids, logits, feats, n: int):
+        self.seed_matrix(ids, logits, torch.arange(ids.numel(), device=ids.device) < n)
+
+    def propose_step(self, root: torch.Tensor):
+        toks = self.matrix.retrieve(root, self.tpl)
+        yes = torch.ones_like(toks, dtype=torch.bool)
+        return with_root(root, toks, self.tpl.parents, yes, yes, self.N)
+
+    def learn_step(self, tree, v: Verified):
+        if self.records is not None:
+            self.matrix.record(tree.tokens, v.target, tree.valid)
+        self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
+
+    def round(self, root: torch.Tensor) -> Verified:
+        e = self.eng
+        tree = self.propose(root)
+        e.clock.mark("assemble")
+        v = e.verify(tree, self.P)
+        e.clock.mark("verify")
+        self.learn(tree, v)
+        commit(v, tree)
+        e.clock.mark("update")
+        return v
 
 
-@dataclass
-class Config:
-    method: str = "ar"
-    budget: int = 60                   # candidate nodes under the root
-    top_k: int = 10                    # draft children per expansion
-    depth: int = 8                     # draft levels (draft forwards per round when not pruned)
-    checkpoints: tuple = CHECKPOINTS
-    keep: tuple | None = None          # draft nodes kept when pruned at each checkpoint (default scaled 8/24/40)
-    thresholds: dict | None = None     # tau per checkpoint (default: calibrated in warm-up)
-    matrix_k: int = 8
-    recycle_size: int = 80
-    ablation_size: int = 20            # retrieval nodes added by graft-root / graft-tail; split of graft-fixed
-    pld_ngram: int = 3
-    pld_tokens: int = 10
+class PromptLookup(Proposer):
+    """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
+    committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over the context."""
 
-    def keep_sizes(self) -> tuple:
-        """Draft nodes kept when pruned at each checkpoint: --keep, else the paper's 8/24/40 scaled to
-        the budget, else (other checkpoint counts) evenly from 8/60 to 40/60 of the budget."""
-        if self.keep:
-            return tuple(self.keep)
-        if len(self.checkpoints) == len(KEEP):
-            return scaled_keep(self.budget)
-        n = len(self.checkpoints)
-        fr = [KEEP[0] / 60 + (KEEP[-1] - KEEP[0]) / 60 * i / max(n - 1, 1) for i in range(n)]
-        return tuple(max(1, min(self.budget - 1, round(f * self.budget))) for f in fr)
+    def __init__(self, eng: Engine, cfg: Config):
+        self.eng, self.ngram, self.n_tokens = eng, cfg.pld_ngram, cfg.pld_tokens
+        self.N = self.P = cfg.pld_tokens + 1
+        eng.reserve(self.N, self.P)
 
+    def start(self, prompt: list):
+        self.context = list(prompt)
 
-class Method:
-    """One object per (target, method); it persists across prompts (the matrix stays hot)."""
-
-    def __init__(self, cfg: Config, model, drafter: Drafter | None = None, matrix: ContinuationMatrix | None = None):
-        self.cfg, self.model, self.drafter, self.matrix = cfg, model, drafter, matrix
-        self.name = cfg.method
-        self.needs_features = drafter is not None and cfg.method in NEEDS_HEAD
-        self.calib = None                      # a list to collect (confidences, accepted) when warming up
-        self._conf = None                      # this round's checkpoint confidences (warm-up only)
-        self._templates = {}
-        self.hit_rates = PRIOR_HIT_RATES
-        self.context: list = []                # committed tokens (prompt lookup reads them)
-        self.root: int | None = None           # this round's root
-        self.pending = None                    # (features, next tokens) the draft head has yet to read
-
-    # -- bookkeeping shared by all methods
-    def begin(self, ids: torch.Tensor, logits: torch.Tensor, feats):
-        """After the prefill: ids (N,) prompt, logits (N, V), feats (N, 3H) or None."""
-        self.context = ids.tolist()
-        if self.drafter is not None and self.needs_features:
-            self.drafter.reset()
-            self.pending = (feats, ids[1:])
-        if self.matrix is not None:
-            self.matrix.update(ids, logits)    # seed from the prompt's own prefill logits
-
-    def observe(self, prop: Proposal, v):
-        self.context += [self.root] + v.accepted
-        if self.needs_features:
-            self.pending = (v.feats, prop.tokens[v.path[1:]])
-        if self.matrix is not None:
-            if self.calib is not None:          # hit rates are measured during warm-up only
-                self.matrix.record(prop.tokens, v.target)
-            self.matrix.update(prop.tokens, v.logits, v.path)
-        if self.calib is not None and self._conf is not None:
-            self.calib.append(({c: float(x) for c, x in self._conf.items()}, len(v.accepted)))
-
-    def template(self, n: int, device):
-        key = (n, tuple(round(float(a), 4) for a in self.hit_rates))
-        if key not in self._templates:
-            self._templates[key] = build_template(self.hit_rates, n).to(device)
-        return self._templates[key]
-
-    # -- the proposals
-    def propose(self, root: int) -> Proposal:
-        self.root = root
-        dev = self.model.embed_tokens.weight.device
-        r = torch.tensor(root, device=dev)
-        m, cfg = self.name, self.cfg
-        if m == "ar":
-            return Proposal(r.view(1), torch.tensor([-1], device=dev))
-        if m == "pld":
-            return self.prompt_lookup(r)
-        if m == "recycle":
-            tpl = self.template(cfg.recycle_size, dev)
-            toks = self.matrix.retrieve(r, tpl)
-            return with_root(r, toks, tpl.parents, torch.ones_like(toks, dtype=torch.bool))
-        # draft-based methods
-        feats, nxt = self.pending
-        h = self.drafter.extend(feats, torch.cat([nxt, r.view(1)]))
-        pruning = m in ("prune", "graft")
-        record = cfg.checkpoints if self.calib is not None else ()
-        tree = self.drafter.draft(h, cfg.depth, checkpoints=self.thresholds_dict() if pruning else None,
-                                  record=record)
-        self._conf = tree.confidence if self.calib is not None else None
-        budget, keep = cfg.budget, cfg.keep_sizes()
-        if tree.stopped_at is not None:
-            K = keep[cfg.checkpoints.index(tree.stopped_at)]
-        elif m == "graft-fixed":
-            K = max(budget - cfg.ablation_size, 1)
-        else:
-            K = budget
-        d_tok, d_par = tree.select(K)
-        if m in ("eagle3", "prune") or (m == "graft" and K >= budget):
-            p = with_root(r, d_tok, d_par)
-        else:
-            extra = cfg.ablation_size if m in ("graft-root", "graft-tail") else budget - d_tok.numel()
-            anchor = tree.deepest_selected(K) if m == "graft-tail" else -1   # tail: under the best deep node
-            tpl = self.template(extra + d_tok.numel(), dev)   # room for merges with draft siblings
-            toks = self.matrix.retrieve(r if anchor < 0 else d_tok[anchor], tpl)
-            t, par, src = graft_trees(d_tok, d_par, toks, tpl, extra, anchor)
-            p = with_root(r, t, par, src)
-        p.draft_forwards, p.stage = tree.levels, tree.stopped_at
-        return p
-
-    def thresholds_dict(self) -> dict:
-        th = self.cfg.thresholds or {}
-        return {c: float(th.get(c, 0.0)) for c in self.cfg.checkpoints}
-
-    def prompt_lookup(self, r: torch.Tensor) -> Proposal:
-        """n-gram prompt lookup: the newest earlier occurrence of the last n tokens (n = 3, 2, 1)."""
-        ctx = self.context + [int(r)]
-        cont = []
-        for n in range(min(self.cfg.pld_ngram, len(ctx) - 1), 0, -1):
+    def lookup(self) -> list:
+        ctx = self.context
+        for n in range(min(self.ngram, len(ctx) - 1), 0, -1):
             tail = ctx[-n:]
             for s in range(len(ctx) - n - 1, -1, -1):
                 if ctx[s:s + n] == tail:
-                    cont = ctx[s + n:s + n + self.cfg.pld_tokens]
-                    break
-            if cont:
-                break
-        dev = r.device
-        toks = torch.tensor(cont, dtype=torch.long, device=dev)
-        return with_root(r, toks, torch.arange(len(cont), device=dev) - 1)
+                    return ctx[s + n:s + n + self.n_tokens]
+        return []
+
+    def round(self, root: torch.Tensor) -> Verified:
+        e = self.eng
+        self.context.append(e.root_id)
+        tree = chain(torch.tensor([e.root_id] + self.lookup(), device=e.device), self.N)
+        e.clock.mark("assemble")
+        v = e.verify(tree, self.P)
+        e.clock.mark("verify")
+        commit(v, tree)
+        e.clock.mark("update")
+        self.context += v.accepted
+        return v
+
+
+# name -> (proposer, what it changes in the round's Config); no method name is looked at after setup
+METHODS = {
+    "ar": "plain", "eagle3": dict(prune=False, retrieve=False), "prune": dict(retrieve=False), "graft": {},
+    "recycle": "recycle", "pld": "pld", "graft-fixed": dict(prune=False, ablation="fixed"),
+    "graft-root": dict(prune=False, ablation="root"), "graft-tail": dict(prune=False, ablation="tail"),
+}
+NEEDS_HEAD = {m for m, v in METHODS.items() if isinstance(v, dict)}
+NEEDS_MATRIX = {m for m, v in METHODS.items() if isinstance(v, dict) and v.get("retrieve", True)} | {"recycle"}
+
+
+def make_method(eng: Engine, method: str, cfg: Config | None = None, matrix: ContinuationMatrix | None = None) -> Proposer:
+    """The proposer of a method, set up on this engine (its steps compiled when the engine compiles).
+    matrix: its own continuation matrix (default: the engine's, shared)."""
+    cfg = cfg or Config()
+    matrix = matrix if matrix is not None else eng.matrix
+    eng.static(*matrix.buffers())
+    if method not in METHODS:
+        raise GraftError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    if method in NEEDS_HEAD and eng.drafter is None:
+        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
+    kind = METHODS[method]
+    if kind == "plain":
+        return Plain(eng)
+    if kind == "pld":
+        return PromptLookup(eng, cfg)
+    if kind == "recycle":
+        return Recycle(eng, cfg, matrix, eng.hit_rates)
+    if cfg.thresholds is None and eng.thresholds is not None:
+        cfg = dataclasses.replace(cfg, thresholds=dict(eng.thresholds))
+    cfg = dataclasses.replace(cfg, **kind, top_k=eng.drafter.top_k, depth=eng.drafter.depth)
+    return Graft(eng, cfg, matrix if method in NEEDS_MATRIX else None, eng.hit_rates)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -232,12 +330,14 @@ class Result:
     prompt_tokens: int
     seconds: float
     rounds: int = 0
-    committed: int = 0                   # tokens committed by decode rounds (bonus included)
+    committed: int = 0                   # tokens returned by decode rounds (bonus included)
     draft_forwards: int = 0
-    verified: int = 0                    # candidate nodes verified (root excluded)
+    verified: int = 0                    # candidate nodes verified (root and padding excluded)
     from_retrieval: int = 0              # accepted tokens that were retrieved nodes
     accepted: int = 0                    # accepted candidate tokens (bonus excluded)
+    syncs: int = 0                       # host syncs in decode rounds
     stages: dict = field(default_factory=dict)
+    times: dict = field(default_factory=dict)   # seconds per phase: prefill, draft, assemble, verify, update
 
     @property
     def mat(self) -> float:
@@ -253,6 +353,9 @@ class Result:
                 "draft_forwards_per_round": round(self.draft_forwards / r, 4),
                 "verified_per_round": round(self.verified / r, 4),
                 "retrieval_share": round(self.from_retrieval / max(self.accepted, 1), 4),
+                "syncs_per_round": round(self.syncs / r, 4),
+                "round_ms": {k: round(v / r * 1000, 4) for k, v in self.times.items() if k != "prefill"},
+                "prefill_ms": round(self.times.get("prefill", 0.0) * 1000, 3),
                 "stages": {str(k): v for k, v in sorted(self.stages.items(), key=lambda kv: str(kv[0]))}}
 
 
@@ -262,79 +365,84 @@ def sync(device):
 
 
 @torch.no_grad()
-def generate(model, method: Method, prompt_ids: list, max_new_tokens: int, sampling: Sampling,
+def prefill(eng: Engine, method: Proposer, ids: list) -> int:
+    """The prompt through the target in chunks of eng.chunk tokens (the last one padded), each chunk's
+    logits and features handed to the method (the matrix and the head read them); then the first
+    token. Returns it (and leaves it in eng.root / eng.root_id)."""
+    C, dev = eng.chunk, eng.device
+    t = torch.tensor(ids, dtype=torch.long, device=dev)
+    finite = torch.ones((), dtype=torch.bool, device=dev)
+    for s in range(0, len(ids), C):
+        n = min(C, len(ids) - s)
+        chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])
+        logits, feats = eng.prefill(chunk, n, method.needs_features)
+        finite &= torch.isfinite(logits[:n]).all()
+        method.prompt_chunk(chunk, logits, feats, n)
+        last = logits[n - 1:n]
+    root = choose(last, torch.tensor([len(ids)], device=dev), eng.sampling, eng.seed)[0]
+    got = torch.stack([root, finite.long()]).tolist()
+    if not got[1]:
+        raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
+                         "in this dtype or its weights are broken")
+    eng.root, eng.root_id = root, got[0]
+    return got[0]
+
+
+@torch.no_grad()
+def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: int, sampling: Sampling,
              eos_ids=(), on_tokens=None) -> Result:
-    dev = model.embed_tokens.weight.device
+    """Decode up to max_new_tokens after the prompt with one method; stops after an EOS. The returned
+    counts are of the tokens returned (a round cut at EOS or max_new_tokens counts what it kept)."""
     N = len(prompt_ids)
     if N == 0:
         raise GraftError("empty prompt")
-    if N + max_new_tokens > model.max_seq_len:
+    if N + max_new_tokens > eng.model.max_seq_len:
         raise GraftError(f"prompt ({N} tokens) + --max-new-tokens ({max_new_tokens}) exceeds --max-seq-len "
-                         f"({model.max_seq_len})")
-    sync(dev)
+                         f"({eng.model.max_seq_len})")
+    eng.begin(sampling)
+    sync(eng.device)
     t0 = time.perf_counter()
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-    pos = torch.arange(N, device=dev)
-    mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril_()
-    out = model(ids[None], pos, pos, mask, capture=method.needs_features)
-    logits, feats = (out[0][0], out[1][0]) if method.needs_features else (out[0], None)
-    if not bool(torch.isfinite(logits).all()):
-        raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
-                         "in this dtype or its weights are broken")
-    root = int(choose(logits[-1:], torch.tensor([N], device=dev), sampling)[0])
-    method.begin(ids, logits, feats)
+    eng.clock.start()
+    method.start(prompt_ids)
+    root = prefill(eng, method, prompt_ids)
+    eng.clock.mark("prefill")
     res = Result(tokens=[root], prompt_tokens=N, seconds=0.0)
     eos = set(eos_ids)
-    L = N                                            # committed rows in the KV cache
     if on_tokens:
         on_tokens(res.tokens)
     while len(res.tokens) < max_new_tokens and root not in eos:
-        prop = method.propose(root)
-        room = model.max_seq_len - L                 # never write past the cache: trim the tree
-        if prop.tokens.numel() > room:
-            prop.tokens, prop.parents = prop.tokens[:room], prop.parents[:room]
-        v = verify(model, prop.tokens, prop.parents, L, sampling, capture=method.needs_features)
-        method.observe(prop, v)
+        if eng.compiling and eng.cuda:
+            torch.compiler.cudagraph_mark_step_begin()      # CUDA graphs: a new round reuses buffers
+        v = method.round(eng.root)
         A = len(v.accepted)
-        L += A + 1
+        eng.L_host += A + 1
         res.rounds += 1
-        res.verified += prop.tokens.numel() - 1
-        res.draft_forwards += prop.draft_forwards
-        res.stages[prop.stage] = res.stages.get(prop.stage, 0) + 1
+        res.verified += method.N - 1
+        res.draft_forwards += v.draft_forwards
+        res.syncs += v.syncs
+        res.stages[v.stage] = res.stages.get(v.stage, 0) + 1
         # what this round returns: the accepted tokens and the bonus, cut after an EOS and at
         # max_new_tokens. Every count is of returned tokens (Spec-Bench's MAT), not of verified ones.
-        new = v.accepted + [v.bonus]
+        new = v.accepted + [v.bonus_id]
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
         new = new[:min(cut, max_new_tokens - len(res.tokens))]
         kept = min(len(new), A)                      # accepted tokens among those returned
         res.committed += len(new)
         res.accepted += kept
-        if prop.retrieved is not None and kept:
-            res.from_retrieval += prop.retrieved[v.path[1:kept + 1]].sum()   # stays on the device until the end
+        res.from_retrieval += sum(v.from_retrieval[:kept])
         res.tokens += new
-        root = v.bonus
+        root, eng.root, eng.root_id = v.bonus_id, v.bonus, v.bonus_id
         if on_tokens:
             on_tokens(res.tokens)
         if res.tokens[-1] in eos:
             break
-    res.from_retrieval = int(res.from_retrieval)
-    sync(dev)
+    sync(eng.device)
     res.seconds = time.perf_counter() - t0
+    res.times = eng.clock.read()
     return res
 
 
 # ----------------------------------------------------------------------------- set-up and warm-up
-
-@dataclass
-class Engine:
-    """A target with its tokenizer, optional head, and the methods built on them."""
-    model: object
-    tokenizer: Tokenizer
-    drafter: Drafter | None
-    matrix: ContinuationMatrix | None
-    thresholds: dict | None = None
-    hit_rates: tuple | None = None
-
 
 def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
@@ -346,8 +454,8 @@ def state_path_for(engine: Engine, *settings) -> str:
         return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
-    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, str(m.embed_tokens.weight.dtype),
-                      str(m.embed_tokens.weight.device), m.max_seq_len, *settings], default=str)
+    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, str(engine.dtype), str(engine.device),
+                      m.max_seq_len, *settings], default=str)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
@@ -355,11 +463,15 @@ WARMUP_FORMAT = 2        # bump when what the warm-up computes changes: old cach
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
-                 matrix_k=8) -> Engine:
+                 matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK) -> Engine:
+    """Load a target (and a head) and set up the engine. attention: "window" or "full" (default:
+    full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise)."""
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
     path = resolve_checkpoint(ckpt)
     tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, tok_context(path))
     model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
     drafter = None
     if draft:
@@ -367,23 +479,26 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         if top_k > head.config.draft_vocab_size:
             raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
                              f"({head.config.draft_vocab_size} tokens)")
-        drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth)
+        drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth, chunk=chunk)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
-    return Engine(model, tok, drafter, matrix)
+    if attention is None:
+        attention = "full" if compile and str(device).startswith("cuda") else "window"
+    if attention not in ("window", "full"):
+        raise GraftError(f"--attention must be window or full, got {attention!r}")
+    if compile and attention == "window" and str(device).startswith("cuda"):
+        raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
+    if compile:
+        torch._dynamo.config.cache_size_limit = 64
+        torch._dynamo.config.accumulated_cache_size_limit = 512
+    from verify import token_hash
+    token_hash(model.args.vocab_size, model.embed_tokens.weight.device)     # read, never built, in a graph
+    return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk)
 
 
-def make_method(engine: Engine, cfg: Config) -> Method:
-    if cfg.method not in METHODS:
-        raise GraftError(f"unknown method {cfg.method!r}: choose from {', '.join(METHODS)}")
-    if cfg.method in NEEDS_HEAD and engine.drafter is None:
-        raise GraftError(f"--method {cfg.method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
-    if cfg.thresholds is None and engine.thresholds is not None:
-        cfg.thresholds = dict(engine.thresholds)
-    m = Method(cfg, engine.model, engine.drafter if cfg.method in NEEDS_HEAD else None,
-               engine.matrix if cfg.method in NEEDS_MATRIX else None)
-    if engine.hit_rates is not None:
-        m.hit_rates = engine.hit_rates
-    return m
+def tok_context(path: str) -> int:
+    """The model's context (max_position_embeddings), read before its weights."""
+    from model import ModelArgs, read_config
+    return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
 
 
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
@@ -405,20 +520,23 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
             log(f"warm-up: loaded from {path}")
             return
-    wcfg = Config(**{**cfg.__dict__, "method": "eagle3" if d else "recycle", "thresholds": None})
-    m = Method(wcfg, engine.model, d, engine.matrix)
-    m.calib = []
+    if d:      # the dense tree, learning the matrix, recording each checkpoint's confidence
+        m = Graft(engine, dataclasses.replace(cfg, prune=False, retrieve=False, ablation=None, top_k=d.top_k,
+                                              depth=d.depth), engine.matrix)
+    else:
+        m = Recycle(engine, cfg, engine.matrix)
+    m.records = []
     ran = 0
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
-            generate(engine.model, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+            generate(engine, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
             ran += 1
     engine.matrix.refresh_fallback()
     rates = engine.matrix.hit_rates()
     engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
-    calibrated = ran > 0 and (not d or all(any(c in conf for conf, _ in m.calib) for c in checkpoints))
-    engine.thresholds = calibrate(m.calib, checkpoints) if calibrated else {c: 0.0 for c in checkpoints}
+    calibrated = ran > 0 and (not d or all(any(c in conf for conf, _ in m.records) for c in checkpoints))
+    engine.thresholds = calibrate(m.records, checkpoints) if calibrated else {c: 0.0 for c in checkpoints}
     if not calibrated:
         log(f"warning: warm-up ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
             f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
@@ -429,6 +547,33 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
         save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates), "generations": ran})
+
+
+def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
+    """Run every compiled step once before anything is timed: a short generation per method, and for
+    a pruning method one per stage (thresholds that force it). Returns the seconds it took, which is
+    what compilation costs (a second run reads inductor's FX graph cache)."""
+    if not eng.compiling:
+        return 0.0
+    t0 = time.perf_counter()
+    ids = eng.tokenizer.encode(WARMUP_PROMPTS[0])[:max(1, eng.model.max_seq_len - 16)] or [0]
+    for m in methods:
+        forced = [None]
+        if isinstance(m, Graft) and m.thresholds:
+            forced += list(m.thresholds)
+        saved = dict(getattr(m, "thresholds", {}))
+        for stage in forced:
+            if stage is not None:      # prune at `stage`: never at the checkpoints before it, always at it
+                m.thresholds = {c: (0.0 if c < stage else 2.0) for c in saved}
+            elif saved:
+                m.thresholds = {c: 0.0 for c in saved}
+            generate(eng, m, ids, 8, sampling, ())
+        if saved:
+            m.thresholds = saved
+    eng.compile_seconds += time.perf_counter() - t0
+    if log:
+        log(f"compile: {time.perf_counter() - t0:.1f}s")
+    return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- command line
@@ -470,6 +615,12 @@ def add_engine_flags(p):
     p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
     p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step (default: on with CUDA, where it means CUDA graphs; off on a CPU)")
+    p.add_argument("--attention", choices=("window", "full"), default=None,
+                   help="attend over the rows in use (window: a CPU's fastest) or the whole cache (full: static "
+                        "shapes, what CUDA graphs need); default: full when compiling on a GPU, else window")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
 
 
 def parse_args(argv=None):
@@ -518,7 +669,10 @@ def check_args(a, budgets=None):
     need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
     need(a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
     need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
+    need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
     check_device(a.device)
+    if a.compile is None:
+        a.compile = str(a.device).startswith("cuda")
     if a.budget is None:
         a.budget = default_budget(a.device)
     budgets = budgets or [a.budget]
@@ -539,49 +693,6 @@ def check_args(a, budgets=None):
         read_prompts(a.warmup_file)
 
 
-def read_text(path: str, what: str = "prompt file") -> str:
-    """A text file, strictly UTF-8 (a binary file is refused, not decoded into garbage)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise GraftError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GraftError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
-    if "\x00" in text:
-        raise GraftError(f"{what} {path} looks binary (it holds NUL bytes)")
-    return text
-
-
-def read_prompts(path: str) -> list:
-    """Many prompts (warm-up, training, bench datasets): one per line, or jsonl records with `turns`
-    (the first turn) or `prompt`. Errors: GraftError naming the line."""
-    out = []
-    for i, l in enumerate(read_text(path, "prompts file").splitlines(), 1):
-        if not l.strip():
-            continue
-        if not l.lstrip().startswith("{"):
-            out.append(l)
-            continue
-        try:
-            rec = json.loads(l)
-        except json.JSONDecodeError as e:
-            raise GraftError(f"bad json on line {i} of {path}: {e}") from None
-        out.append(prompt_of(rec, f"line {i} of {path}"))
-    return out
-
-
-def prompt_of(rec, where: str) -> str:
-    """The prompt of a dataset record: the first of its `turns`, or its `prompt`."""
-    if isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
-        return rec["turns"][0]
-    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-        return rec["prompt"]
-    raise GraftError(f"{where}: a record needs `turns` (a list of strings) or `prompt` (a string)")
-
-
 def numbers(flag: str, text: str, kind=int) -> list:
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
@@ -589,10 +700,9 @@ def numbers(flag: str, text: str, kind=int) -> list:
         raise GraftError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
 
 
-def config_from_args(a, method: str) -> Config:
+def config_from_args(a) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
-    cfg = Config(method=method, budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps,
-                 recycle_size=a.recycle_size)
+    cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size)
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
@@ -647,38 +757,44 @@ def main(argv=None):
     method = a.method or ("graft" if draft else "ar")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
-                       a.draft_top_k, a.depth)
+                       a.draft_top_k, a.depth, compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
     text = a.prompt or ""
     ids = eng.tokenizer.apply_chat(text) if a.chat else eng.tokenizer.encode(text)
     if len(ids) + a.max_new_tokens > eng.model.max_seq_len:
         raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                          f"--max-seq-len ({eng.model.max_seq_len})")
-    cfg = config_from_args(a, method)
+    cfg = config_from_args(a)
     if method in NEEDS_MATRIX | {"prune"} and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
                 log=lambda s: print(s, file=err))
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
-    m = make_method(eng, cfg)
+    m = make_method(eng, method, cfg)
+    base = make_method(eng, "ar") if a.compare and method != "ar" else None
+    how = ("compiled (CUDA graphs)" if eng.cuda else "compiled (inductor)") if eng.compiling else "eager"
+    if eng.compiling:     # every graph is built here, before anything is timed
+        secs = compile_warmup(eng, [m] + ([base] if base else []), s)
+        print(f"compile: {secs:.1f}s (a second run reads inductor's cache)", file=err)
     stream = TextStream(eng.tokenizer)
-    res = generate(eng.model, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream)
+    res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream)
     text_out = stream.finish(res.tokens)
     st = res.stats()
-    line = (f"[{method}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s")
+    line = f"[{method}, {how}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s"
     if method != "ar":
         line += (f", MAT {st['mat']:.2f}, {st['draft_forwards_per_round']:.2f} draft forwards/round, "
                  f"{st['verified_per_round']:.1f} verified/round, retrieval share {st['retrieval_share']:.2f}")
     print(line, file=err)
     out = {"method": method, "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
-           "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), **st}
-    if a.compare and method != "ar":
-        base = generate(eng.model, make_method(eng, Config(method="ar")), ids, a.max_new_tokens, s,
-                        eng.tokenizer.eos_ids)
-        same = base.tokens == res.tokens
-        print(f"[ar] {len(base.tokens)} tokens in {base.seconds:.2f}s = {base.tokens_per_s:.1f} tokens/s; "
-              f"{method} speedup {res.tokens_per_s / base.tokens_per_s:.2f}x, identical output: {same}", file=err)
-        out.update(ar_tokens_per_s=round(base.tokens_per_s, 2),
-                   speedup=round(res.tokens_per_s / base.tokens_per_s, 3), lossless=same)
+           "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), "compiled": eng.compiling,
+           "attention": "window" if eng.window else "full", "compile_seconds": round(eng.compile_seconds, 2), **st}
+    if base is not None:
+        b = generate(eng, base, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids)
+        same = b.tokens == res.tokens
+        print(f"[ar, {how}] {len(b.tokens)} tokens in {b.seconds:.2f}s = {b.tokens_per_s:.1f} tokens/s; "
+              f"{method} speedup {res.tokens_per_s / b.tokens_per_s:.2f}x ({how} against {how}), "
+              f"identical output: {same}", file=err)
+        out.update(ar_tokens_per_s=round(b.tokens_per_s, 2),
+                   speedup=round(res.tokens_per_s / b.tokens_per_s, 3), lossless=same)
     if a.json:
         print(json.dumps(out))
     return out

@@ -281,23 +281,44 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-class KVCache(nn.Module):
-    """Preallocated keys/values (B, H_kv, max_seq_len, D), written at explicit rows.
+class KVCache:
+    """Keys and values of every layer, (B, H_kv, rows, D) each, preallocated and written at explicit
+    rows (gpt-fast's static cache). A plain object, not module buffers: compiled steps take it as an
+    input (inductor's freezing would fold buffers into constants), and every layer's k and v are
+    separate tensors, so that writing a row never rewrites a shared base."""
 
-    `kv` (2, B, H_kv, max_seq_len, D), when given, is this layer's slice of a buffer shared by all
-    layers, so that KV compaction moves every layer's rows in one gather and one copy."""
+    def __init__(self, n_layers: int, batch: int, n_kv: int, rows: int, head_dim: int, dtype, device):
+        shape = (batch, n_kv, rows, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.rows = rows
 
-    def __init__(self, batch: int, n_kv: int, max_seq_len: int, head_dim: int, dtype, device, kv=None):
-        super().__init__()
-        if kv is None:
-            kv = torch.zeros(2, batch, n_kv, max_seq_len, head_dim, dtype=dtype, device=device)
-        self.register_buffer("k", kv[0], persistent=False)
-        self.register_buffer("v", kv[1], persistent=False)
+    def layer(self, i: int) -> tuple:
+        return self.k[i], self.v[i]
 
-    def update(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int):
-        self.k.index_copy_(2, rows, k)
-        self.v.index_copy_(2, rows, v)
-        return self.k[:, :, :S], self.v[:, :, :S]
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor):
+        """KV compaction: rows `src` (n,) become rows `dst` (n,) in every layer. Gathered first, so
+        overlapping source and destination rows are safe."""
+        for t in self.k + self.v:
+            t.index_copy_(2, dst, t.index_select(2, src))
+
+    def tensors(self) -> list:
+        return self.k + self.v
+
+
+def attention_mask(tree: torch.Tensor, L: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Which cache rows each of N new rows may read: (N, n_keys) bool, n_keys = cols.numel().
+
+    The round's rows start at cache row L (the committed length, a 0-d tensor) and span W rows;
+    tree (N, W) says which of them each new row sees (itself and its ancestors; a causal triangle for
+    a prefill chunk). Committed rows (< L) are visible to all, rows past the round's to none. `cols` is
+    arange(n_keys): the whole cache (a static shape, for CUDA graphs) or just the rows up to the
+    round's last (a size that varies; on a CPU reading less is faster)."""
+    N, W = tree.shape
+    rel = cols[None, :] - L                                            # (1, n_keys): row - L
+    inside = (rel >= 0) & (rel < W)
+    seen = tree.gather(1, rel.clamp(0, W - 1).expand(N, -1))          # (N, n_keys)
+    return (rel < 0) | (inside & seen)
 
 
 class Attention(nn.Module):
@@ -313,9 +334,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
-        self.cache: KVCache | None = None
 
-    def forward(self, x, rope, cache_rows=None, mask=None, steps_kv=None):
+    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -324,9 +344,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if cache_rows is not None:
-            # the new rows go into the cache first; then every query attends over cache[:S] under `mask`
-            k, v = self.cache.update(cache_rows, k, v, mask.shape[-1])
+        if kv is not None:
+            # the new rows go into the cache first; then every query reads cache rows 0..n_keys-1
+            kc, vc = kv
+            kc.index_copy_(2, rows, k)
+            vc.index_copy_(2, rows, v)
+            n_keys = mask.shape[-1]
+            k, v = kc[:, :, :n_keys], vc[:, :, :n_keys]
         elif steps_kv is not None:
             # EAGLE-3 training-time test: the keys of the earlier unrolled steps come first
             steps_kv.append((k, v))
@@ -359,8 +383,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
         self.mlp = MLP(a.dim, a.intermediate_size)
 
-    def forward(self, x, rope, cache_rows=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache_rows, mask)
+    def forward(self, x, rope, rows=None, mask=None, kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -374,39 +398,33 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
-        self.max_seq_len = 0
+        self.max_seq_len = 0                # committed tokens the cache holds (prompt + generated)
         self.rope = None
-        self.kv = None                      # (layers, 2, B, H_kv, S, D) once setup_caches ran
+        self.cache: KVCache | None = None
 
-    def setup_caches(self, max_seq_len: int, batch: int = 1):
-        """Preallocate the KV cache and the RoPE table for positions 0..max_seq_len-1. One buffer
-        (layers, 2, B, H_kv, S, D) holds every layer's keys and values."""
+    def setup_caches(self, max_seq_len: int, batch: int = 1, slack: int = 0):
+        """Preallocate the KV cache and the RoPE table. `max_seq_len` committed tokens fit; `slack`
+        rows more hold the uncommitted rows of a round (a tree, a padded prefill chunk) at the end, so
+        a step never needs a shape that depends on how full the cache is."""
         p, a = self.embed_tokens.weight, self.args
         self.max_seq_len = max_seq_len
-        self.rope = rope_table(a, max_seq_len).to(p.device)
-        self.kv = torch.zeros(a.n_layers, 2, batch, a.n_kv_heads, max_seq_len, a.head_dim, dtype=p.dtype,
-                              device=p.device)
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.cache = KVCache(batch, a.n_kv_heads, max_seq_len, a.head_dim, p.dtype, p.device,
-                                            kv=self.kv[i])
+        rows = max_seq_len + slack
+        self.rope = rope_table(a, rows).to(p.device)
+        self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
-    def move_cache_rows(self, src: torch.Tensor, dst_start: int):
-        """KV compaction after verification: accepted rows `src` become rows dst_start.. in every layer
-        (gather first, so overlapping source and destination rows are safe)."""
-        n = src.numel()
-        self.kv[..., dst_start:dst_start + n, :] = self.kv[..., src, :]
-
-    def forward(self, tokens, positions, cache_rows=None, mask=None, capture=False):
+    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None):
         """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
 
-        With a cache: the T new rows are written at `cache_rows` (T,) and attention reads cache rows
-        0..S-1 under `mask` (T, S) bool (True = may attend). Without one (training): causal over T.
-        Returns logits (B, T, V) and, with capture=True, the EAGLE-3 features (B, T, 3*dim): the
-        residual stream at the input of layers 2, L//2 and L-3, concatenated low|mid|high.
+        With `rows` (T,): the T new rows are written there in `cache` (default: the model's own) and
+        attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend).
+        Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
+        capture=True, the EAGLE-3 features (B, T, 3*dim): the residual stream at the input of layers
+        2, L//2 and L-3, concatenated low|mid|high.
         """
-        if self.rope is None or (cache_rows is None and self.rope.shape[0] < tokens.shape[-1]):
+        if self.rope is None or (rows is None and self.rope.shape[0] < tokens.shape[-1]):
             # no cache (training): positions are 0..T-1, so a table of T rows is enough
             self.rope = rope_table(self.args, tokens.shape[-1]).to(self.embed_tokens.weight.device)
+        cache = cache if cache is not None else self.cache
         x = self.embed_tokens(tokens)                                 # (B, T, dim)
         # under CPU autocast (training) the activations' dtype varies by op: keep RoPE in float32 then
         rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
@@ -415,7 +433,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if capture:
                 feats += [x] * self.args.capture_layers.count(i)
-            x = layer(x, rope, cache_rows, mask)
+            x = layer(x, rope, rows, mask, cache.layer(i) if rows is not None else None)
         logits = self.lm_head(self.norm(x))                           # (B, T, V)
         if capture:
             return logits, torch.cat(feats, dim=-1)                   # (B, T, 3*dim)

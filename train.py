@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
-from generate import read_prompts
+from data import STORIES, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stories_head_dir
 
 
 # ----------------------------------------------------------------------------- resumable state
@@ -116,46 +116,6 @@ def load_sequences(path: str) -> list:
 
 # ----------------------------------------------------------------------------- data
 
-@torch.no_grad()
-def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), pad: int = 0) -> list:
-    """The target's own continuations of a batch of token lists, decoded together.
-
-    Prompts are left-padded to a common length; each row's positions start at its first real token
-    and padded columns are masked out, so every row decodes exactly as it would alone.
-    `sampling`: one Sampling for all rows, or a list with one per row (e.g. different seeds)."""
-    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    B, dev = len(prompts), model.embed_tokens.weight.device
-    n = max(len(p) for p in prompts)
-    S = n + new_tokens
-    prev = model.max_seq_len
-    model.setup_caches(S, batch=B)          # just what this batch needs; restored at the end
-    offset = torch.tensor([n - len(p) for p in prompts], device=dev)                 # (B,)
-    ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts], device=dev)      # (B, n)
-    col = torch.arange(S, device=dev)
-    valid = col[None, :] >= offset[:, None]                                          # (B, S) real columns
-    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
-    rows = torch.arange(n, device=dev)
-    # a padded row sees itself, so no attention row is empty (an all-masked softmax may give NaN)
-    mask = ((causal[:n, :n][None] & valid[:, None, :n]) | torch.eye(n, dtype=torch.bool, device=dev))[:, None]
-    logits = model(ids, (rows[None] - offset[:, None]).clamp(min=0), rows, mask)
-    out = [list(p) for p in prompts]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
-    for i in range(new_tokens):
-        pos = n + i - offset                                                          # (B,) next position
-        nxt = torch.stack([choose(logits[b, -1:], pos[b:b + 1], samplings[b])[0] for b in range(B)])
-        nxt = torch.where(done, pad, nxt)
-        for b, t in enumerate(nxt.tolist()):
-            if not done[b]:
-                out[b].append(t)
-        done |= torch.isin(nxt, eos)
-        if bool(done.all()) or i == new_tokens - 1:
-            break
-        r = torch.tensor([n + i], device=dev)
-        m = (causal[n + i:n + i + 1, :n + i + 1][None] & valid[:, None, :n + i + 1])[:, None]  # (B,1,1,S')
-        logits = model(nxt[:, None], (n + i - offset)[:, None], r, m)
-    model.setup_caches(prev, batch=1)
-    return out
 
 
 def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print) -> list:
@@ -346,48 +306,10 @@ def train_eagle3(a) -> str:
 
 # ----------------------------------------------------------------------------- a small target from scratch
 
-def stdlib_files(root: str | None = None) -> list:
-    """The running interpreter's own standard library sources (tests, idlelib and site-packages left
-    out), sorted: a code corpus present on every machine."""
-    import sysconfig
-    root = root or sysconfig.get_paths()["stdlib"]
-    out = []
-    for d, dirs, files in os.walk(root):
-        rel = os.path.relpath(d, root)
-        dirs[:] = sorted(x for x in dirs if x not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
-        if rel.split(os.sep)[0] in ("test", "idlelib", "site-packages"):
-            continue
-        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
-    return sorted(out)
 
 
-def is_heldout(path: str, root: str) -> bool:
-    """About 1 file in 25, chosen by a hash of its relative path: whole files, stable across machines."""
-    import hashlib
-    rel = os.path.relpath(path, root).replace(os.sep, "/")
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25 == 0
 
 
-def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root: str | None = None) -> list:
-    """n code prompts: `lines` consecutive lines from the stdlib's training (or held-out) files, starting
-    at a deterministic pseudo-random `def`/`class` line when the file has one. Files are cycled."""
-    import sysconfig
-    root = root or sysconfig.get_paths()["stdlib"]
-    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout]
-    rng = random.Random(seed)
-    rng.shuffle(files)
-    out, i = [], 0
-    while len(out) < n and i < 20 * max(n, 1) and files:
-        f = files[i % len(files)]
-        i += 1
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            src = fh.read().splitlines(keepends=True)
-        starts = [j for j, l in enumerate(src) if l.lstrip().startswith(("def ", "class "))] or [0]
-        j = rng.choice(starts)
-        text = "".join(src[j:j + lines])
-        if len(text.strip()) > 40 and text not in out:
-            out.append(text)
-    return out
 
 
 def train_tokenizer(files: list, vocab: int, out_dir: str):
@@ -564,25 +486,10 @@ def train_target(a) -> str:
 
 # ----------------------------------------------------------------------------- stories260K
 
-STORIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models", "stories260K-hf")
 
 
-@torch.no_grad()
-def sample_openings(model, tok, n: int, length: int = 8, seed: int = 0, temperature: float = 1.0) -> list:
-    """n story openings sampled from the model itself from BOS (one seed per opening)."""
-    bos = tok.encode("")
-    out = []
-    for s in range(0, n, 64):
-        rows = list(range(s, min(s + 64, n)))
-        seqs = continue_batch(model, [bos] * len(rows), length,
-                              [Sampling(temperature, 1.0, 0, seed * 100003 + r) for r in rows], tok.eos_ids)
-        out += [tok.decode(q[len(bos):]).strip() for q in seqs]
-    return [o for o in out if o]
 
 
-def stories_head_dir() -> str:
-    from graft import cache_dir
-    return os.path.join(cache_dir(), "stories260K-eagle3")
 
 
 def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) -> str:

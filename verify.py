@@ -1,20 +1,25 @@
 """Tree verification: one target pass over a token tree, then exact (lossless) acceptance.
 
-A tree is two tensors, root first and parents before children:
+A tree has a static shape, root first and parents before children (`Tree`):
     tokens  (N,) long   tokens[0] is the root r (the last committed token, its KV not yet cached)
     parents (N,) long   parents[0] = -1; parents[i] < i
+    valid   (N,) bool   False marks padding: a short tree (prune, pld, a merged graft tree) is padded
+                        to the method's N with dummy nodes that attend to nothing and are never accepted
 Where a node came from (draft head, continuation matrix, prompt lookup) is not the verifier's business.
 
 Acceptance picks the longest root path whose every token equals the target's own choice at its
 parent: the argmax (greedy) or a draw with noise keyed by (seed, absolute position) (sampling). The
 target's choice at the last accepted node is the bonus token, the next round's root. Plain decoding is
-the same thing with an empty tree, so every method emits exactly the target's own tokens.
+the same thing with an empty tree (`decode_one_token`), so every method emits exactly the target's
+own tokens. Everything here is static-shaped and free of host syncs; `commit` is the one transfer of a
+round (the accepted length and tokens).
 """
+import time
 from dataclasses import dataclass
 
 import torch
 
-from model import GraftError
+from model import GraftError, attention_mask
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -25,7 +30,7 @@ from model import GraftError
 MIN_TEMPERATURE = 1e-5
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0     # < MIN_TEMPERATURE = greedy
     top_p: float = 1.0
@@ -35,6 +40,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def warp(self) -> tuple:
+        """What shapes the distribution (not the seed): a compiled step is specialised on it."""
+        return (self.temperature, self.top_p, self.top_k)
 
 
 _M32 = 0xFFFFFFFF
@@ -51,25 +61,25 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 _TOKEN_HASH = {}
 
 
-def _token_hash(vocab: int, device) -> torch.Tensor:
-    """Per-token-id hash (V,): depends on nothing else, so it is computed once per (V, device)."""
-    key = (vocab, str(device))
+def token_hash(vocab: int, device) -> torch.Tensor:
+    """Per-token-id hash (V,): depends on nothing else, so it is computed once per (V, device)
+    (call it once before compiling: a compiled step only reads it)."""
+    key = (vocab, str(torch.device(device)))
     if key not in _TOKEN_HASH:
         ids = torch.arange(vocab, device=device, dtype=torch.int64)
         _TOKEN_HASH[key] = _hash32(ids * 0x165667B1 + 0x3C6EF372)
     return _TOKEN_HASH[key]
 
 
-def position_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise (N, V) that depends only on (seed, absolute position, token id).
 
     A counter-based generator: the draw for position p is the same whether p is decoded alone or as
     one node of a tree, on any device. That is what makes speculative sampling reproduce plain sampling
-    token for token (GRAFT.md section 5)."""
-    dev = positions.device
-    base = _hash32(torch.tensor(seed, dtype=torch.int64, device=dev) * 0x2545F491 + 0x1234567)
+    token for token (GRAFT.md section 5). seed: a 0-d int64 tensor (data, so a new seed compiles nothing)."""
+    base = _hash32(seed * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (N,)
-    h = _hash32(h_pos[:, None] ^ _token_hash(vocab, dev)[None, :])                 # (N, V)
+    h = _hash32(h_pos[:, None] ^ token_hash(vocab, positions.device)[None, :])     # (N, V)
     u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
 
@@ -89,26 +99,52 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return x
 
 
-def choose(logits: torch.Tensor, positions: torch.Tensor, s: Sampling) -> torch.Tensor:
+def choose(logits: torch.Tensor, positions: torch.Tensor, s: Sampling, seed: torch.Tensor | None = None):
     """The target's token after each row: argmax, or a Gumbel-max draw keyed by the position it fills.
 
-    logits (N, V); positions (N,) absolute positions *of the tokens being chosen*. Returns (N,) long."""
+    logits (N, V); positions (N,) absolute positions *of the tokens being chosen*; seed a 0-d int64
+    tensor (default: s.seed). Returns (N,) long."""
     if s.greedy:
         return logits.argmax(-1)
-    x = warp(logits, s).double() + position_noise(s.seed, positions, logits.shape[-1])
+    if seed is None:
+        seed = torch.tensor(s.seed, dtype=torch.int64, device=logits.device)
+    x = warp(logits, s).double() + position_noise(seed, positions, logits.shape[-1])
     return x.argmax(-1)
 
 
-# ----------------------------------------------------------------------------- tree geometry
+# ----------------------------------------------------------------------------- trees
 
-def tree_mask(parents: torch.Tensor) -> tuple:
+@dataclass
+class Tree:
+    """A proposal: N nodes, root first (see the module docstring). `retrieved` (N,) bool marks nodes
+    from the continuation matrix (statistics only; the verifier never reads it)."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    valid: torch.Tensor
+    retrieved: torch.Tensor | None = None
+
+
+def chain(tokens: torch.Tensor, n: int | None = None) -> Tree:
+    """A root followed by a chain of tokens (each node the child of the one before), padded to n."""
+    k = tokens.numel()
+    n = n or k
+    dev = tokens.device
+    idx = torch.arange(n, device=dev)
+    toks = torch.zeros(n, dtype=torch.long, device=dev)
+    toks[:k] = tokens
+    return Tree(toks, idx - 1, idx < k)
+
+
+def tree_mask(parents: torch.Tensor, valid: torch.Tensor | None = None) -> tuple:
     """Ancestor mask (N, N) bool (row i sees i and its ancestors) and depth (N,) (root 0).
 
     Start from "self or parent" and square the relation: after j squarings it reaches ancestors up to
-    2^j generations away, so ceil(log2 N) small matmuls, a number fixed by N alone (no host sync)."""
+    2^j generations away, so ceil(log2 N) small matmuls, a number fixed by N alone (no host sync).
+    A padding node (valid False) is its own root: it sees only itself and has depth 0."""
     N = parents.numel()
     idx = torch.arange(N, device=parents.device)
-    up = torch.where(parents < 0, idx, parents)          # the root is its own parent
+    alone = parents < 0 if valid is None else (parents < 0) | ~valid
+    up = torch.where(alone, idx, parents.clamp(min=0))                # a root is its own parent
     rel = torch.zeros(N, N, device=parents.device)
     rel[idx, idx] = 1.0
     rel[idx, up] = 1.0
@@ -118,62 +154,157 @@ def tree_mask(parents: torch.Tensor) -> tuple:
     return mask, mask.sum(-1) - 1
 
 
-def accept(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor,
-           target: torch.Tensor) -> tuple:
-    """Longest accepted path. target (N,): the target's choice after each node.
+def accept(tokens, parents, valid, mask, depth, target, P: int) -> tuple:
+    """Longest accepted path. target (N,): the target's choice after each node; P: the longest path
+    the tree can hold (its depth + 1), a static size.
 
-    A node is acceptable when its token is what the target chose at its parent, and so are all its
-    ancestors'. Returns (order (N,), bonus token (), A as a 0-d tensor): order[:A+1] is the accepted
-    path, root first (the rest of `order` is the other nodes)."""
-    ok = torch.ones_like(tokens, dtype=torch.bool)
-    ok[1:] = tokens[1:] == target[parents[1:]]
+    A node is acceptable when it is real, its token is what the target chose at its parent, and the
+    same holds for all its ancestors. Returns (A (0-d): accepted tokens, bonus (0-d): the target's
+    choice after the last one, path (P,): the root and the accepted nodes first, in order, then other
+    nodes as filler). Indexing stays on the device (a 0-d index would be a host sync)."""
+    N = tokens.numel()
+    idx = torch.arange(N, device=tokens.device)
+    ok = (idx == 0) | (valid & (tokens == target.gather(0, parents.clamp(min=0))))
     good = ~(mask & ~ok[None, :]).any(-1)                # every node on the way is ok
-    best = torch.argmax(torch.where(good, depth, -1))    # deepest; first one on ties
-    on_path = mask[best]                                 # ancestors of best (and best)
-    order = torch.argsort(torch.where(on_path, depth, depth.numel() + 1))
-    A = depth[best]
-    return order, target[best], A
+    best = torch.argmax(torch.where(good, depth, -1)).view(1)   # deepest; first one on ties
+    on_path = mask.index_select(0, best)[0]              # ancestors of best (and best)
+    order = torch.sort(torch.where(on_path, depth, N), stable=True).indices
+    return depth.gather(0, best)[0], target.gather(0, best)[0], order[:P]
 
 
 # ----------------------------------------------------------------------------- verification
 
 @dataclass
 class Verified:
-    path: torch.Tensor          # (A+1,) node indices of the root and the accepted nodes
-    accepted: list              # the A accepted tokens (python ints), root excluded
-    bonus: int                  # the target's token after the last accepted node: the next root
+    """What one verification returns, on the device (commit() brings the little the host needs)."""
+    A: torch.Tensor             # () accepted tokens (root excluded)
+    bonus: torch.Tensor         # () the target's token after the last accepted node: the next root
+    path: torch.Tensor          # (P,) node indices: the root and the A accepted nodes first
     logits: torch.Tensor        # (N, V) logits at every node (the continuation matrix reads them)
     target: torch.Tensor        # (N,) the target's choice at every node
-    feats: torch.Tensor | None  # (A+1, 3*dim) EAGLE-3 features of the root and accepted nodes
+    feats: torch.Tensor | None  # (P, 3*dim) EAGLE-3 features of the path nodes
+    finite: torch.Tensor        # () every logit was finite
+    accepted: list | None = None    # after commit(): the accepted tokens, the bonus as an int,
+    bonus_id: int | None = None     # and which accepted tokens came from retrieval (0/1 each)
+    from_retrieval: list | None = None
+    stage: int | None = None        # the checkpoint that pruned the round, if any
+    draft_forwards: int = 0
+    syncs: int = 1                  # host syncs the round made (commit's, and one per checkpoint reached)
 
 
 @torch.no_grad()
-def verify(model, tokens: torch.Tensor, parents: torch.Tensor, L: int, s: Sampling,
-           capture: bool = False) -> Verified:
-    """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed), commit the accepted path.
+def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling, seed: torch.Tensor,
+           P: int, capture: bool = False, cache=None) -> Verified:
+    """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed) and commit its
+    accepted path in the cache; L (0-d, on the device) advances by A + 1.
 
-    Nodes are written at rows L..L+N-1 with positions L + depth; row i attends to the committed prefix
-    and its own ancestors. Afterwards the accepted rows are compacted to L..L+A, so the cache is
-    exactly what decoding the accepted tokens one by one would have left."""
-    N = tokens.numel()
-    dev = tokens.device
-    mask, depth = tree_mask(parents)
-    full = torch.cat([torch.ones(N, L, dtype=torch.bool, device=dev), mask], dim=1)   # (N, L+N)
-    rows = torch.arange(L, L + N, device=dev)
-    out = model(tokens[None], L + depth, rows, full, capture=capture)
+    Nodes are written at rows L..L+N-1 with positions L + depth; a node attends to the committed
+    prefix and its own ancestors (attention_mask; cols: the rows attention reads). Afterwards the
+    path's rows are moved to L..L+P-1 (compaction), so rows 0..L+A hold exactly what decoding the
+    accepted tokens one by one would have left. One target pass, no host sync."""
+    cache = cache if cache is not None else model.cache
+    N = tree.tokens.numel()
+    mask, depth = tree_mask(tree.parents, tree.valid)
+    attend = attention_mask(mask, L, cols) & (tree.valid[:, None] | (cols[None, :] >= L))   # padding: nothing
+    out = model(tree.tokens[None], L + depth, L + torch.arange(N, device=L.device), attend, capture, cache)
     logits, feats = (out[0][0], out[1][0]) if capture else (out[0], None)
-    target = choose(logits, L + depth + 1, s)                                        # (N,)
-    order, bonus, A = accept(tokens, parents, mask, depth, target)
-    # the one host sync of the round: the accepted length, the bonus, whether every logit was finite
-    # (a NaN would make the argmax silently pick token 0), and the accepted tokens, in one transfer
-    finite = torch.isfinite(logits).all().long()
-    got = torch.cat([A.view(1), bonus.view(1), finite.view(1), tokens[order]]).tolist()
+    target = choose(logits, L + depth + 1, sampling, seed)                               # (N,)
+    A, bonus, path = accept(tree.tokens, tree.parents, tree.valid, mask, depth, target, P)
+    cache.move_rows(L + path, L + torch.arange(P, device=L.device))
+    L.add_(A + 1)
+    return Verified(A, bonus, path, logits, target, None if feats is None else feats.index_select(0, path),
+                    torch.isfinite(logits).all())
+
+
+@torch.no_grad()
+def decode_one_token(model, token: torch.Tensor, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling,
+                     seed: torch.Tensor, cache=None) -> tuple:
+    """Plain decoding's step: the root (1,) at row L, then the target's next token (1,) and whether
+    its logits were finite (()). L advances by one."""
+    one = torch.ones(1, 1, dtype=torch.bool, device=token.device)
+    logits = model(token[None], L.view(1), L.view(1), attention_mask(one, L, cols), False, cache)[0]
+    nxt = choose(logits, (L + 1).view(1), sampling, seed)
+    L.add_(1)
+    return nxt, torch.isfinite(logits).all()
+
+
+def commit(v: Verified, tree: Tree) -> Verified:
+    """The one host sync of a round: the accepted length, the bonus, whether the logits were finite,
+    and the path's tokens and sources, in one transfer. Errors: GraftError when the pass was not
+    finite (a NaN would make the argmax pick token 0, again and again)."""
+    parts = [v.A.view(1), v.bonus.view(1), v.finite.view(1).long(), tree.tokens.index_select(0, v.path)]
+    if tree.retrieved is not None:
+        parts.append(tree.retrieved.index_select(0, v.path).long())
+    got = torch.cat(parts).tolist()
     if not got[2]:
         raise GraftError("the target's logits are not finite (NaN or inf) in this pass: the model overflows "
                          "in this dtype or its weights are broken")
-    A, bonus = got[0], got[1]
-    path = order[:A + 1]
-    if A > 0:
-        model.move_cache_rows(L + path, L)
-    return Verified(path=path, accepted=got[4:4 + A], bonus=bonus, logits=logits,
-                    target=target, feats=None if feats is None else feats[path])
+    A, P = got[0], v.path.numel()
+    v.accepted, v.bonus_id = got[4:4 + A], got[1]
+    v.from_retrieval = got[4 + P:4 + P + A] if tree.retrieved is not None else [0] * A
+    return v
+
+
+# ----------------------------------------------------------------------------- methods
+
+class Proposer:
+    """A decoding method: each round it proposes a tree under the root, the verifier checks it, and it
+    learns from the verification. N: nodes verified per round (root included); P: the longest path a
+    round can accept (root included); needs_features: verification captures EAGLE-3 features."""
+    N = 1
+    P = 1
+    needs_features = False
+
+    def start(self, prompt: list):
+        """A new generation: the prompt's token ids."""
+
+    def prompt_chunk(self, ids: torch.Tensor, logits: torch.Tensor, feats, n: int):
+        """After each prefill chunk: ids (C,), logits (C, V), feats (C, 3*dim) or None; the first n real."""
+
+    def round(self, root: torch.Tensor) -> Verified:
+        """One round under the root (0-d, on the device): propose, verify, learn, commit()."""
+        raise NotImplementedError
+
+
+class Clock:
+    """Time per phase of a round, without host syncs: on a CPU each mark reads the wall clock; on a GPU
+    it records a CUDA event, and the events are read once, when the generation is over."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.reset()
+
+    def reset(self):
+        self.totals, self.events = {}, []
+        self.start()
+
+    def start(self):
+        if self.cuda:
+            self.events.append((None, self._event()))
+        else:
+            self.last = time.perf_counter()
+
+    def mark(self, phase: str):
+        """The time since the previous mark goes to `phase`."""
+        if self.cuda:
+            self.events.append((phase, self._event()))
+        else:
+            now = time.perf_counter()
+            self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
+            self.last = now
+
+    def read(self) -> dict:
+        """Seconds per phase."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            for (_, a), (phase, b) in zip(self.events, self.events[1:]):
+                if phase is not None:
+                    self.totals[phase] = self.totals.get(phase, 0.0) + a.elapsed_time(b) / 1000
+            self.events = self.events[-1:]
+        return dict(self.totals)
+
+    @staticmethod
+    def _event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e

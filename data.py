@@ -1,0 +1,284 @@
+"""Prompts and datasets: one home for what the faces read (generate.py, bench.py, train.py).
+
+  read_text / read_prompts   a prompt file (one prompt, the whole file) / many prompts (lines or jsonl)
+  datasets                   the benchmark sets in ../shared/data (Spec-Bench, MT-bench, HumanEval, ...)
+  stdlib                     code snippets from this interpreter's standard library, split train/held-out
+  stories                    story openings sampled from a model itself (continue_batch)
+Every reader validates what it reads: a missing field or a file that is not UTF-8 is one GraftError line.
+"""
+import gzip
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from graft import cache_dir
+from model import GraftError
+from verify import Sampling, choose
+
+
+# ----------------------------------------------------------------------------- prompt files
+
+def read_text(path: str, what: str = "prompt file") -> str:
+    """A text file, strictly UTF-8 (a binary file is refused, not decoded into garbage)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise GraftError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraftError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+    if "\x00" in text:
+        raise GraftError(f"{what} {path} looks binary (it holds NUL bytes)")
+    return text
+
+
+def read_prompts(path: str) -> list:
+    """Many prompts (warm-up, training, bench datasets): one per line, or jsonl records with `turns`
+    (the first turn) or `prompt`. Errors: GraftError naming the line."""
+    out = []
+    for i, l in enumerate(read_text(path, "prompts file").splitlines(), 1):
+        if not l.strip():
+            continue
+        if not l.lstrip().startswith("{"):
+            out.append(l)
+            continue
+        try:
+            rec = json.loads(l)
+        except json.JSONDecodeError as e:
+            raise GraftError(f"bad json on line {i} of {path}: {e}") from None
+        out.append(prompt_of(rec, f"line {i} of {path}"))
+    return out
+
+
+def prompt_of(rec, where: str) -> str:
+    """The prompt of a dataset record: the first of its `turns`, or its `prompt`."""
+    if isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+        return rec["turns"][0]
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        return rec["prompt"]
+    raise GraftError(f"{where}: a record needs `turns` (a list of strings) or `prompt` (a string)")
+
+
+# ----------------------------------------------------------------------------- datasets
+
+# name -> (file under shared/data, field holding the prompt); "turns" = first turn (MT-bench style)
+FILES = {
+    "spec_bench": ("spec_bench/question.jsonl", "turns"),
+    "mt_bench": ("mt_bench/question.jsonl", "turns"),
+    "humaneval": ("humaneval/HumanEval.jsonl.gz", "prompt"),   # raw code, no instruction
+    "eagle_humaneval": ("eagle_humaneval/question.jsonl", "turns"),
+    "gsm8k": ("gsm8k/test.jsonl", "question"),
+    "eagle_gsm8k": ("eagle_gsm8k/question.jsonl", "turns"),
+    "alpaca": ("eagle_alpaca/question.jsonl", "turns"),
+    "cnndm": ("eagle_sum/question.jsonl", "turns"),
+    "eagle_qa": ("eagle_qa/question.jsonl", "turns"),
+    "sharegpt": ("sharegpt_sample/sharegpt_sample.json", "conversations"),
+}
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
+GENERATED = ("stories", "stdlib")      # made at run time, not read from shared/data
+GENERATED_DEFAULT = 80                 # their size without --limit (the EAGLE subsets' size)
+# stdlib hook: an explicit list of held-out source files (or GRAFT_STDLIB_FILES, a file with one path per
+# line) takes precedence; otherwise the held-out split of the stdlib (the files the demo code
+# target never trains on), so that no benchmarked snippet was seen in training.
+STDLIB_FILES: list | None = None
+
+
+def data_dir() -> Path:
+    """../shared/data next to the repository, or $GRAFT_SHARED/data."""
+    shared = os.environ.get("GRAFT_SHARED")
+    return (Path(shared) if shared else Path(__file__).resolve().parent.parent / "shared") / "data"
+
+
+def check_dataset(name: str):
+    """Fail fast (before loading any model) on an unknown name or a missing file."""
+    if name in GENERATED or os.path.isfile(name):
+        return
+    base, _, cat = name.partition(":")
+    if base == "spec_bench" and cat and cat not in SPEC_BENCH_CATEGORIES:
+        raise GraftError(f"unknown Spec-Bench category {cat!r}: one of {', '.join(SPEC_BENCH_CATEGORIES)}")
+    if base not in FILES or (cat and base != "spec_bench"):
+        raise GraftError(f"unknown dataset {name!r}: use {', '.join(list(FILES) + list(GENERATED))}, "
+                         f"spec_bench:<category> or a path to a .jsonl file")
+    if not (data_dir() / FILES[base][0]).is_file():
+        raise GraftError(f"dataset {name}: {data_dir() / FILES[base][0]} not found (set GRAFT_SHARED)")
+
+
+def read_records(path: Path) -> list:
+    """The records of a dataset file: a JSON array (.json) or JSON lines (.jsonl, .jsonl.gz)."""
+    try:
+        if path.suffix == ".json":
+            recs = json.loads(path.read_bytes().decode("utf-8"))
+        else:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt", encoding="utf-8") as fh:
+                recs = [json.loads(l) for l in fh if l.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraftError(f"cannot read dataset {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(recs, list):
+        raise GraftError(f"dataset {path} must hold a list of records")
+    return recs
+
+
+def load_dataset(name: str, limit: int | None, eng) -> list:
+    """The prompt texts of a dataset, the first `limit` of them."""
+    if name == "stories":       # held out: the head's training openings are sampled with seed 0
+        return sample_openings(eng.model, eng.tokenizer, limit or GENERATED_DEFAULT, seed=1)
+    if name == "stdlib":
+        return stdlib_prompts(limit or GENERATED_DEFAULT)
+    if os.path.isfile(name):
+        return read_prompts(name)[:limit]
+    base, _, cat = name.partition(":")
+    path, field = FILES[base]
+    recs = [r for r in read_records(data_dir() / path) if not cat or r.get("category") == cat]
+    where = lambda i: f"record {i} of {data_dir() / path}"
+    if field == "turns":
+        texts = [prompt_of(r, where(i)) for i, r in enumerate(recs)]
+    elif field == "conversations":
+        texts = [human_turn(r, where(i)) for i, r in enumerate(recs)]
+    else:
+        texts = [prompt_of({"prompt": r.get(field) if isinstance(r, dict) else None}, where(i))
+                 for i, r in enumerate(recs)]
+    return texts[:limit]
+
+
+def human_turn(rec, where: str) -> str:
+    """The first human turn of a ShareGPT-style record."""
+    turns = rec.get("conversations") if isinstance(rec, dict) else None
+    for t in turns if isinstance(turns, list) else []:
+        if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str):
+            return t["value"]
+    raise GraftError(f"{where}: no human turn in `conversations`")
+
+
+# ----------------------------------------------------------------------------- the stdlib corpus
+
+def stdlib_files(root: str | None = None) -> list:
+    """The running interpreter's own standard library sources (tests, idlelib and site-packages left
+    out), sorted: a code corpus present on every machine."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        dirs[:] = sorted(x for x in dirs if x not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        if rel.split(os.sep)[0] in ("test", "idlelib", "site-packages"):
+            continue
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return sorted(out)
+
+
+def is_heldout(path: str, root: str) -> bool:
+    """About 1 file in 25, chosen by a hash of its relative path: whole files, stable across machines."""
+    import hashlib
+    rel = os.path.relpath(path, root).replace(os.sep, "/")
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25 == 0
+
+
+def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root: str | None = None) -> list:
+    """n code prompts: `lines` consecutive lines from the stdlib's training (or held-out) files, starting
+    at a deterministic pseudo-random `def`/`class` line when the file has one. Files are cycled."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out, i = [], 0
+    while len(out) < n and i < 20 * max(n, 1) and files:
+        f = files[i % len(files)]
+        i += 1
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            src = fh.read().splitlines(keepends=True)
+        starts = [j for j, l in enumerate(src) if l.lstrip().startswith(("def ", "class "))] or [0]
+        j = rng.choice(starts)
+        text = "".join(src[j:j + lines])
+        if len(text.strip()) > 40 and text not in out:
+            out.append(text)
+    return out
+
+
+def stdlib_prompts(limit: int) -> list:
+    """40-line Python snippets from held-out files: STDLIB_FILES / $GRAFT_STDLIB_FILES when given,
+    else the held-out split of the stdlib (files the demo target never trained on)."""
+    listed = STDLIB_FILES
+    if listed is None and os.environ.get("GRAFT_STDLIB_FILES"):
+        listed = [l.strip() for l in open(os.environ["GRAFT_STDLIB_FILES"]) if l.strip()]
+    if listed is None:
+        return stdlib_snippets(heldout=True, n=limit, lines=40)
+    snippets = []
+    for f in listed:        # the beginning of each file, evenly spaced picks: deterministic
+        lines = Path(f).read_text(errors="replace").splitlines()[:40]
+        if sum(1 for l in lines if l.strip()) >= 20:        # skip stubs: too little to continue
+            snippets.append("\n".join(lines) + "\n")
+    n = min(limit, len(snippets))
+    return [snippets[i * len(snippets) // n] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- stories, sampled from a model
+
+STORIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models", "stories260K-hf")
+
+
+@torch.no_grad()
+def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), pad: int = 0) -> list:
+    """The target's own continuations of a batch of token lists, decoded together.
+
+    Prompts are left-padded to a common length; each row's positions start at its first real token
+    and padded columns are masked out, so every row decodes exactly as it would alone.
+    `sampling`: one Sampling for all rows, or a list with one per row (e.g. different seeds)."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    B, dev = len(prompts), model.embed_tokens.weight.device
+    n = max(len(p) for p in prompts)
+    S = n + new_tokens
+    prev = model.max_seq_len
+    model.setup_caches(S, batch=B)          # just what this batch needs; restored at the end
+    offset = torch.tensor([n - len(p) for p in prompts], device=dev)                 # (B,)
+    ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts], device=dev)      # (B, n)
+    col = torch.arange(S, device=dev)
+    valid = col[None, :] >= offset[:, None]                                          # (B, S) real columns
+    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
+    rows = torch.arange(n, device=dev)
+    # a padded row sees itself, so no attention row is empty (an all-masked softmax may give NaN)
+    mask = ((causal[:n, :n][None] & valid[:, None, :n]) | torch.eye(n, dtype=torch.bool, device=dev))[:, None]
+    logits = model(ids, (rows[None] - offset[:, None]).clamp(min=0), rows, mask)
+    out = [list(p) for p in prompts]
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
+    for i in range(new_tokens):
+        pos = n + i - offset                                                          # (B,) next position
+        nxt = torch.stack([choose(logits[b, -1:], pos[b:b + 1], samplings[b])[0] for b in range(B)])
+        nxt = torch.where(done, pad, nxt)
+        for b, t in enumerate(nxt.tolist()):
+            if not done[b]:
+                out[b].append(t)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()) or i == new_tokens - 1:
+            break
+        r = torch.tensor([n + i], device=dev)
+        m = (causal[n + i:n + i + 1, :n + i + 1][None] & valid[:, None, :n + i + 1])[:, None]  # (B,1,1,S')
+        logits = model(nxt[:, None], (n + i - offset)[:, None], r, m)
+    model.setup_caches(prev, batch=1)
+    return out
+
+
+@torch.no_grad()
+def sample_openings(model, tok, n: int, length: int = 8, seed: int = 0, temperature: float = 1.0) -> list:
+    """n story openings sampled from the model itself from BOS (one seed per opening)."""
+    bos = tok.encode("")
+    out = []
+    for s in range(0, n, 64):
+        rows = list(range(s, min(s + 64, n)))
+        seqs = continue_batch(model, [bos] * len(rows), length,
+                              [Sampling(temperature, 1.0, 0, seed * 100003 + r) for r in rows], tok.eos_ids)
+        out += [tok.decode(q[len(bos):]).strip() for q in seqs]
+    return [o for o in out if o]
+
+
+def stories_head_dir() -> str:
+    """Where `python train.py stories-head` puts the stories260K-hf head (in the warm-up cache folder)."""
+    return os.path.join(cache_dir(), "stories260K-eagle3")
