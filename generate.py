@@ -104,13 +104,13 @@ class Engine:
     sampling seed, and the clock of the round's phases."""
 
     def __init__(self, model, tokenizer: Tokenizer, drafter: Drafter | None, matrix: ContinuationMatrix,
-                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK):
+                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK, backend: str = "inductor"):
         self.model, self.tokenizer, self.drafter, self.matrix = model, tokenizer, drafter, matrix
         self.thresholds, self.hit_rates = None, None
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.cuda = self.device.type == "cuda"
-        self.compiling, self.window, self.chunk = compile, window, chunk
+        self.compiling, self.window, self.chunk, self.backend = compile, window, chunk, backend
         self.L = torch.zeros((), dtype=torch.long, device=self.device)       # committed rows, on the device
         self.L_host = 0                                                      # and its mirror on the host
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
@@ -131,6 +131,8 @@ class Engine:
         graphs through torch.compile's reduce-overhead mode. One graph per shape: N, P, stage."""
         if not self.compiling:
             return fn
+        if self.backend != "inductor":         # tests: "aot_eager" traces and functionalises, no codegen
+            return torch.compile(fn, fullgraph=True, backend=self.backend)
         if self.cuda:
             return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
         return torch.compile(fn, fullgraph=True, **CPU_COMPILE)
@@ -311,15 +313,18 @@ def make_method(eng: Engine, method: str, cfg: Config | None = None, matrix: Con
         raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
     kind = METHODS[method]
     if kind == "plain":
-        return Plain(eng)
-    if kind == "pld":
-        return PromptLookup(eng, cfg)
-    if kind == "recycle":
-        return Recycle(eng, cfg, matrix, eng.hit_rates)
-    if cfg.thresholds is None and eng.thresholds is not None:
-        cfg = dataclasses.replace(cfg, thresholds=dict(eng.thresholds))
-    cfg = dataclasses.replace(cfg, **kind, top_k=eng.drafter.top_k, depth=eng.drafter.depth)
-    return Graft(eng, cfg, matrix if method in NEEDS_MATRIX else None, eng.hit_rates)
+        p = Plain(eng)
+    elif kind == "pld":
+        p = PromptLookup(eng, cfg)
+    elif kind == "recycle":
+        p = Recycle(eng, cfg, matrix, eng.hit_rates)
+    else:
+        if cfg.thresholds is None and eng.thresholds is not None:
+            cfg = dataclasses.replace(cfg, thresholds=dict(eng.thresholds))
+        cfg = dataclasses.replace(cfg, **kind, top_k=eng.drafter.top_k, depth=eng.drafter.depth)
+        p = Graft(eng, cfg, matrix if method in NEEDS_MATRIX else None, eng.hit_rates)
+    p.name = method
+    return p
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -463,7 +468,8 @@ WARMUP_FORMAT = 2        # bump when what the warm-up computes changes: old cach
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
-                 matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK) -> Engine:
+                 matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
+                 backend: str = "inductor") -> Engine:
     """Load a target (and a head) and set up the engine. attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise)."""
     if dtype not in DTYPES:
@@ -492,7 +498,8 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         torch._dynamo.config.accumulated_cache_size_limit = 512
     from verify import token_hash
     token_hash(model.args.vocab_size, model.embed_tokens.weight.device)     # read, never built, in a graph
-    return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk)
+    return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk,
+                  backend=backend)
 
 
 def tok_context(path: str) -> int:

@@ -323,7 +323,7 @@ class Graft(Proposer):
         self.N = 1 + max(cfg.budget, *(K + R for K, R in self.stages.values()))
         T = MAX_TEMPLATE_DEPTH if self.templates else 0
         self.tail = cfg.ablation == "tail"
-        self.P = 1 + (cfg.depth + T if self.tail else max(cfg.depth, T))
+        self.P = min(self.N, 1 + (cfg.depth + T if self.tail else max(cfg.depth, T)))
         eng.reserve(self.N, self.P)
         dev, Ht = eng.device, eng.model.args.dim
         self.pend_feats = torch.zeros(self.P, 3 * Ht, dtype=eng.dtype, device=dev)   # the accepted path

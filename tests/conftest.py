@@ -238,7 +238,7 @@ def reference_greedy(model, ids: list, n: int, eos_ids=()) -> list:
     T = len(ids)
     pos = torch.arange(T)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    logits = model(torch.tensor([ids]), pos, cache_rows=pos, mask=mask)
+    logits = model(torch.tensor([ids]), pos, rows=pos, mask=mask)
     out = []
     for p in range(T, T + n):
         tok = int(logits[0, -1].argmax())
@@ -246,5 +246,41 @@ def reference_greedy(model, ids: list, n: int, eos_ids=()) -> list:
         if tok in eos_ids or len(out) == n:
             break
         rows = torch.tensor([p])
-        logits = model(torch.tensor([[tok]]), rows, cache_rows=rows, mask=torch.ones(1, p + 1, dtype=torch.bool))
+        logits = model(torch.tensor([[tok]]), rows, rows=rows, mask=torch.ones(1, p + 1, dtype=torch.bool))
     return out
+
+
+# ----------------------------------------------------------------------------- compile checks, beside the suite
+
+_COMPILE = {}
+COMPILE_TESTS = "test_engine.py::test_compiled"       # the tests that read tests/compile_check.py's results
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read the compile checks run last: the checks have the whole suite's time."""
+    items.sort(key=lambda it: COMPILE_TESTS in it.nodeid)
+
+
+def pytest_collection_finish(session):
+    """Start tests/compile_check.py when a test reading it is selected: compiling takes minutes, so it
+    runs on the second core while the rest of the suite runs (the suite itself is one thread)."""
+    import os
+    import subprocess
+    import tempfile
+    if any(COMPILE_TESTS in item.nodeid for item in session.items):
+        out = os.path.join(tempfile.mkdtemp(), "compile.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        _COMPILE["proc"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "compile_check.py"), out],
+                                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _COMPILE["out"] = out
+
+
+def compile_result(section: str) -> dict:
+    """One section of the compile checks' results (waits for them)."""
+    proc = _COMPILE.get("proc")
+    if proc is None:
+        pytest.skip("the compile checks were not started")
+    proc.wait(timeout=1800)
+    got = json.loads(Path(_COMPILE["out"]).read_text()).get(section, {"error": "section did not run"})
+    assert "error" not in got, got["error"]
+    return got

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import bench
+import data
 from conftest import SHARED, needs_shared
 from test_lossless import random_head
 
@@ -83,14 +84,14 @@ def test_humaneval_is_raw_code():
 
 
 def test_stdlib_snippets_are_deterministic(tmp_path, monkeypatch):
-    a, b = bench.stdlib_prompts(5), bench.stdlib_prompts(5)
+    a, b = data.stdlib_prompts(5), data.stdlib_prompts(5)
     assert a == b and len(a) == 5 and all(len(s.splitlines()) <= 40 for s in a)
     files = []
     for i in range(3):          # an explicit held-out list wins: the first 40 lines of each file
         files.append(tmp_path / f"m{i}.py")
         files[-1].write_text("".join(f"x{i}_{j} = {j}\n" for j in range(50)))
-    monkeypatch.setattr(bench, "STDLIB_FILES", [str(f) for f in files])
-    got = bench.stdlib_prompts(2)
+    monkeypatch.setattr(data, "STDLIB_FILES", [str(f) for f in files])
+    got = data.stdlib_prompts(2)
     assert len(got) == 2 and got[0].startswith("x0_0 = 0\n") and got[0].endswith("x0_39 = 39\n")
 
 

@@ -55,9 +55,9 @@ def test_demo_pair_loads_and_graft_equals_ar():
     warm_up(eng, Config(), rounds=2, max_new_tokens=32, use_cache=False)
     for p in ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n"]:
         ids = eng.tokenizer.encode(p)
-        base = generate(eng.model, make_method(eng, Config("ar")), ids, 48, Sampling(), eng.tokenizer.eos_ids)
+        base = generate(eng, make_method(eng, "ar"), ids, 48, Sampling(), eng.tokenizer.eos_ids)
         for m in ("eagle3", "graft"):
-            r = generate(eng.model, make_method(eng, Config(m)), ids, 48, Sampling(), eng.tokenizer.eos_ids)
+            r = generate(eng, make_method(eng, m), ids, 48, Sampling(), eng.tokenizer.eos_ids)
             assert r.tokens == base.tokens, m
 
 

@@ -373,20 +373,45 @@ def test_forward_unfused_skips_fc(head):
 # ----------------------------------------------------------------------------- drafting
 
 PROMPT = [1, 5, 9, 13, 22, 40, 3, 17, 8]
+CHUNK, PATH = 16, 4
 
 
 def drafter_and_root(target, head, depth=8):
-    """A fresh Drafter extended with the prompt's features; returns (drafter, h_root, feats, ids)."""
+    """A fresh Drafter that has read the prompt (prefill: rows (f_t, p_t+1)) and extended with the
+    prompt's last feature and the root, which drafts level 1. Returns (drafter, conf_0, feats, next ids)."""
     n = len(PROMPT)
     ids = torch.tensor(PROMPT)
     pos = torch.arange(n)
     target.setup_caches(64)
     logits, feats = target(ids[None], pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), capture=True)
     root = int(logits[0, -1].argmax())
-    dr = D.Drafter(head, max_seq_len=64, top_k=K, depth=depth)
+    dr = D.Drafter(head, max_seq_len=64, top_k=K, depth=depth, max_path=PATH, chunk=CHUNK)
     nxt = torch.cat([ids[1:], torch.tensor([root])])
-    h = dr.extend(feats[0], nxt)
-    return dr, h, feats[0], nxt
+    F = torch.zeros(CHUNK, 3 * HT)
+    F[:n - 1] = feats[0, :-1]
+    I = torch.zeros(CHUNK, dtype=torch.long)
+    I[:n - 1] = nxt[:-1]
+    dr.prefill(F, I, torch.tensor(n - 1), cols(dr))
+    conf = dr.extend(*pending(feats[0, -1:], nxt[-1:]), cols(dr))
+    return dr, conf, feats[0], nxt
+
+
+def cols(dr):
+    return torch.arange(dr.head.cache.rows)
+
+
+def pending(feats, ids):
+    """Rows for extend, padded to PATH."""
+    F = torch.zeros(PATH, 3 * HT)
+    F[:len(ids)] = feats
+    I = torch.zeros(PATH, dtype=torch.long)
+    I[:len(ids)] = ids
+    return F, I, torch.tensor(len(ids))
+
+
+def draft(dr, levels):
+    """Draft up to `levels` levels; returns the confidences conf_0 .. conf_{levels-1}."""
+    return [float(dr.level(torch.tensor(i), cols(dr))) for i in range(levels - 1)]
 
 
 def level_slices(levels, k=K):
@@ -396,63 +421,66 @@ def level_slices(levels, k=K):
     return out
 
 
-def test_extend_returns_last_row(target, head):
-    dr, h, feats, nxt = drafter_and_root(target, head)
-    assert h.shape == (1, 32) and dr.Ld == len(PROMPT)
+def test_extend_reads_the_path_and_drafts_level_1(target, head):
+    dr, conf, _, _ = drafter_and_root(target, head)
+    assert int(dr.Ld) == dr.Ld_host + len(PROMPT) == len(PROMPT)
+    h = dr.beam_h[:1]
+    s, t = head.logprobs(h).topk(K, dim=-1)
+    assert torch.allclose(dr.scores[:K], s[0]) and torch.equal(dr.tokens[:K], head.to_target(t[0]))
+    assert (dr.parents[:K] == -1).all() and torch.isinf(dr.scores[K:]).all()
+    assert math.isclose(float(conf), math.exp(float(s[0, 0])), rel_tol=1e-6)
 
 
-def test_extend_incremental_equals_one_shot(target, head):
-    dr, h, feats, nxt = drafter_and_root(target, head)
-    dr2 = D.Drafter(head, max_seq_len=64, top_k=K, depth=8)
-    dr2.extend(feats[:4], nxt[:4])
-    h2 = dr2.extend(feats[4:], nxt[4:])
-    assert dr2.Ld == dr.Ld
-    assert torch.allclose(h, h2, atol=1e-5)
+def test_prefill_in_chunks_equals_one_chunk(target, head):
+    dr, _, feats, nxt = drafter_and_root(target, head)
+    n = len(PROMPT)
+    dr2 = D.Drafter(head, max_seq_len=64, top_k=K, depth=8, max_path=PATH, chunk=CHUNK)
+    for lo, hi in ((0, 4), (4, n - 1)):
+        F = torch.zeros(CHUNK, 3 * HT)
+        F[:hi - lo] = feats[lo:hi]
+        I = torch.zeros(CHUNK, dtype=torch.long)
+        I[:hi - lo] = nxt[lo:hi]
+        dr2.prefill(F, I, torch.tensor(hi - lo), cols(dr2))
+    dr2.extend(*pending(feats[-1:], nxt[-1:]), cols(dr2))
+    assert int(dr2.Ld) == int(dr.Ld)
+    assert torch.allclose(dr2.scores[:K], dr.scores[:K], atol=1e-5)
 
 
 def test_draft_full_tree_shape(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8)
+    dr, _, _, _ = drafter_and_root(target, head)
+    draft(dr, 8)
     C = K + 7 * K * K
-    assert tree.levels == 8 and tree.stopped_at is None
-    assert tree.scores.shape == tree.tokens.shape == tree.parents.shape == (C,)
-    assert int(tree.tokens.min()) >= 0 and int(tree.tokens.max()) < V
+    assert dr.scores.shape == dr.tokens.shape == dr.parents.shape == (C,)
+    assert torch.isfinite(dr.scores).all()
+    assert int(dr.tokens.min()) >= 0 and int(dr.tokens.max()) < V
     # every token is a target id reachable from the draft vocabulary
     reach = set((torch.arange(VD) + head.d2t).tolist())
-    assert set(tree.tokens.tolist()) <= reach
-    # parents: -1 for level 1, else an index in the previous level
+    assert set(dr.tokens.tolist()) <= reach
+    # parents: -1 for level 1, else a slot of the previous level
     sl = level_slices(8)
-    assert (tree.parents[sl[0]] == -1).all()
+    assert (dr.parents[sl[0]] == -1).all()
     for prev, cur in zip(sl, sl[1:]):
-        p = tree.parents[cur]
+        p = dr.parents[cur]
         assert (p >= prev.start).all() and (p < prev.stop).all()
     # a child's score never exceeds its parent's (log-probs <= 0)
-    ch = tree.parents >= 0
-    assert (tree.scores[ch] <= tree.scores[tree.parents[ch]] + 1e-6).all()
-
-
-def test_draft_level1_is_topk_of_root(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8)
-    s, t = head.logprobs(h).topk(K, dim=-1)
-    assert torch.allclose(tree.scores[:K], s[0])
-    assert torch.equal(tree.tokens[:K], head.to_target(t[0]))
+    ch = dr.parents >= 0
+    assert (dr.scores[ch] <= dr.scores[dr.parents[ch]] + 1e-6).all()
 
 
 def test_draft_scores_match_sequential_decoding(target, head):
     # a level-3 candidate's score = sum of the head's log-probs along its path, decoded one row at a time
-    dr, h, feats, nxt = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=3)
+    dr, _, _, _ = drafter_and_root(target, head)
+    draft(dr, 3)
     inv = {int(t): d for d, t in enumerate((torch.arange(VD) + head.d2t).tolist())}
     n = len(PROMPT)
     lvl3 = level_slices(3)[2]
     checked = 0
     for c in range(lvl3.start, lvl3.stop, 5):
-        p2 = int(tree.parents[c])
-        p1 = int(tree.parents[p2])
-        toks = [int(tree.tokens[p1]), int(tree.tokens[p2]), int(tree.tokens[c])]
-        ref, h_ref, _, _ = drafter_and_root(target, head)            # fresh draft cache
-        hid, score = h_ref, 0.0
+        p2 = int(dr.parents[c])
+        p1 = int(dr.parents[p2])
+        toks = [int(dr.tokens[p1]), int(dr.tokens[p2]), int(dr.tokens[c])]
+        ref, _, _, _ = drafter_and_root(target, head)            # fresh draft cache
+        hid, score = ref.beam_h[:1], 0.0
         for i, t in enumerate(toks):
             lp = head.logprobs(hid)[0]
             score += float(lp[inv[t]])
@@ -461,71 +489,53 @@ def test_draft_scores_match_sequential_decoding(target, head):
             row = torch.tensor([n + i])
             hid = head(hid[None], torch.tensor([[t]]), row, row, torch.ones(1, n + i + 1, dtype=torch.bool),
                        fused=False)[0]
-        assert math.isclose(score, float(tree.scores[c]), abs_tol=1e-4), (c, score, float(tree.scores[c]))
+        assert math.isclose(score, float(dr.scores[c]), abs_tol=1e-4), (c, score, float(dr.scores[c]))
         checked += 1
     assert checked >= 3
 
 
+def test_confidence_is_best_path_probability(target, head):
+    dr, conf0, _, _ = drafter_and_root(target, head)
+    confs = [float(conf0)] + draft(dr, 8)
+    for c, sl in enumerate(level_slices(8)):
+        assert math.isclose(confs[c], math.exp(float(dr.scores[sl].max())), rel_tol=1e-6), c
+
+
 def test_select_is_prefix_closed_best_n(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8)
+    dr, _, _, _ = drafter_and_root(target, head)
+    draft(dr, 8)
     for n in (1, 5, 20, 60, K + 7 * K * K):
-        toks, pars = tree.select(n)
+        toks, pars, slots = D.select(dr.scores, dr.tokens, dr.parents, n)
         assert toks.shape == pars.shape == (n,)
         assert ((pars == -1) | ((pars >= 0) & (pars < torch.arange(n)))).all(), pars.tolist()
-        # the chosen flat indices are the n best scores, in flat (parents-first) order
-        best = torch.sort(torch.sort(tree.scores, descending=True, stable=True).indices[:n]).values
-        assert torch.equal(toks, tree.tokens[best])
-        assert torch.equal(torch.sort(tree.scores[best]).values,
-                           torch.sort(torch.topk(tree.scores, n).values).values)
-        # parents map back to the same flat parents
-        flat_par = torch.where(pars < 0, -1, best[pars.clamp(min=0)])
-        assert torch.equal(flat_par, tree.parents[best])
+        # the chosen slots are the n best scores, in slot (parents-first) order
+        best = torch.sort(torch.sort(dr.scores, descending=True, stable=True).indices[:n]).values
+        assert torch.equal(slots, best) and torch.equal(toks, dr.tokens[best])
+        # parents map back to the same slots
+        assert torch.equal(torch.where(pars < 0, -1, best[pars.clamp(min=0)]), dr.parents[best])
+
+
+def test_select_after_an_early_stop_takes_only_drafted_slots(target, head):
+    dr, _, _, _ = drafter_and_root(target, head)
+    draft(dr, 2)                                   # levels 1-2 drafted, the rest score -inf
+    toks, pars, slots = D.select(dr.scores, dr.tokens, dr.parents, K + K * K)
+    assert int(slots.max()) < K + K * K and torch.isfinite(dr.scores[slots]).all()
 
 
 def test_select_ties_keep_parent_first():
     # node 2 (child of node 0) ties its parent's score: the parent must be selected first
-    tree = D.DraftTree(scores=torch.tensor([-0.5, -1.0, -0.5, -2.0]), tokens=torch.tensor([10, 11, 12, 13]),
-                       parents=torch.tensor([-1, -1, 0, 1]), levels=2)
-    toks, pars = tree.select(2)
+    s, t, p = torch.tensor([-0.5, -1.0, -0.5, -2.0]), torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 1])
+    toks, pars, _ = D.select(s, t, p, 2)
     assert toks.tolist() == [10, 12] and pars.tolist() == [-1, 0]
-    toks, pars = tree.select(1)
+    toks, pars, _ = D.select(s, t, p, 1)
     assert toks.tolist() == [10] and pars.tolist() == [-1]
 
 
-def test_checkpoint_stop_at_0(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8, checkpoints={0: 1.1})
-    assert tree.stopped_at == 0 and tree.levels == 1
-    assert tree.scores.numel() == K
-    assert math.isclose(float(tree.confidence[0]), math.exp(float(tree.scores.max())), rel_tol=1e-6)
-
-
-def test_checkpoint_stop_at_1(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8, checkpoints={0: 0.0, 1: 1.1})
-    assert tree.stopped_at == 1 and tree.levels == 2
-    assert tree.scores.numel() == K + K * K
-    assert set(tree.confidence) == {0, 1}
-
-
-def test_checkpoints_pass_when_low_thresholds(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    full = dr.draft(h, levels=8)
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8, checkpoints={0: 0.0, 1: 0.0, 5: 0.0})
-    assert tree.stopped_at is None and tree.levels == 8
-    assert torch.equal(tree.tokens, full.tokens) and torch.allclose(tree.scores, full.scores)
-
-
-def test_confidence_is_best_path_probability(target, head):
-    dr, h, _, _ = drafter_and_root(target, head)
-    tree = dr.draft(h, levels=8, record=(0, 1, 5))
-    assert tree.stopped_at is None and set(tree.confidence) == {0, 1, 5}
-    sl = level_slices(8)
-    for c in (0, 1, 5):
-        want = math.exp(float(tree.scores[sl[c]].max()))
-        assert math.isclose(float(tree.confidence[c]), want, rel_tol=1e-6), c
+def test_deepest_is_best_node_of_deepest_level():
+    k = 2                                          # slots: level 1 = 0,1; level 2 = 2..5; level 3 = 6..9
+    scores = torch.tensor([-1.0, -2.0, -1.5, -3.0, -2.5, -4.0, -3.5, -2.2, -9.0, -9.0])
+    slots = torch.tensor([0, 1, 2, 6, 7])
+    assert int(D.deepest(slots, scores, k)) == 4   # slot 7 (-2.2) beats slot 6 (-3.5) on level 3
 
 
 # ----------------------------------------------------------------------------- reduced vocabulary without d2t

@@ -38,56 +38,67 @@ def ranked_logits(rankings: list, vocab: int = 10) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- ContinuationMatrix.update
+def upd(cm, tokens, logits, path=None):
+    """update() with every node real; `path` the accepted path's nodes (root first)."""
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    if path is None:
+        return cm.update(tokens, logits, valid)
+    return cm.update(tokens, logits, valid, path, torch.tensor(path.numel() - 1))
+
+
+def rec(cm, tokens, target):
+    cm.record(tokens, target, torch.ones_like(tokens, dtype=torch.bool))
+
 
 ROWS = [[9, 1, 4], [0, 3, 8], [6, 5, 2], [1, 2, 3]]      # the top-3 of each node's logits
 
 
 def test_update_writes_topk_rows():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS))
+    upd(cm, T([2, 5, 2, 7]), ranked_logits(ROWS))
     # token 2 occurs at nodes 0 and 2, no accepted path: the later node wins
     assert cm.M[2].tolist() == [6, 5, 2]
     assert cm.M[5].tolist() == [0, 3, 8]
     assert cm.M[7].tolist() == [1, 2, 3]
     assert cm.M.dtype == torch.int32
-    assert cm.written.nonzero().flatten().tolist() == [2, 5, 7]
+    assert cm.written[:10].nonzero().flatten().tolist() == [2, 5, 7]
     assert (cm.M[[0, 1, 3, 4, 6, 8, 9]] == T([0, 1, 2]).int()).all()   # untouched rows: the fallback
 
 
 def test_update_accepted_path_wins():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 1]))
+    upd(cm, T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 1]))
     assert cm.M[2].tolist() == [9, 1, 4]                       # node 0 is on the path, node 2 is not
     assert cm.M[5].tolist() == [0, 3, 8]
 
 
 def test_update_token_twice_on_path_later_wins():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 2, 3]))
+    upd(cm, T([2, 5, 2, 7]), ranked_logits(ROWS), path=T([0, 2, 3]))
     assert cm.M[2].tolist() == [6, 5, 2]
 
 
 def test_update_later_node_wins_regardless_of_position_in_batch():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([7, 2, 7, 7]), ranked_logits(ROWS))
+    upd(cm, T([7, 2, 7, 7]), ranked_logits(ROWS))
     assert cm.M[7].tolist() == [1, 2, 3]                       # node 3, the last one with token 7
     cm2 = ContinuationMatrix(10, k=3)
-    cm2.update(T([7, 2, 7, 7]), ranked_logits(ROWS), path=T([0, 1]))
+    upd(cm2, T([7, 2, 7, 7]), ranked_logits(ROWS), path=T([0, 1]))
     assert cm2.M[7].tolist() == [9, 1, 4]                      # node 0: the only path node with token 7
 
 
 def test_update_overwrites_rows_whole():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([4]), ranked_logits([[1, 2, 3]]))
-    cm.update(T([4]), ranked_logits([[7, 8, 0]]))
+    upd(cm, T([4]), ranked_logits([[1, 2, 3]]))
+    upd(cm, T([4]), ranked_logits([[7, 8, 0]]))
     assert cm.M[4].tolist() == [7, 8, 0]
 
 
 def test_unwritten_rows_fall_back_to_unigram_topk():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2]), ranked_logits([[6, 5, 2]]))
+    upd(cm, T([2]), ranked_logits([[6, 5, 2]]))
     assert cm.rows(T([8, 2])).tolist() == [[0, 1, 2], [6, 5, 2]]       # before warm-up: arange(k)
-    cm.record(T([0, 0, 0, 0, 0, 0]), T([4, 4, 4, 9, 9, 1]))             # target choices: 4 x3, 9 x2, 1 x1
+    rec(cm, T([0, 0, 0, 0, 0, 0]), T([4, 4, 4, 9, 9, 1]))             # target choices: 4 x3, 9 x2, 1 x1
     cm.refresh_fallback()
     assert cm.fallback.tolist() == [4, 9, 1]
     assert cm.rows(T([8, 3, 2])).tolist() == [[4, 9, 1], [4, 9, 1], [6, 5, 2]]
@@ -102,14 +113,14 @@ def test_refresh_fallback_without_counts_keeps_arange():
 
 def test_record_counts_per_rank_hits():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2, 5, 7]), ranked_logits([[6, 5, 2], [0, 3, 8], [1, 2, 3]]))
+    upd(cm, T([2, 5, 7]), ranked_logits([[6, 5, 2], [0, 3, 8], [1, 2, 3]]))
     #            token:  2  2  5  7  7  4 (unwritten: fallback 0, 1, 2)
-    cm.record(T([2, 2, 5, 7, 7, 4]), T([5, 6, 8, 3, 0, 1]))
+    rec(cm, T([2, 2, 5, 7, 7, 4]), T([5, 6, 8, 3, 0, 1]))
     #           rank:    1  0  2  2  miss  1
     assert cm.hits.tolist() == [1.0, 2.0, 2.0, 1.0]
     assert torch.allclose(cm.hit_rates(), T([1 / 6, 2 / 6, 2 / 6], torch.float32))
     assert cm.counts[[5, 6, 8, 3, 0, 1]].tolist() == [1.0] * 6 and cm.counts.sum() == 6
-    cm.record(T([2]), T([6]))
+    rec(cm, T([2]), T([6]))
     assert cm.hits.tolist() == [2.0, 2.0, 2.0, 1.0]
 
 
@@ -119,12 +130,12 @@ def test_hit_rates_none_before_any_record():
 
 def test_state_dict_round_trip():
     cm = ContinuationMatrix(10, k=3)
-    cm.update(T([2, 5]), ranked_logits([[6, 5, 2], [0, 3, 8]]))
-    cm.record(T([2, 4]), T([5, 9]))
+    upd(cm, T([2, 5]), ranked_logits([[6, 5, 2], [0, 3, 8]]))
+    rec(cm, T([2, 4]), T([5, 9]))
     cm2 = ContinuationMatrix(10, k=3)
     cm2.load_state_dict(cm.state_dict())
-    for name in ("M", "written", "counts", "hits", "fallback"):
-        assert torch.equal(getattr(cm, name), getattr(cm2, name)), name
+    for name, x in cm.state_dict().items():
+        assert torch.equal(x, cm2.state_dict()[name]), name
     with pytest.raises(ValueError):
         ContinuationMatrix(12, k=3).load_state_dict(cm.state_dict())
 
@@ -234,7 +245,7 @@ def test_retrieve_random_matches_definition():
     g = torch.Generator().manual_seed(0)
     V, k = 30, 8
     cm = ContinuationMatrix(V, k)
-    cm.update(torch.arange(V), torch.randn(V, V, generator=g))
+    cm.update(torch.arange(V), torch.randn(V, V, generator=g), torch.ones(V, dtype=torch.bool))
     tpl = build_template(G.PRIOR_HIT_RATES, 52)
     out = cm.retrieve(T(11), tpl)
     assert out.dtype == torch.long and out.shape == (52,)
@@ -321,7 +332,8 @@ D_TOK, D_PAR = T([10, 11, 20]), T([-1, -1, 0])  # root -> 10, 11; 10 -> 20
 
 
 def run_graft(r_tokens, free, anchor=-1, d_tok=D_TOK, d_par=D_PAR, tpl=TPL4):
-    t, p, s = graft_trees(d_tok, d_par, T(r_tokens), tpl, free, anchor)
+    t, p, v, s = graft_trees(d_tok, d_par, T(r_tokens), tpl, free, anchor)
+    assert v.all()                                  # these cases fill every slot
     return t.tolist(), p.tolist(), s.tolist()
 
 
@@ -406,13 +418,14 @@ def test_graft_random_invariants(seed):
     free = rng.randrange(1, 25)
     d_tok, d_par = random_draft_tree(rng, K, vocab)
     cm = ContinuationMatrix(vocab, k)
-    cm.update(torch.arange(vocab), torch.randn(vocab, vocab, generator=g))
+    cm.update(torch.arange(vocab), torch.randn(vocab, vocab, generator=g), torch.ones(vocab, dtype=torch.bool))
     tpl = build_template((0.6, 0.3, 0.2, 0.1), K + free)
     anchor = -1 if seed % 3 else rng.randrange(K)
     root = 3
     r_tok = cm.retrieve(T(root if anchor < 0 else int(d_tok[anchor])), tpl)
-    t, p, s = graft_trees(d_tok, d_par, r_tok, tpl, free, anchor)
-    assert t.numel() == p.numel() == s.numel() == K + free
+    t, p, v, s = graft_trees(d_tok, d_par, r_tok, tpl, free, anchor)
+    assert t.numel() == p.numel() == s.numel() == v.numel() == K + free
+    assert v.all()              # a draft node absorbs at most one template node: the K + free template fills
     assert torch.equal(t[:K], d_tok) and torch.equal(p[:K], d_par)
     assert s.tolist() == [False] * K + [True] * free
     assert ((p >= -1) & (p < torch.arange(K + free))).all()
@@ -425,85 +438,86 @@ def test_graft_random_invariants(seed):
         assert int(t[i]) in cm.rows(T([par_tok]))[0].tolist()
 
 
-# ----------------------------------------------------------------------------- graft-tail in generate.py
+def test_graft_leaves_padding_when_merges_exhaust_the_template():
+    # template of 2 nodes (ranks 0, 1 under the root), 2 free slots; both retrieved tokens are draft
+    # children of the root, so both merge: nothing new, the 2 slots are padding
+    tpl = build_template((0.5, 0.25), 2)
+    t, p, v, s = graft_trees(D_TOK, D_PAR, T([10, 11]), tpl, 2, -1)
+    assert v.tolist() == [True] * 3 + [False] * 2 and s.tolist() == [False] * 5
+
+
+# ----------------------------------------------------------------------------- the Graft proposer's stages
 
 class FakeDrafter:
-    """Stands in for draft.Drafter: returns a fixed DraftTree whatever the features."""
+    """Stands in for draft.Drafter: fixed candidate buffers (what extend/level would have left)."""
 
-    def __init__(self, tree):
-        self.tree = tree
+    def __init__(self, scores, tokens, parents, top_k, depth):
+        self.scores, self.tokens, self.parents = scores, tokens, parents
+        self.top_k, self.depth = top_k, depth
 
-    def reset(self):
+    def extend(self, *a):
+        raise AssertionError("not drafted in this test")
+
+    level = extend
+
+
+class FakeEngine:
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self, drafter):
+        import types
+        self.drafter, self.model = drafter, types.SimpleNamespace(args=types.SimpleNamespace(dim=4))
+
+    def reserve(self, *a):
         pass
 
-    def extend(self, feats, ids):
-        return torch.zeros(1, 4)
+    def compile(self, fn):
+        return fn
 
-    def draft(self, h, levels=None, checkpoints=None, record=()):
-        return self.tree
+    def static(self, *a):
+        pass
 
 
-# BUG: (generate.py, Method.propose, graft-tail branch:
-#   `anchor = int(torch.nonzero(~is_parent[1:]).flatten()[0])`):
-# the comment there ("under the best-scoring deepest draft node") and GRAFT.md section 7 ("retrieval
-# appended under draft leaves", the naive tail) want the retrieval subtree under the deepest draft node,
-# but select() returns nodes in flat (level-by-level) order, so the first leaf found is the *shallowest*
-# leaf (typically a weak level-1 node that got no children). Suggested fix: take the selected nodes'
-# depths (a running depth, parents come first) and pick the leaf of maximal depth, ties broken by draft
-# score (DraftTree.scores at the selected flat indices), i.e. the end of the best deepest path.
 @torch.no_grad()
 def test_graft_tail_anchor_is_deepest_draft_node():
-    import types
-    import generate as GEN
-    from draft import DraftTree
-    #            flat:    0     1     2     3     4     5     6     7
+    #            slot:    0     1     2     3     4     5     6     7
     #            level:   1     1     2     2     2     2     3     3
-    tree = DraftTree(scores=T([-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6], torch.float32),
-                     tokens=T([10, 11, 12, 13, 14, 15, 16, 17]),
-                     parents=T([-1, -1, 0, 0, 1, 1, 2, 2]), levels=3)
-    # budget 5 keeps flat nodes 0, 1, 2, 3, 6: leaves 1 (depth 1), 3 (depth 2), 6 (depth 3, best path)
-    sel_tok, sel_par = tree.select(5)
-    assert sel_tok.tolist() == [10, 11, 12, 13, 16] and sel_par.tolist() == [-1, -1, 0, 0, 2]
-    model = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(64, 4))
-    cfg = GEN.Config(method="graft-tail", budget=5, top_k=2, depth=3, ablation_size=3)
-    meth = GEN.Method(cfg, model, FakeDrafter(tree), ContinuationMatrix(64, 8))
-    ids = T([1, 5, 9, 13])
-    meth.begin(ids, torch.randn(4, 64, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 12))
-    prop = meth.propose(30)
-    assert prop.tokens[:6].tolist() == [30, 10, 11, 12, 13, 16]
-    assert prop.retrieved.tolist() == [False] * 6 + [True] * 3
-    # the retrieval subtree's top nodes hang under the anchor: proposal index 5 = draft node 16
-    tops = {int(prop.parents[i]) for i in range(6, 9) if not prop.retrieved[prop.parents[i]]}
-    assert tops == {5}, f"retrieval hangs under proposal node(s) {tops}, tokens {prop.tokens.tolist()}"
+    d = FakeDrafter(scores=T([-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6], torch.float32),
+                    tokens=T([10, 11, 12, 13, 14, 15, 16, 17]), parents=T([-1, -1, 0, 0, 1, 1, 2, 2]),
+                    top_k=2, depth=3)
+    cfg = G.Config(budget=5, top_k=2, depth=3, prune=False, ablation="tail")
+    cm = ContinuationMatrix(64, 8)
+    g = G.Graft(FakeEngine(d), cfg, cm)
+    a = g.stages[None][1]                           # retrieved nodes on top of the dense tree
+    tree = g.assemble_stage(None, T(30))
+    # budget 5 keeps slots 0, 1, 2, 3, 6: leaves 1 (depth 1), 3 (depth 2), 6 (depth 3, best path)
+    assert tree.tokens[:6].tolist() == [30, 10, 11, 12, 13, 16]
+    assert tree.retrieved.tolist() == [False] * 6 + [True] * a and tree.valid.all()
+    # the retrieval subtree's top nodes hang under the anchor: tree index 5 = draft node 16
+    tops = {int(tree.parents[i]) for i in range(6, 6 + a) if not tree.retrieved[tree.parents[i]]}
+    assert tops == {5}, f"retrieval hangs under tree node(s) {tops}, tokens {tree.tokens.tolist()}"
+    assert (cm.rows(T([16]))[0].long() == tree.tokens[6]).any()     # retrieved from 16's row
 
 
-# BUG: (generate.py, Config.keep_sizes / Method.propose `K = keep[cfg.checkpoints.index(tree.stopped_at)]`):
-# with a fourth checkpoint (`--checkpoints 0,1,5,6`) and no --keep, keep_sizes() still returns the three
-# scaled 8/24/40 sizes, so a round pruned at the fourth checkpoint dies with IndexError (a traceback out
-# of the CLI). config_from_args only checks --keep's length when --keep is given. Suggested fix: refuse
-# in config_from_args when len(checkpoints) != len(KEEP) and --keep is absent (one-line GraftError), or
-# make keep_sizes() derive one size per checkpoint.
 @torch.no_grad()
-def test_pruned_at_extra_checkpoint_has_a_keep_size():
-    import types
-    import generate as GEN
-    from draft import DraftTree
+def test_every_stage_has_a_keep_size_and_n_nodes():
+    """An extra checkpoint (--checkpoints 0,1,5,6, no --keep) still has a keep size, and every stage's
+    tree has the same N nodes (padding where pruning freed slots and nothing retrieves)."""
     k = 2
-    # 7 levels of a k=2 tree: level 1 has 2 nodes, every later level k*k = 4 (parents: the level's beam)
     scores, tokens, parents, off = [], [], [], 0
-    for lvl in range(1, 8):
+    for lvl in range(1, 8):     # 7 levels of a k=2 tree: level 1 has 2 nodes, later levels k*k = 4
         n = k if lvl == 1 else k * k
         scores += [-0.1 * lvl - 0.01 * j for j in range(n)]
         tokens += [10 + off + j for j in range(n)]
         parents += [-1] * n if lvl == 1 else [off - (k if lvl == 2 else k * k) + (j // k) for j in range(n)]
         off += n
-    tree = DraftTree(scores=T(scores, torch.float32), tokens=T(tokens), parents=T(parents), levels=7,
-                     stopped_at=6)
-    cfg = GEN.Config(method="graft", budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6),
-                     thresholds={0: 0.0, 1: 0.0, 5: 0.0, 6: 0.9})
-    assert len(cfg.keep_sizes()) == len(cfg.checkpoints), cfg.keep_sizes()
-    model = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(64, 4))
-    meth = GEN.Method(cfg, model, FakeDrafter(tree), ContinuationMatrix(64, 8))
-    meth.begin(T([1, 5, 9]), torch.randn(3, 64), torch.zeros(3, 12))
-    prop = meth.propose(30)
-    assert prop.tokens.numel() == 1 + 20
+    d = FakeDrafter(T(scores, torch.float32), T(tokens), T(parents), k, 8)
+    for retrieve in (True, False):
+        cfg = G.Config(budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6), retrieve=retrieve)
+        assert len(cfg.keep_sizes()) == 4
+        g = G.Graft(FakeEngine(d), cfg, ContinuationMatrix(64, 8) if retrieve else None)
+        assert set(g.stages) == {None, 0, 1, 5, 6} and g.N == 21
+        for stage, (K, R) in g.stages.items():
+            tree = g.assemble_stage(stage, T(30))
+            assert tree.tokens.numel() == 21
+            assert int(tree.valid.sum()) == 1 + K + R and (R == 0 or retrieve)

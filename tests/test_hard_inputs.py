@@ -448,7 +448,7 @@ def test_warmup_that_ran_nothing_is_not_cached(engine_with_head, tmp_path, monke
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     logs = []
     eng = engine_with_head(max_seq_len=40)          # every warm-up prompt + 64 tokens is too long
-    G.warm_up(eng, G.Config(method="graft", budget=16), log=logs.append)
+    G.warm_up(eng, G.Config(budget=16), log=logs.append)
     assert "ran 0 of 5" in logs[-1] and "nothing is cached" in logs[-1]
     assert eng.thresholds == {0: 0.0, 1: 0.0, 5: 0.0}           # pruning off: nothing calibrated it
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
@@ -465,14 +465,14 @@ def test_warmup_cache_write_failure_only_warns(engine_with_head, tmp_path, monke
     blocker.write_text("a file where the cache folder should be")
     monkeypatch.setenv("GRAFT_CACHE", str(blocker / "cache"))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(method="graft", budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
     assert "warning: could not save warm-up state" in capsys.readouterr().err
 
     def read_only(*a, **k):                          # what torch.save raised on a read-only folder
         raise RuntimeError("File cannot be opened.")
     monkeypatch.setattr("safetensors.torch.save_file", read_only)
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "ro"))
-    G.warm_up(eng, G.Config(method="graft", budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
     assert "RuntimeError" in capsys.readouterr().err
     assert not list((tmp_path / "ro").iterdir())     # no half-written file left behind
 
@@ -483,7 +483,7 @@ def test_warmup_cache_is_written_atomically(engine_with_head, tmp_path, monkeypa
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real(a, b)))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(method="graft", budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
     (src, dst), = replaced
     assert src.endswith(".tmp") and dst.endswith(".safetensors") and os.path.isfile(dst) and not os.path.exists(src)
 
@@ -491,7 +491,7 @@ def test_warmup_cache_is_written_atomically(engine_with_head, tmp_path, monkeypa
 def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     eng = engine_with_head()
-    cfg = G.Config(method="graft", budget=16)
+    cfg = G.Config(budget=16)
     G.warm_up(eng, cfg, rounds=1, max_new_tokens=8)
     path, = (tmp_path / "cache").iterdir()
     from safetensors import safe_open
@@ -758,12 +758,12 @@ def test_counts_are_of_returned_tokens(demo_engine, method):
     what is cut must not count in MAT, accepted or retrieved tokens."""
     eng = demo_engine
     ids = eng.tokenizer.encode(G.DEMO_PROMPT)
-    ref = G.generate(eng.model, G.make_method(eng, G.Config(method="ar")), ids, 64, Sampling(), ())
+    ref = G.generate(eng, G.make_method(eng, "ar"), ids, 64, Sampling(), ())
     cut_rounds = 0
     for n in range(9, 40, 3):
         first = ref.tokens[n - 1] not in ref.tokens[:n - 1]
         for eos in ((), (ref.tokens[n - 1],)) if first else ((),):   # cut by max_new_tokens, or an EOS at n
-            res = G.generate(eng.model, G.make_method(eng, G.Config(method=method, budget=16)), ids,
+            res = G.generate(eng, G.make_method(eng, method, G.Config(budget=16)), ids,
                              n if not eos else 64, Sampling(), eos)
             assert res.tokens == ref.tokens[:len(res.tokens)]
             assert res.committed == len(res.tokens) - 1

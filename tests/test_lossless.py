@@ -10,7 +10,8 @@ import torch
 
 from conftest import needs_shared, reference_greedy
 from draft import Eagle3, HeadConfig, save_head
-from generate import METHODS, Config, Method, Proposal, build_engine, generate, make_method, warm_up
+from generate import METHODS, Config, build_engine, generate, make_method, warm_up
+from verify import Proposer, Tree, commit
 from model import ModelArgs
 from verify import Sampling
 
@@ -52,7 +53,7 @@ def prompts(n, vocab, seed=0):
 
 
 def run(eng, method, ids, n, s, **cfg):
-    return generate(eng.model, make_method(eng, Config(method=method, **cfg)), ids, n, s, eng.tokenizer.eos_ids)
+    return generate(eng, make_method(eng, method, Config(**cfg)), ids, n, s, eng.tokenizer.eos_ids)
 
 
 def test_ar_is_plain_greedy_decoding(tiny_engine):
@@ -82,32 +83,34 @@ def test_sampling_differs_across_seeds(tiny_engine):
     assert a != b
 
 
-class Oracle(Method):
+class Oracle(Proposer):
     """Proposes a tree holding the true continuation (up to 6 tokens deep) among decoy siblings, so
     that long paths are accepted and the loop's compaction is exercised on every round."""
+    N, P = 13, 7
 
-    def __init__(self, model, truth, prompt_len):
-        super().__init__(Config(method="ar"), model)
-        self.truth, self.n0 = truth, prompt_len
+    def __init__(self, eng, truth, prompt_len):
+        self.eng, self.truth, self.n0 = eng, truth, prompt_len
+        eng.reserve(self.N, self.P)
 
-    def propose(self, root):
-        self.root = root
-        done = len(self.context) + 1 - self.n0          # generated tokens so far, root included
+    def round(self, root):
+        done = self.eng.L_host + 1 - self.n0            # generated tokens so far, root included
         nxt = self.truth[done:done + 6]
-        toks, pars, prev = [root], [-1], 0
+        toks, pars, prev = [self.eng.root_id], [-1], 0
         for t in nxt:
             toks += [(t + 7) % 300, t]                    # a wrong sibling first, then the true token
             pars += [prev, prev]
             prev = len(toks) - 1
-        return Proposal(torch.tensor(toks), torch.tensor(pars))
+        pad = self.N - len(toks)
+        tree = Tree(torch.tensor(toks + [0] * pad), torch.tensor(pars + [-1] * pad),
+                    torch.tensor([True] * len(toks) + [False] * pad))
+        return commit(self.eng.verify(tree, self.P), tree)
 
 
 @pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_deep_acceptance_keeps_cache_exact(tiny_engine, s):
     for ids in prompts(4, 300, seed=4):
         truth = run(tiny_engine, "ar", ids, 60, s).tokens
-        res = generate(tiny_engine.model, Oracle(tiny_engine.model, truth, len(ids)), ids, 60, s,
-                       tiny_engine.tokenizer.eos_ids)
+        res = generate(tiny_engine, Oracle(tiny_engine, truth, len(ids)), ids, 60, s, tiny_engine.tokenizer.eos_ids)
         assert res.tokens == truth
         assert res.mat > 5 or len(truth) < 20             # the oracle's paths were accepted
 
@@ -136,7 +139,7 @@ def test_stories_every_method_lossless(stories_engine, s):
     for p in STORY_PROMPTS:
         ids = eng.tokenizer.encode(p)
         base = run(eng, "ar", ids, 64, s).tokens
-        for m in METHODS[1:]:
+        for m in list(METHODS)[1:]:
             r = run(eng, m, ids, 64, s)
             assert r.tokens == base, (m, p)
             mats.setdefault(m, []).append(r.mat)

@@ -175,13 +175,13 @@ def test_rope_scaling_variant_matches_transformers(tiny_ckpt, loaded, variant):
 def prefill(model, ids):
     T = ids.shape[1]
     pos = torch.arange(T)
-    return model(ids, pos, cache_rows=pos, mask=torch.ones(T, T, dtype=torch.bool).tril(), capture=True)
+    return model(ids, pos, rows=pos, mask=torch.ones(T, T, dtype=torch.bool).tril(), capture=True)
 
 
 def step(model, tok: int, p: int, row: int | None = None, capture=True):
     """One token at position p, written at cache row `row` (default p), attending to rows 0..row."""
     row = p if row is None else row
-    return model(torch.tensor([[tok]]), torch.tensor([p]), cache_rows=torch.tensor([row]),
+    return model(torch.tensor([[tok]]), torch.tensor([p]), rows=torch.tensor([row]),
                  mask=torch.ones(1, row + 1, dtype=torch.bool), capture=capture)
 
 
@@ -204,9 +204,10 @@ def test_incremental_decoding_matches_full_forward(loaded, kind):
 def test_cache_and_rope_table_shapes(loaded):
     """The cache holds max_position_embeddings rows per layer, in the model's dtype, (B, H_kv, S, D)."""
     model = loaded("qwen3")
-    cache = model.layers[0].self_attn.cache
-    assert cache.k.shape == cache.v.shape == (1, 2, 256, 32)
-    assert cache.k.dtype == torch.float32
+    cache = model.cache
+    assert len(cache.k) == len(cache.v) == 8
+    assert cache.k[0].shape == cache.v[3].shape == (1, 2, 256, 32)
+    assert cache.k[0].dtype == torch.float32
     assert model.rope.shape == (256, 2, 32)          # cos and sin, full head width
 
 
@@ -221,7 +222,7 @@ def test_sibling_tokens_at_one_position_match_sequential(loaded):
     mask = torch.zeros(2, T + 2, dtype=torch.bool)
     mask[:, :T] = True
     mask[0, T] = mask[1, T + 1] = True
-    logits, feats = model(torch.tensor([[a, b]]), torch.tensor([T, T]), cache_rows=torch.tensor([T, T + 1]),
+    logits, feats = model(torch.tensor([[a, b]]), torch.tensor([T, T]), rows=torch.tensor([T, T + 1]),
                           mask=mask, capture=True)
     for i, tok in enumerate((a, b)):
         ref_logits, ref_feats = full_forward(model, torch.cat([ids, torch.tensor([[tok]])], dim=1), capture=True)
@@ -229,7 +230,7 @@ def test_sibling_tokens_at_one_position_match_sequential(loaded):
         assert maxdiff(feats[0, i], ref_feats[0, -1]) < TOL
 
 
-def test_move_cache_rows_then_continue(loaded):
+def test_cache_move_rows_then_continue(loaded):
     """Accepting the sibling at row T+1: compacting it to row T lets decoding continue as if it had
     been the only token there."""
     model = loaded("qwen3")
@@ -240,8 +241,8 @@ def test_move_cache_rows_then_continue(loaded):
     mask = torch.zeros(2, T + 2, dtype=torch.bool)
     mask[:, :T] = True
     mask[0, T] = mask[1, T + 1] = True
-    model(torch.tensor([[a, b]]), torch.tensor([T, T]), cache_rows=torch.tensor([T, T + 1]), mask=mask)
-    model.move_cache_rows(torch.tensor([T + 1]), T)
+    model(torch.tensor([[a, b]]), torch.tensor([T, T]), rows=torch.tensor([T, T + 1]), mask=mask)
+    model.cache.move_rows(torch.tensor([T + 1]), torch.tensor([T]))
     logits = step(model, c, T + 1, capture=False)
     ref = full_forward(model, torch.cat([ids, torch.tensor([[b, c]])], dim=1))
     assert maxdiff(logits[0, 0], ref[0, -1]) < TOL
@@ -298,8 +299,8 @@ def test_sharded_checkpoint_loads_identically(tiny_ckpt, loaded, tmp_path, kind)
 def test_bfloat16_load(tiny_ckpt):
     model = M.load_model(str(tiny_ckpt("llama31")), dtype=torch.bfloat16, max_seq_len=64)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.layers[0].self_attn.cache.k.dtype == torch.bfloat16
-    assert model.layers[0].self_attn.cache.k.shape[2] == 64
+    assert model.cache.k[0].dtype == torch.bfloat16
+    assert model.cache.k[0].shape[2] == 64
     ids = random_ids(16, seed=9)
     logits, feats = prefill(model, ids)
     assert logits.dtype == feats.dtype == torch.bfloat16
@@ -312,7 +313,7 @@ def test_max_seq_len_sizes_cache_and_rope(tiny_ckpt):
     model = M.load_model(str(tiny_ckpt("llama2")), max_seq_len=40)
     assert model.max_seq_len == 40
     assert model.rope.shape[0] == 40
-    assert model.layers[-1].self_attn.cache.v.shape == (1, 4, 40, 16)
+    assert model.cache.v[-1].shape == (1, 4, 40, 16)
 
 
 # ----------------------------------------------------------------------------- tokenizer (tiny)

@@ -81,12 +81,13 @@ def test_tree_mask_single_root():
 
 # ----------------------------------------------------------------------------- accept
 
-def run_accept(tokens, parents, target):
+def run_accept(tokens, parents, target, valid=None):
     tokens, parents, target = T(tokens), T(parents), T(target)
-    mask, depth = V.tree_mask(parents)
-    order, bonus, A = V.accept(tokens, parents, mask, depth, target)
+    valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else T(valid, torch.bool)
+    mask, depth = V.tree_mask(parents, valid)
+    A, bonus, path = V.accept(tokens, parents, valid, mask, depth, target, tokens.numel())
     A = int(A)
-    return order[:A + 1].tolist(), int(bonus), A
+    return path[:A + 1].tolist(), int(bonus), A
 
 
 # the branching tree above with tokens; the root token is 100
@@ -284,7 +285,7 @@ def test_choose_sampling_distribution_matches_warped():
 
 
 def test_position_noise_is_gumbel():
-    noise = V.position_noise(0, torch.arange(2000), 50).flatten()
+    noise = V.position_noise(torch.tensor(0), torch.arange(2000), 50).flatten()
     assert torch.isfinite(noise).all()
     # Gumbel(0, 1): mean = Euler-Mascheroni 0.5772, variance pi^2/6
     assert abs(float(noise.mean()) - 0.5772) < 0.02
@@ -328,8 +329,22 @@ def plain_decode(m, ids, n, s: Sampling = Sampling()):
         rows = torch.tensor([p])
         lg = m(torch.tensor([[toks[-1]]]), rows, rows, torch.ones(1, p + 1, dtype=torch.bool))[0]
         toks.append(int(V.choose(lg, torch.tensor([p + 1]), s)[0]))
-    kv = [(l.self_attn.cache.k.clone(), l.self_attn.cache.v.clone()) for l in m.layers]
+    kv = [(k.clone(), v.clone()) for k, v in zip(m.cache.k, m.cache.v)]
     return toks, kv
+
+
+def run_verify(m, tokens, parents, L, s: Sampling, capture=False, valid=None, window=False):
+    """verify() as the engine calls it: static cols (the whole cache) or a window (rows 0..L+N-1)."""
+    valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+    tree = V.Tree(tokens, parents, valid)
+    N = tokens.numel()
+    cols = torch.arange(L + N if window else m.cache.rows)
+    v = V.verify(m, tree, torch.tensor(L), cols, s, torch.tensor(s.seed), N, capture=capture)
+    return V.commit(v, tree)
+
+
+def path_of(v):
+    return v.path[:len(v.accepted) + 1].tolist()
 
 
 def other(tok: int, *avoid) -> int:
@@ -360,16 +375,15 @@ def test_verify_commits_greedy_path_and_compacts_kv():
 
     m.setup_caches(64)                                 # fresh cache: prefill again, then one tree pass
     prefill(m, PROMPT)
-    v = V.verify(m, tokens, parents, L, Sampling())
-    assert v.path.tolist() == want_path
+    v = run_verify(m, tokens, parents, L, Sampling())
+    assert path_of(v) == want_path
     assert v.accepted == g[1:4]
-    assert v.bonus == g[4]
+    assert v.bonus_id == g[4]
     assert v.logits.shape == (tokens.numel(), 64) and v.feats is None
     rows = L + len(v.accepted) + 1                     # rows 0..L+A
-    for layer, (k, vv) in zip(m.layers, ref_kv):
-        c = layer.self_attn.cache
-        assert torch.allclose(c.k[:, :, :rows], k[:, :, :rows], atol=1e-5, rtol=0)
-        assert torch.allclose(c.v[:, :, :rows], vv[:, :, :rows], atol=1e-5, rtol=0)
+    for c_k, c_v, (k, vv) in zip(m.cache.k, m.cache.v, ref_kv):
+        assert torch.allclose(c_k[:, :, :rows], k[:, :, :rows], atol=1e-5, rtol=0)
+        assert torch.allclose(c_v[:, :, :rows], vv[:, :, :rows], atol=1e-5, rtol=0)
 
 
 def test_verify_then_continue_matches_plain_decoding():
@@ -380,13 +394,13 @@ def test_verify_then_continue_matches_plain_decoding():
     tokens, parents, _ = forced_tree(g)
     m.setup_caches(64)
     prefill(m, PROMPT)
-    v = V.verify(m, tokens, parents, L, Sampling())
+    v = run_verify(m, tokens, parents, L, Sampling())
     L += len(v.accepted) + 1
     # second round: a chain holding the next three greedy tokens, then a wrong one
     nxt = g[5:8]
-    t2 = T([v.bonus] + nxt + [other(g[8])])
-    v2 = V.verify(m, t2, torch.arange(5) - 1, L, Sampling())
-    assert [g[0]] + v.accepted + [v.bonus] + v2.accepted + [v2.bonus] == g[:9]
+    t2 = T([v.bonus_id] + nxt + [other(g[8])])
+    v2 = run_verify(m, t2, torch.arange(5) - 1, L, Sampling(), window=True)
+    assert [g[0]] + v.accepted + [v.bonus_id] + v2.accepted + [v2.bonus_id] == g[:9]
 
 
 def test_verify_nothing_accepted():
@@ -396,12 +410,11 @@ def test_verify_nothing_accepted():
     tokens = T([g[0], other(g[1]), other(g[1], other(g[1]))])
     m.setup_caches(64)
     prefill(m, PROMPT)
-    v = V.verify(m, tokens, T([-1, 0, 0]), L, Sampling())
-    assert (v.path.tolist(), v.accepted, v.bonus) == ([0], [], g[1])
-    for layer, (k, vv) in zip(m.layers, ref_kv):
-        c = layer.self_attn.cache
-        assert torch.allclose(c.k[:, :, :L + 1], k[:, :, :L + 1], atol=1e-5, rtol=0)
-        assert torch.allclose(c.v[:, :, :L + 1], vv[:, :, :L + 1], atol=1e-5, rtol=0)
+    v = run_verify(m, tokens, T([-1, 0, 0]), L, Sampling())
+    assert (path_of(v), v.accepted, v.bonus_id) == ([0], [], g[1])
+    for c_k, c_v, (k, vv) in zip(m.cache.k, m.cache.v, ref_kv):
+        assert torch.allclose(c_k[:, :, :L + 1], k[:, :, :L + 1], atol=1e-5, rtol=0)
+        assert torch.allclose(c_v[:, :, :L + 1], vv[:, :, :L + 1], atol=1e-5, rtol=0)
 
 
 def test_verify_sampling_reproduces_plain_sampling():
@@ -413,9 +426,9 @@ def test_verify_sampling_reproduces_plain_sampling():
     tokens, parents, want_path = forced_tree(g)
     m.setup_caches(64)
     prefill(m, PROMPT)
-    v = V.verify(m, tokens, parents, L, s)
-    assert v.path.tolist() == want_path
-    assert v.accepted + [v.bonus] == g[1:5]
+    v = run_verify(m, tokens, parents, L, s)
+    assert path_of(v) == want_path
+    assert v.accepted + [v.bonus_id] == g[1:5]
 
 
 def test_verify_capture_returns_path_features():
@@ -425,8 +438,8 @@ def test_verify_capture_returns_path_features():
     tokens, parents, want_path = forced_tree(g)
     m.setup_caches(64)
     prefill(m, PROMPT)
-    v = V.verify(m, tokens, parents, L, Sampling(), capture=True)
-    assert v.feats.shape == (len(want_path), 3 * 32)
+    v = run_verify(m, tokens, parents, L, Sampling(), capture=True)
+    assert v.feats.shape == (tokens.numel(), 3 * 32)      # (P, 3*dim): the path first, then filler
     # the features of the accepted nodes equal those of a one-by-one decode of the same tokens
     m.setup_caches(64)
     prefill(m, PROMPT)
@@ -437,4 +450,67 @@ def test_verify_capture_returns_path_features():
             rows = torch.tensor([p])
             _, f = m(torch.tensor([[t]]), rows, rows, torch.ones(1, p + 1, dtype=torch.bool), capture=True)
             feats.append(f[0, 0])
-    assert torch.allclose(v.feats, torch.stack(feats), atol=1e-4, rtol=1e-5)   # features reach ~20
+    assert torch.allclose(v.feats[:len(want_path)], torch.stack(feats), atol=1e-4, rtol=1e-5)   # features reach ~20
+
+
+# ----------------------------------------------------------------------------- static shapes: padding, windows
+
+def test_accept_never_takes_padding_even_when_it_matches():
+    # node 2 is padding carrying exactly the target's token at the root; node 3 hangs under it
+    tokens, parents, valid = [100, 10, 11, 20], [-1, 0, 0, 2], [True, True, False, True]
+    target = [11, 5, 20, 7]
+    assert run_accept(tokens, parents, target, valid) == ([0], 11, 0)
+
+
+def test_tree_mask_padding_sees_only_itself():
+    mask, depth = V.tree_mask(T([-1, 0, 0, 1]), T([True, True, False, True], torch.bool))
+    assert mask[2].tolist() == [False, False, True, False] and depth.tolist() == [0, 1, 0, 2]
+
+
+def test_attention_mask_exact():
+    # 2 committed rows, a round of 3 rows (tree: 0; 1 under 0; 2 under 0), 6 cache rows in all
+    tree = T([[1, 0, 0], [1, 1, 0], [1, 0, 1]], torch.bool)
+    got = M.attention_mask(tree, torch.tensor(2), torch.arange(6))
+    assert got.int().tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]]
+    # a window of just the rows in use gives the same leading columns
+    assert torch.equal(M.attention_mask(tree, torch.tensor(2), torch.arange(5)), got[:, :5])
+
+
+def test_padding_changes_nothing():
+    """The same tree padded with dummy nodes (whose tokens equal the plain continuation) commits the
+    same path, the same logits at real nodes, and the same cache rows."""
+    m = tiny_model()
+    L = len(PROMPT)
+    g, ref_kv = plain_decode(m, PROMPT, 5)
+    tokens, parents, want = forced_tree(g)
+    m.setup_caches(64)
+    prefill(m, PROMPT)
+    v = run_verify(m, tokens, parents, L, Sampling())
+    logits = v.logits.clone()
+    m.setup_caches(64)
+    prefill(m, PROMPT)
+    pad = 4
+    tp = torch.cat([tokens, T(g[1:1 + pad])])            # tempting tokens: a real node would be accepted
+    pp = torch.cat([parents, T([0, 9, 10, 11])])
+    vp = torch.cat([torch.ones(tokens.numel(), dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+    w = run_verify(m, tp, pp, L, Sampling(), valid=vp)
+    assert path_of(w) == want and w.accepted == v.accepted and w.bonus_id == v.bonus_id
+    assert torch.allclose(w.logits[:tokens.numel()], logits, atol=1e-5, rtol=0)
+    rows = L + len(w.accepted) + 1
+    for c_k, (k, _) in zip(m.cache.k, ref_kv):
+        assert torch.allclose(c_k[:, :, :rows], k[:, :, :rows], atol=1e-5, rtol=0)
+
+
+def test_decode_one_token_is_plain_decoding():
+    m = tiny_model()
+    g, ref_kv = plain_decode(m, PROMPT, 6)
+    m.setup_caches(64)
+    logits = prefill(m, PROMPT)
+    L = torch.tensor(len(PROMPT))
+    tok = V.choose(logits[-1:], L.view(1), Sampling())
+    got = [int(tok)]
+    for _ in range(5):
+        tok, finite = V.decode_one_token(m, tok, L, torch.arange(int(L) + 1), Sampling(), torch.tensor(0))
+        got.append(int(tok))
+        assert bool(finite)
+    assert got == g and int(L) == len(PROMPT) + 5

@@ -1,0 +1,112 @@
+"""The compiled engine: static-shaped steps give the eager engine's tokens, compile once, and stay
+within their shapes.
+
+Compiling takes 15-40 s a graph on this CPU with inductor, and seconds with torch.compile's aot_eager
+backend (the same dynamo tracing, fullgraph, and functionalised cache writes, without code generation).
+So the compiled runs happen in tests/compile_check.py, a subprocess started when the suite starts
+(conftest), on the second core; the `test_compiled_*` tests read its results and run last.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate as G
+from conftest import ROOT, compile_result
+from test_lossless import random_head
+from verify import Sampling
+
+GREEDY = Sampling()
+SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
+
+
+# ----------------------------------------------------------------------------- compiled against eager
+
+@pytest.mark.parametrize("s", ["greedy", "sampled"])
+@pytest.mark.parametrize("method", list(G.METHODS))
+def test_compiled_equals_eager_every_method(method, s):
+    """A tiny random Llama and head, compiled (aot_eager) and eager: the same tokens, two prompts."""
+    assert compile_result("every_method")[method][s]
+
+
+@pytest.mark.parametrize("s", ["greedy", "sampled"])
+def test_compiled_equals_eager_demo_pair(s):
+    assert compile_result("demo")["graft"][s]
+
+
+def test_compiled_rounds_never_recompile_after_warmup():
+    """After compile_warmup (every stage forced once), rounds at other prompt and context lengths
+    compile nothing: the committed length is data, the key length a dynamic dimension."""
+    assert compile_result("recompiles")["graphs_after_warmup"] == 0
+
+
+def test_compiled_with_inductor_equals_eager():
+    """The real CPU backend on the tiny model: ar and graft-root (every kind of step), greedy; no
+    graph compiled after warm-up."""
+    got = compile_result("inductor")
+    assert got["same"] == {"ar": True, "graft-root": True} and got["graphs_after_warmup"] == 0
+
+
+# ----------------------------------------------------------------------------- prefill in chunks
+
+def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt):
+    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16)
+    ids = torch.randint(3, 300, (53,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = eng.model(torch.tensor([ids]), torch.arange(53))[0]              # causal, no cache
+    eng.begin(GREEDY)
+    chunks = []
+
+    class Keep(G.Proposer):
+        needs_features = True
+
+        def prompt_chunk(self, ids, logits, feats, n):
+            chunks.append(logits[:n])
+    root = G.prefill(eng, Keep(), ids)
+    got = torch.cat(chunks)
+    assert got.shape == full.shape and torch.allclose(got, full, atol=1e-4, rtol=1e-4)
+    assert root == int(full[-1].argmax()) and eng.L_host == int(eng.L) == 53
+
+
+def test_long_prompt_prefills_in_bounded_memory(tmp_path):
+    """A 16K-token prompt on a tiny model with a 32K context: chunks keep the attention at (C, L), not
+    (L, L). A dense (16K, 16K) mask and bias alone would take 1.3 GB, and the scores 4 GB more."""
+    from conftest import make_tiny_model
+    ck = make_tiny_model(tmp_path / "long", "llama2", num_hidden_layers=2, max_position_embeddings=32768)
+    code = (f"import sys, resource, torch; sys.path.insert(0, {str(ROOT)!r}); torch.set_num_threads(1)\n"
+            "import generate as G\n"
+            f"eng = G.build_engine({str(ck)!r}, max_seq_len=32768)\n"
+            "ids = torch.randint(3, 300, (16384,), generator=torch.Generator().manual_seed(0)).tolist()\n"
+            "r = G.generate(eng, G.make_method(eng, 'ar'), ids, 4, G.Sampling(), ())\n"
+            "print(len(r.tokens), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, kib = map(int, out.stdout.split())
+    assert n == 4
+    assert kib < 1.5 * 2 ** 20, f"peak RSS {kib / 2**20:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- attention layouts
+
+def test_window_and_full_attention_agree(tiny_ckpt, tmp_path):
+    target = tiny_ckpt("qwen3")
+    head = random_head(target, tmp_path / "head")
+    ids = [1, 5, 9, 13, 22, 40, 3]
+    out = {}
+    for att in ("window", "full"):
+        eng = G.build_engine(str(target), str(head), max_seq_len=96, attention=att, chunk=8)
+        eng.thresholds = {0: 0.2, 1: 0.05, 5: 0.0}
+        out[att] = [G.generate(eng, G.make_method(eng, m, G.Config(budget=12)), ids, 30, SAMPLED, ()).tokens
+                    for m in ("ar", "graft")]
+    assert out["window"] == out["full"]
+
+
+def test_padding_never_reaches_the_matrix():
+    from graft import ContinuationMatrix
+    cm = ContinuationMatrix(20, k=3)
+    before = cm.M.clone()
+    tokens = torch.tensor([4, 7, 9])
+    logits = torch.randn(3, 20)
+    cm.update(tokens, logits, torch.tensor([True, False, False]))
+    assert torch.equal(cm.M[[7, 9]], before[[7, 9]]) and not cm.written[7] and not cm.written[9]
+    assert torch.equal(cm.M[4], logits[0].topk(3).indices.int())
