@@ -213,7 +213,7 @@ def table(rows: list, sweep: bool) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
-    p.add_argument("--ckpt", required=True, help="target: a local HF folder or a hub id")
+    p.add_argument("--ckpt", required=True, help="target: a local HF folder, a .gguf file or a hub id")
     p.add_argument("--draft", default=None, help="EAGLE-3 head (default: known mapping; stories260K: trained)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
     p.add_argument("--datasets", default="mt_bench")

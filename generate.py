@@ -334,8 +334,11 @@ class Engine:
 
 def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model) and the settings that shaped it."""
+    model in the same folder is a different model) and the settings that shaped it. A target may be a
+    single .gguf file."""
     def stamp(path):
+        if os.path.isfile(path):
+            return [path, os.stat(path).st_size, os.stat(path).st_mtime_ns]
         files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
         return [path] + [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns)
                          for f in files]
@@ -411,7 +414,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Lossless speculative decoding with Graft (and its baselines).")
     p.add_argument("--ckpt", default=None,
-                   help="target: a local HF folder or a hub id (default: the shipped demo model)")
+                   help="target: a local HF folder, a .gguf file or a hub id (default: the shipped demo model)")
     p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
     p.add_argument("--method", default=None, choices=METHODS,
                    help="default: graft when a head is known or given, else ar")

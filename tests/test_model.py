@@ -447,6 +447,15 @@ def test_error_weight_missing(ckpt_copy):
     assert "layers.5.mlp.up_proj.weight" in load_error(ckpt_copy)
 
 
+def test_error_nan_weight(ckpt_copy):
+    f = ckpt_copy / "model.safetensors"
+    sd = load_file(str(f))
+    sd["model.layers.4.mlp.down_proj.weight"][7, 3] = float("inf")
+    save_file(sd, str(f), metadata={"format": "pt"})
+    msg = load_error(ckpt_copy)
+    assert "model.layers.4.mlp.down_proj.weight holds NaN or inf" in msg
+
+
 def test_error_corrupt_safetensors(ckpt_copy):
     (ckpt_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     assert "cannot read" in load_error(ckpt_copy)
