@@ -340,6 +340,8 @@ def resolve_checkpoint(ckpt: str, patterns=None) -> str:
         return gguf_in_folder(ckpt) or ckpt
     if os.path.isfile(ckpt):
         raise GraftError(f"{ckpt} is a file but not a .gguf: pass a checkpoint folder, a .gguf file or a hub id")
+    if ckpt.endswith(".gguf"):
+        raise GraftError(f"GGUF file not found: {ckpt}")
     looks_like_hub = ckpt.count("/") == 1 and not ckpt.startswith((".", "/", "~")) and not os.path.exists(ckpt)
     if not looks_like_hub:
         raise GraftError(f"checkpoint folder not found: {ckpt}")
@@ -646,35 +648,26 @@ def read_gguf(path: str, device="cpu", dtype=torch.float32) -> tuple:
         expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     if args.tie_word_embeddings:
         del expected["lm_head.weight"]
-    names = {}
+    # the llama.cpp name of every tensor this config has
+    names = {f"{g}.weight": f"{o}.weight" for g, o in GGUF_GLOBAL.items()}
+    names |= {f"blk.{i}.{g}.weight": f"layers.{i}.{o}.weight" for i in range(args.n_layers) for g, o in GGUF_LAYER.items()}
+    names = {g: o for g, o in names.items() if o in expected}
     for name, t in tensors.items():
         if name == "rope_freqs.weight":                           # already in args.rope_scaling
             continue
-        g, _, rest = name.partition(".")
-        if g == "blk":
-            layer, _, part = rest.partition(".")
-            base = part.removesuffix(".weight")
-            ours = f"layers.{layer}.{GGUF_LAYER[base]}.weight" if base in GGUF_LAYER and layer.isdigit() else None
-        else:
-            ours = f"{GGUF_GLOBAL[g]}.weight" if g in GGUF_GLOBAL and rest == "weight" else None
-        if ours not in expected:
+        if name not in names:
             raise GraftError(f"{path}: GGUF tensor {name} has no place in this {args.arch} model "
                              f"({args.n_layers} layers): not supported")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if shape != expected[ours]:
-            raise GraftError(f"{path}: GGUF tensor {name} has shape {shape}, the metadata implies {expected[ours]}")
+        if shape != expected[names[name]]:
+            raise GraftError(f"{path}: GGUF tensor {name} has shape {shape}, the metadata implies "
+                             f"{expected[names[name]]}")
         if t.tensor_type.name not in GGUF_TYPES:
             raise GraftError(f"{path}: GGUF tensor {name} is stored as {t.tensor_type.name}: "
                              f"supported are {', '.join(GGUF_TYPES)}")
-        names[name] = ours
-    missing = sorted(set(expected) - set(names.values()))
+    missing = [g for g in names if g not in tensors]
     if missing:
-        to_gguf = {f"{v}.weight": f"{k}.weight" for k, v in GGUF_GLOBAL.items()}
-        m = missing[0]
-        if m.startswith("layers."):
-            _, i, rest = m.split(".", 2)
-            m = f"blk.{i}.{next(k for k, v in GGUF_LAYER.items() if f'{v}.weight' == rest)}.weight"
-        raise GraftError(f"{path}: GGUF file lacks tensor {to_gguf.get(m, m)} ({len(missing)} missing)")
+        raise GraftError(f"{path}: GGUF file lacks tensor {missing[0]} ({len(missing)} missing)")
     sd = {}
     for name, ours in names.items():
         w = gguf_tensor(tensors[name])

@@ -662,9 +662,11 @@ def test_error_truncated_and_garbage_files(tiny, tmp_path):
         assert msg == error_of(M.load_tokenizer, str(tmp_path / f"{name}.gguf"))
 
 
-def test_error_file_that_is_not_gguf(tmp_path):
+def test_error_file_that_is_not_gguf_or_is_missing(tmp_path, monkeypatch):
     (tmp_path / "weights.bin").write_bytes(b"x")
     assert "is a file but not a .gguf" in error_of(M.load_model, str(tmp_path / "weights.bin"))
+    monkeypatch.chdir(tmp_path)     # "models/x.gguf" has the shape of a hub id; it is a missing file
+    assert error_of(M.load_model, "models/x.gguf") == "GGUF file not found: models/x.gguf"
 
 
 def test_fast_reader_reads_what_gguf_reader_reads(tiny):
