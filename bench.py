@@ -154,7 +154,7 @@ def table(rows: list, sweep: bool) -> str:
 
 def parse_args(argv=None):
     p = G.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
-    p.add_argument("--ckpt", default=None, help="target: a local HF folder or a hub id (default: the demo pair)")
+    p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")

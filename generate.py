@@ -504,7 +504,10 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
 
 def tok_context(path: str) -> int:
     """The model's context (max_position_embeddings), read before its weights."""
-    from model import ModelArgs, read_config
+    from model import ModelArgs, gguf_model_args, gguf_read, is_gguf, read_config
+    if is_gguf(path):
+        reader, meta = gguf_read(path)
+        return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path).max_position_embeddings
     return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
 
 
@@ -633,7 +636,7 @@ def add_engine_flags(p):
 def parse_args(argv=None):
     p = ArgumentParser(description="Lossless speculative decoding with Graft (and its baselines).")
     p.add_argument("--ckpt", default=None,
-                   help="target: a local HF folder or a hub id (default: the shipped demo model)")
+                   help="target: a local HF folder, a .gguf file or a hub id (default: the shipped demo model)")
     p.add_argument("--method", default=None, choices=METHODS,
                    help="default: graft when a head is known or given, else ar")
     p.add_argument("--prompt", default=None)

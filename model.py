@@ -6,10 +6,12 @@ One file, readable top to bottom:
   KVCache          a preallocated buffer written at explicit rows
   Transformer      forward(tokens, positions, cache_rows, mask) -> logits (+ EAGLE-3 features)
   checkpoints      local folder or hub id -> config + safetensors (single or sharded, memory-mapped)
+  GGUF             a llama.cpp .gguf file -> config, dequantized weights and tokenizer from its metadata
   Tokenizer        tokenizer.json via `tokenizers`, chat template via jinja2, EOS ids
 
 Nothing here knows about speculation: a tree is just tokens at some positions under some mask.
 """
+import functools
 import json
 import math
 import os
@@ -208,6 +210,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_pos: in
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv / factor, 1.0
+    if kind == "freq_factors":  # GGUF rope_freqs.weight: llama.cpp divides each frequency by its factor
+        return inv / torch.as_tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
         orig = scaling["original_max_position_embeddings"]
@@ -446,9 +450,16 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.bin", "*.
 
 
 def resolve_checkpoint(ckpt: str, patterns=None) -> str:
-    """A local folder, or a Hugging Face hub id downloaded (json, safetensors, tokenizer) to the hub cache."""
-    if os.path.isdir(ckpt):
+    """A local folder, a .gguf file (or a folder holding exactly one and no config.json), or a Hugging
+    Face hub id downloaded (json, safetensors, tokenizer) to the hub cache."""
+    if is_gguf(ckpt):
         return ckpt
+    if os.path.isdir(ckpt):
+        return gguf_in_folder(ckpt) or ckpt
+    if os.path.isfile(ckpt):
+        raise GraftError(f"{ckpt} is a file but not a .gguf: pass a checkpoint folder, a .gguf file or a hub id")
+    if ckpt.endswith(".gguf"):
+        raise GraftError(f"GGUF file not found: {ckpt}")
     looks_like_hub = ckpt.count("/") == 1 and not ckpt.startswith((".", "/", "~")) and not os.path.exists(ckpt)
     if not looks_like_hub:
         raise GraftError(f"checkpoint folder not found: {ckpt}")
@@ -513,8 +524,10 @@ def _files_of(path: str, single: str, index_name: str) -> list:
 
 def check_finite(name: str, t: torch.Tensor):
     """Refuse a weight holding NaN or inf (one check per tensor, at load): such a model emits garbage
-    while every decoding method still agrees with every other, so nothing downstream would notice."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    while every decoding method still agrees with every other, so nothing downstream would notice.
+    One sum per tensor: any NaN or inf makes it non-finite; only then (or when finite weights merely
+    overflow the sum) is every element checked."""
+    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
         raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
 
 
@@ -575,21 +588,391 @@ def free_memory(device) -> int | None:
         return None
 
 
+# ----------------------------------------------------------------------------- GGUF checkpoints
+#
+# A .gguf file (llama.cpp's format, ggml-org/ggml docs/gguf.md) carries the config as metadata under
+# llama.cpp's key names, the tensors (float or block-quantized) and the tokenizer. It is read with ggml-org's
+# own `gguf` package. Quantized tensors are dequantized once, at load, to the requested dtype: the
+# dequantized weights *are* the model (every forward runs in that dtype, never on the blocks).
+
+GGUF_ARCHS = ("llama", "qwen3")
+# ggml tensor types dequantized here (gguf.quants: a numpy port of ggml-quants.c's reference code)
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# the {arch}.* metadata read here. Any other key of the architecture describes something this engine does
+# not implement (experts, sliding windows, logit scaling, partial RoPE...), so it is refused, not dropped.
+GGUF_ARCH_KEYS = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+    "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "tensor_data_layout",  # informational: the layout of the source checkpoint
+}
+# llama.cpp tensor names (gguf.constants, written by convert_hf_to_gguf.py) -> model.py parameter names
+GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def gguf_in_folder(path: str) -> str | None:
+    """The one .gguf file of a folder that has no config.json; None when it has a config.json or no .gguf."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(found) > 1:
+        raise GraftError(f"{path} holds {len(found)} .gguf files and no config.json: pass one of them as --ckpt")
+    return os.path.join(path, found[0]) if found else None
+
+
+@functools.cache
+def _reader_class():
+    import gguf
+    import numpy as np
+
+    class Reader(gguf.GGUFReader):
+        """gguf.GGUFReader, faster. It slices its np.memmap once per metadata value (about 250k slices for a
+        49k-token vocabulary) and np.memmap's per-slice bookkeeping makes that ~6 s; slicing a plain
+        ndarray view of the same mapping gives the same arrays in a third of the time. This overrides
+        the reader's slicing helper; tests/test_gguf.py compares the result with gguf.GGUFReader's."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if "_plain" not in self.__dict__:
+                self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = self._plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_open(path: str, size: int, mtime_ns: int) -> tuple:
+    reader = _reader_class()(path)
+    return reader, {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def gguf_read(path: str) -> tuple:
+    """(gguf.GGUFReader, metadata dict of Python values) for a .gguf file, memory-mapped. The last file
+    read stays open (keyed by size and mtime): the tokenizer and then the weights read the same file.
+    Anything that is not a readable GGUF (truncated, foreign, bad strings) is a one-line GraftError."""
+    st = os.stat(path)
+    try:
+        return _gguf_open(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    except Exception as e:  # a broken file fails inside the reader in many ways; the user needs one line
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        raise GraftError(f"cannot read {path} as GGUF: {type(e).__name__}: {why}") from None
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def gguf_special_ids(meta: dict, vocab_size: int, path: str) -> tuple:
+    """(bos id or None, eos ids) from tokenizer.ggml.*: EOS is eos_token_id plus the end-of-turn and
+    end-of-message ids (eot, eom) when the file names them (an instruct model's <|im_end|>, <|eot_id|>)."""
+    def tid(key):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size):
+            raise GraftError(f"{path}: GGUF metadata tokenizer.ggml.{key} = {_short(v)} is not a token id "
+                             f"(vocabulary of {vocab_size})")
+        return v
+    eos = [i for i in (tid("eos_token_id"), tid("eot_token_id"), tid("eom_token_id")) if i is not None]
+    return tid("bos_token_id"), sorted(set(eos))
+
+
+def gguf_model_args(meta: dict, tensors: dict, path: str) -> ModelArgs:
+    """ModelArgs from GGUF metadata (llama.cpp's {arch}.* keys) and the tensor list (vocabulary size from
+    token_embd, tied head when there is no output.weight, Llama-3.1 RoPE factors from rope_freqs).
+    Every value is validated; a bad or unsupported one is a GraftError naming the key."""
+    arch = meta.get("general.architecture")
+    if meta.get("split.count", 1) != 1:
+        raise GraftError(f"{path} is one part of a split GGUF ({_short(meta['split.count'])} files): "
+                         f"merge them first (llama-gguf-split --merge)")
+    if arch not in GGUF_ARCHS:
+        raise GraftError(f"{path}: unsupported GGUF architecture {_short(arch)}: supported are {', '.join(GGUF_ARCHS)}")
+    extra = sorted(k for k in meta if k.startswith(arch + ".") and k[len(arch) + 1:] not in GGUF_ARCH_KEYS)
+    if extra:
+        raise GraftError(f"{path}: GGUF metadata {extra[0]} = {_short(meta[extra[0]])} describes something "
+                         f"this engine does not implement")
+
+    def get(key, kind=int, default=None):
+        v = meta.get(f"{arch}.{key}", default)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+        if not (number and math.isfinite(v) and v > 0):
+            got = "missing" if v is None else f"{_short(v)}"
+            raise GraftError(f"{path}: GGUF metadata {arch}.{key} must be a positive "
+                             f"{'integer' if kind is int else 'number'}, got {got}")
+        return kind(v)
+
+    dim, n_heads = get("embedding_length"), get("attention.head_count")
+    n_kv = get("attention.head_count_kv", default=n_heads)        # llama.cpp's default: no GQA
+    if f"{arch}.attention.key_length" not in meta and dim % n_heads:
+        raise GraftError(f"{path}: embedding_length {dim} is not a multiple of head_count {n_heads} "
+                         f"and there is no attention.key_length")
+    head_dim = get("attention.key_length", default=dim // n_heads)
+    if n_heads % n_kv:
+        raise GraftError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
+    if get("attention.value_length", default=head_dim) != head_dim:
+        raise GraftError(f"{path}: attention.value_length differs from key_length {head_dim}: not supported")
+    if get("rope.dimension_count", default=head_dim) != head_dim:
+        raise GraftError(f"{path}: RoPE rotates {meta[f'{arch}.rope.dimension_count']} of {head_dim} "
+                         f"head dimensions: partial RoPE is not supported")
+    emb = tensors.get("token_embd.weight")
+    if emb is None or len(emb.shape) != 2:
+        raise GraftError(f"{path}: GGUF file lacks a 2-d tensor token_embd.weight")
+    vocab = int(emb.shape[1])                                     # GGUF lists dims innermost first
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != vocab:
+        raise GraftError(f"{path}: {len(tokens)} tokens in tokenizer.ggml.tokens but token_embd has {vocab} rows")
+    if f"{arch}.vocab_size" in meta and get("vocab_size") != vocab:
+        raise GraftError(f"{path}: {arch}.vocab_size {meta[f'{arch}.vocab_size']} but token_embd has {vocab} rows")
+
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        scaling = None
+    elif kind == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
+    elif kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": get("rope.scaling.factor", float),
+                   "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in meta:
+                scaling[ours] = get(f"rope.scaling.{key}", float)
+    else:
+        raise GraftError(f"{path}: unsupported {arch}.rope.scaling.type {_short(kind)}: supported are none, linear, yarn")
+    if "rope_freqs.weight" in tensors:  # convert_hf_to_gguf.py writes Llama 3.1's rope_type llama3 this way
+        f = tensors["rope_freqs.weight"]
+        if arch != "llama" or scaling is not None or tuple(int(d) for d in f.shape) != (head_dim // 2,):
+            raise GraftError(f"{path}: unexpected rope_freqs.weight {tuple(int(d) for d in f.shape)} "
+                             f"({arch}, head_dim {head_dim}, rope scaling {kind})")
+        factors = gguf_tensor(f)
+        if not (torch.isfinite(factors).all() and (factors > 0).all()):
+            raise GraftError(f"{path}: rope_freqs.weight holds non-positive or non-finite factors")
+        scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+
+    bos, eos = gguf_special_ids(meta, vocab, path)
+    return ModelArgs(
+        arch=arch, vocab_size=vocab, dim=dim, n_layers=get("block_count"), n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=head_dim, intermediate_size=get("feed_forward_length"),
+        norm_eps=get("attention.layer_norm_rms_epsilon", float),
+        rope_theta=get("rope.freq_base", float, default=10000.0),  # llama.cpp's default
+        rope_scaling=scaling, max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in tensors, qk_norm=arch == "qwen3",
+        bos_token_id=bos, eos_token_ids=eos)
+
+
+def gguf_tensor(t) -> torch.Tensor:
+    """One GGUF tensor (a gguf.ReaderTensor) as float32, in torch's dim order: GGUF lists dims innermost
+    first, so ggml's [in, out] is torch's (out, in). Blocks are dequantized by gguf.quants.dequantize.
+    A type outside GGUF_TYPES is a GraftError."""
+    from gguf import quants
+    if t.tensor_type.name not in GGUF_TYPES:
+        raise GraftError(f"GGUF tensor {t.name} is stored as {t.tensor_type.name}: supported are {', '.join(GGUF_TYPES)}")
+    x = quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
+    if not x.flags.writeable:  # F32 comes back as a view of the read-only mapping
+        x = x.copy()
+    return torch.from_numpy(x)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf.py's LlamaModel.permute of q/k rows: llama.cpp's Llama rotates adjacent
+    pairs, model.py (like HF) rotates halves, so each head's rows go back from (d/2, 2) to (2, d/2)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str, device="cpu", dtype=torch.float32) -> tuple:
+    """(ModelArgs, state dict under model.py's names) from a .gguf file: every tensor mapped from
+    llama.cpp's name (an unknown, missing or misshapen one is a GraftError before anything is
+    dequantized), dequantized to `dtype` on `device`, Llama's q/k rows un-permuted, NaN/inf refused.
+    A tied head (no output.weight) is left for load_model to tie."""
+    reader, meta = gguf_read(path)
+    tensors = {t.name: t for t in reader.tensors}
+    args = gguf_model_args(meta, tensors, path)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    if args.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    # the llama.cpp name of every tensor this config has
+    names = {f"{g}.weight": f"{o}.weight" for g, o in GGUF_GLOBAL.items()}
+    names |= {f"blk.{i}.{g}.weight": f"layers.{i}.{o}.weight" for i in range(args.n_layers) for g, o in GGUF_LAYER.items()}
+    names = {g: o for g, o in names.items() if o in expected}
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":                           # already in args.rope_scaling
+            continue
+        if name not in names:
+            raise GraftError(f"{path}: GGUF tensor {name} has no place in this {args.arch} model "
+                             f"({args.n_layers} layers): not supported")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != expected[names[name]]:
+            raise GraftError(f"{path}: GGUF tensor {name} has shape {shape}, the metadata implies "
+                             f"{expected[names[name]]}")
+        if t.tensor_type.name not in GGUF_TYPES:
+            raise GraftError(f"{path}: GGUF tensor {name} is stored as {t.tensor_type.name}: "
+                             f"supported are {', '.join(GGUF_TYPES)}")
+    missing = [g for g in names if g not in tensors]
+    if missing:
+        raise GraftError(f"{path}: GGUF file lacks tensor {missing[0]} ({len(missing)} missing)")
+    sd = {}
+    for name, ours in names.items():
+        w = gguf_tensor(tensors[name])
+        if args.arch == "llama" and ours.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute(w, args.n_heads if "q_proj" in ours else args.n_kv_heads)
+        sd[ours] = w.to(device, dtype)
+        check_finite(f"{path}: {name}", sd[ours])
+    return args, sd
+
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe) by tokenizer.ggml.pre: applied
+# in order, each splitting the pieces the one before left, matches and gaps alike kept as pieces.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"],   # also when pre is absent
+    "gpt-2": [_GPT2_RE],
+    "smollm": [r"\p{N}", _GPT2_RE],                                # digits one by one, then GPT-2's
+    "llama-bpe": [_LLAMA3_RE], "llama3": [_LLAMA3_RE], "llama-v3": [_LLAMA3_RE],
+    "qwen2": [_QWEN2_RE], "deepseek-r1-qwen": [_QWEN2_RE],
+}
+# llama.cpp's Llama-3 pre-tokenizer adds BOS by default and takes a piece that is itself a token whole
+_GGUF_LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6   # tokenizer.ggml.token_type
+
+
+def _spm_merges(tokens: list, scores: list, types: list, path: str) -> list:
+    """Ranked BPE merges that reproduce llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm): it
+    repeatedly merges the adjacent pair whose concatenation is the best-scoring token, so every split of
+    every normal token into two vocabulary pieces is a merge, ranked by that token's score."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    out, seen = [], {}
+    for i, t in enumerate(tokens):
+        if types[i] not in (NORMAL, UNUSED) or len(t) < 2:
+            continue
+        if scores[i] in seen:  # ranked merges cannot express llama.cpp's leftmost-first tie-break
+            raise GraftError(f"{path}: tokens {tokens[seen[scores[i]]]!r} and {t!r} share the score {scores[i]}: "
+                             f"the merge order is not defined by tokenizer.ggml.scores")
+        seen[scores[i]] = i
+        out += [(-scores[i], ids[t[:k]], ids[t[k:]]) for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
+    out.sort()
+    return [(tokens[a], tokens[b]) for _, a, b in out]
+
+
+def gguf_tokenizer(meta: dict, path: str):
+    """A tokenizers.Tokenizer rebuilt from GGUF tokenizer metadata to tokenize as llama.cpp does
+    (src/llama-vocab.cpp); transformers is not needed.
+
+    tokenizer.ggml.model "gpt2": byte-level BPE from tokens + merges, split first by the regexes of
+    tokenizer.ggml.pre (GGUF_PRE; an unknown one is a GraftError). "llama": SentencePiece from tokens +
+    scores, byte fallback to the <0xXX> tokens, spaces as "▁" with a dummy "▁" prefix unless
+    tokenizer.ggml.add_space_prefix is false. Control and unknown tokens (token_type 3, 2) are special
+    (matched whole, skipped when decoding), user-defined ones (4) are matched whole. BOS/EOS are added
+    as tokenizer.ggml.add_bos_token/add_eos_token say, with llama.cpp's defaults (BOS for SentencePiece
+    and Llama-3 BPE)."""
+    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers, processors
+    tokens, kind = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.model")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise GraftError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens string list")
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type", [NORMAL] * n)
+    if not isinstance(types, list) or len(types) != n:
+        raise GraftError(f"{path}: tokenizer.ggml.token_type does not give one type per token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != n:
+        dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise GraftError(f"{path}: token {dup!r} appears twice in tokenizer.ggml.tokens")
+    try:
+        if kind == "gpt2":
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            if pre not in GGUF_PRE:
+                raise GraftError(f"{path}: unsupported tokenizer.ggml.pre {_short(pre)}: supported are "
+                                 f"{', '.join(GGUF_PRE)}")
+            merges = meta.get("tokenizer.ggml.merges")
+            if not isinstance(merges, list) or any(not isinstance(m, str) or m.find(" ", 1) < 0 for m in merges):
+                raise GraftError(f"{path}: a byte-level BPE GGUF needs tokenizer.ggml.merges as 'left right' strings")
+            pairs = [(m[:m.find(" ", 1)], m[m.find(" ", 1) + 1:]) for m in merges]  # as llama.cpp splits them
+            tk = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _GGUF_LLAMA3))
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(r), "isolated") for r in GGUF_PRE[pre]]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tk.decoder = decoders.ByteLevel()
+            add_bos = pre in _GGUF_LLAMA3
+        elif kind == "llama":
+            scores = meta.get("tokenizer.ggml.scores")
+            if not isinstance(scores, list) or len(scores) != n:
+                raise GraftError(f"{path}: a SentencePiece GGUF needs one tokenizer.ggml.scores value per token")
+            unk = meta.get("tokenizer.ggml.unknown_token_id")
+            unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
+            tk = HFTokenizer(models.BPE(vocab, _spm_merges(tokens, scores, types, path), unk_token=unk,
+                                        byte_fallback=True, fuse_unk=True))
+            # llama.cpp's SentencePiece path writes spaces as "▁" and puts one in front of the text and after
+            # each special token (its tokenizer.ggml.remove_extra_whitespaces is not applied there either)
+            prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+            tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * bool(prefix)
+                                                 + [normalizers.Replace(" ", "▁")])
+            tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                           + [decoders.Strip(" ", 1, 0)] * bool(prefix))
+            add_bos = True
+        else:
+            raise GraftError(f"{path}: unsupported tokenizer.ggml.model {_short(kind)}: supported are gpt2 "
+                             f"(byte-level BPE) and llama (SentencePiece)")
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                               for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
+        tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                       for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    except GraftError:
+        raise
+    except Exception as e:  # tokenizers rejecting the vocabulary or merges
+        raise GraftError(f"{path}: bad GGUF tokenizer: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    bos, _ = gguf_special_ids(meta, n, path)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    for key, v in (("add_bos_token", add_bos), ("add_eos_token", add_eos),
+                   ("add_space_prefix", meta.get("tokenizer.ggml.add_space_prefix", True))):
+        if not isinstance(v, bool):
+            raise GraftError(f"{path}: tokenizer.ggml.{key} = {_short(v)} is not a bool")
+    if (add_bos and bos is None) or (add_eos and eos is None):
+        raise GraftError(f"{path}: the GGUF tokenizer adds {'BOS' if add_bos and bos is None else 'EOS'} "
+                         f"but names no such token id")
+    ends = [i for i, on in ((bos, add_bos), (eos, add_eos)) if on]
+    if ends:
+        tk.post_processor = processors.TemplateProcessing(
+            single=[tokens[bos]] * bool(add_bos) + ["$A"] + [tokens[eos]] * bool(add_eos),
+            special_tokens=[(tokens[i], i) for i in ends])
+    return tk
+
+
 def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None) -> Transformer:
-    """Build the model from its config and load its weights; the KV cache holds max_seq_len positions
-    (default: the model's own context).
+    """Build the model from its config and load its weights (a folder, a hub id or a .gguf file, see
+    resolve_checkpoint); the KV cache holds max_seq_len positions (default: the model's own context).
 
     The files must agree with each other both ways: every weight the config implies is there with its
     shape, and every tensor in the files is one the model uses (an lm_head stored beside tied
     embeddings must equal them). Errors: GraftError, one line."""
     path = resolve_checkpoint(ckpt)
-    args = ModelArgs.from_hf_config(read_config(path))
-    n_cache = cache_budget(args, max_seq_len, dtype, device)
-    files = weight_files(path)
+    if is_gguf(path):
+        reader, meta = gguf_read(path)
+        args = gguf_model_args(meta, {t.name: t for t in reader.tensors}, path)
+    else:
+        args = ModelArgs.from_hf_config(read_config(path))
+    n_cache = cache_budget(args, max_seq_len, dtype, device)        # before a single weight is read
+    if is_gguf(path):
+        _, sd = read_gguf(path, device, dtype)
+    else:
+        sd = read_safetensors(weight_files(path), device, dtype, keep=lambda n: "rotary_emb" not in n)
+        sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
     with torch.device("meta"):
         model = Transformer(args)
-    sd = read_safetensors(files, device, dtype, keep=lambda n: "rotary_emb" not in n)
-    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
     if args.tie_word_embeddings and "lm_head.weight" in sd and "embed_tokens.weight" in sd:
         if not torch.equal(sd["lm_head.weight"], sd["embed_tokens.weight"]):
             raise GraftError(f"config.json in {path} ties the embeddings, but the checkpoint's lm_head.weight "
@@ -753,6 +1136,33 @@ class Tokenizer:
             if i is not None and not 0 <= i < args.vocab_size:
                 raise GraftError(f"{name} token id {i} in {where} is outside the vocabulary ({args.vocab_size})")
 
+    @classmethod
+    def from_gguf(cls, path: str, model_args: ModelArgs | None = None) -> "Tokenizer":
+        """The tokenizer a .gguf file describes in its metadata (gguf_tokenizer), its chat template
+        (tokenizer.chat_template) and special tokens; BOS/EOS ids from model_args when given."""
+        _, meta = gguf_read(path)
+        self = cls.__new__(cls)
+        self.tk = gguf_tokenizer(meta, path)
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos, eos = gguf_special_ids(meta, len(tokens), path)
+        if model_args is not None:
+            bos, eos = model_args.bos_token_id, sorted(set(model_args.eos_token_ids) | set(eos))
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise GraftError(f"{path}: tokenizer.chat_template is not a string")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        self.chat_template, self.bos_id, self.eos_ids = template, bos, eos
+        self.bos_token = tokens[bos] if bos is not None else None
+        self.eos_token = tokens[eos_id] if eos_id in eos else None
+        tok = lambda key: (tokens[meta[key]] if isinstance(meta.get(key), int) and 0 <= meta[key] < len(tokens)
+                           else None)
+        self.special = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                        "unk_token": tok("tokenizer.ggml.unknown_token_id"),
+                        "pad_token": tok("tokenizer.ggml.padding_token_id")}
+        if model_args is not None:
+            self.check_fits(model_args, path)
+        return self
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
         if add_special_tokens and not ids and self.bos_id is not None:
@@ -778,4 +1188,9 @@ class Tokenizer:
 
 def load_tokenizer(ckpt: str, model_args: ModelArgs | None = None) -> Tokenizer:
     path = resolve_checkpoint(ckpt)
+    if is_gguf(path):
+        reader, meta = gguf_read(path)
+        if model_args is None and len(reader.tensors):     # a file with weights: check them against each other
+            model_args = gguf_model_args(meta, {t.name: t for t in reader.tensors}, path)
+        return Tokenizer.from_gguf(path, model_args)
     return Tokenizer(path, model_args or ModelArgs.from_hf_config(read_config(path)))

@@ -523,7 +523,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train an EAGLE-3 head (eagle3) or a small demo target (target).")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eagle3", help="train an EAGLE-3 head for a target by self-distillation")
-    e.add_argument("--ckpt", required=True, help="target: local HF folder or hub id")
+    e.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
     e.add_argument("--prompts", required=True, help="text file (one prompt per line) or jsonl with turns/prompt")
     e.add_argument("--out", required=True)
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
