@@ -156,6 +156,23 @@ def human_turn(rec, where: str) -> str:
     raise GraftError(f"{where}: no human turn in `conversations`")
 
 
+def chat_prompts(max_chars: int = 3000) -> list:
+    """Chat prompts for training a head on an instruct model, from the ../shared/data sets the README
+    does not report on: the ShareGPT sample, EAGLE's Alpaca, Vicuna-bench and QA sets, Spec-Bench's
+    translation, summarisation and RAG rows, and 60 FastChat identity questions. Never MT-bench,
+    HumanEval or GSM8K. Deduplicated, in this order; prompts over max_chars characters left out."""
+    D = data_dir()
+    out = [human_turn(r, "sharegpt") for r in read_records(D / FILES["sharegpt"][0])]
+    for name in ("alpaca", "eagle_qa"):
+        out += [prompt_of(r, name) for r in read_records(D / FILES[name][0])]
+    out += [prompt_of(r, "vicuna_bench") for r in read_records(D / "vicuna_bench" / "question.jsonl")]
+    out += [prompt_of(r, "spec_bench") for r in read_records(D / FILES["spec_bench"][0])
+            if r.get("category") in ("translation", "rag", "summarization")]
+    dummy = read_records(D / "fastchat_dummy_conversation" / "dummy_conversation.json")
+    out += [human_turn(r, "fastchat") for r in dummy[:60]]
+    return [p for p in dict.fromkeys(out) if len(p) < max_chars]
+
+
 # ----------------------------------------------------------------------------- the stdlib corpus
 
 def stdlib_files(root: str | None = None) -> list:

@@ -10,11 +10,13 @@ EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
   3. Training-time test: each batch is unrolled `--ttt` steps. Step 0 reads the target's features;
      step j reads the head's own step j-1 output one position back, as tree drafting at depth j will.
      Its attention sees real rows up to p-j plus the diagonal of earlier steps (the tree path).
-     Loss: cross-entropy against the target's distribution (restricted to the draft vocabulary),
+     Loss: cross-entropy against the target's distribution (its top entries, renormalised on the draft vocabulary),
      step j weighted 0.8^j.
   4. Saved in the published format (config.json + model.safetensors with fc, midlayer.*, norm,
      lm_head, d2t, t2d; no embedding), loadable by draft.load_head and by EAGLE/SGLang/vLLM.
-Progress on stderr, a loss log (train_log.jsonl), resumable from train_state.safetensors in --out
+The target runs once over the data (features and its top next-token probabilities, cached in
+train_views.safetensors); training then reads only the head. Progress on stderr, a loss log
+(train_log.jsonl), resumable from train_state.safetensors in --out
 (tensors + JSON, never a pickle).
 """
 import argparse
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
-from data import STORIES, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stories_head_dir
+from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stories_head_dir
 
 
 # ----------------------------------------------------------------------------- resumable state
@@ -118,11 +120,13 @@ def load_sequences(path: str) -> list:
 
 
 
-def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print) -> list:
-    """Token sequences = each prompt followed by the target's own continuation."""
+def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print,
+                 chat: bool = False) -> list:
+    """Token sequences = each prompt (in the model's chat template with chat=True) followed by the
+    target's own continuation."""
     seqs, t0 = [], time.time()
     room = model.args.max_position_embeddings - new_tokens
-    enc = [e for e in (tok.encode(p) for p in prompts) if 0 < len(e) <= room]
+    enc = [e for e in ((tok.apply_chat(p) if chat else tok.encode(p)) for p in prompts) if 0 < len(e) <= room]
     if len(enc) < len(prompts):
         log(f"data: skipped {len(prompts) - len(enc)} empty prompts or prompts longer than {room} tokens")
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))      # similar lengths pad less
@@ -166,41 +170,97 @@ def ttt_mask(T: int, step: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)     # every row sees at least its own step's diagonal
 
 
-def ttt_loss(head: Eagle3, feats, ids, target_logp, valid, used, steps: int):
-    """feats (B, T, 3Ht); ids (B, T) the token after each feature; target_logp (B, T, V) the target's
-    log-distribution of the token after that; valid (B, T) bool. Returns (loss, per-step top-1 acc)."""
+def ttt_loss(head: Eagle3, feats, ids, tgt_idx, tgt_p, valid, steps: int):
+    """feats (B, T, 3Ht); ids (B, T) the token after each feature; the target's distribution of the
+    token after that as its top entries in the draft vocabulary: tgt_idx (B, T, K) draft ids (-1: not
+    in it), tgt_p (B, T, K) their probabilities renormalised; valid (B, T) bool.
+    Returns (loss, per-step top-1 agreement with the target's choice)."""
     B, T, _ = feats.shape
     pos = torch.arange(T, device=feats.device)
-    tgt = target_logp[..., used].float().softmax(-1)                # renormalised on the draft vocab
+    idx = tgt_idx.clamp(min=0)
+    best = tgt_idx[..., 0]                                          # the target's own choice (-1: outside)
     kv, hidden, losses, accs = [], feats, 0.0, []
     for j in range(steps):
         out = head(hidden, ids, pos, mask=ttt_mask(T, j, feats.device), fused=(j == 0), steps_kv=kv)
         logp = head.logprobs(out)                                   # (B, T, Vd)
         ok = valid & (pos[None, :] >= j)
-        ce = -(tgt * logp).sum(-1)
+        ce = -(tgt_p * logp.gather(-1, idx)).sum(-1)
         losses = losses + 0.8 ** j * (ce * ok).sum() / ok.sum().clamp(min=1)
-        accs.append(((logp.argmax(-1) == tgt.argmax(-1)) & ok).sum().item() / max(ok.sum().item(), 1))
+        accs.append(((logp.argmax(-1) == best) & ok).sum().item() / max(ok.sum().item(), 1))
         hidden = torch.cat([out[:, :1] * 0, out[:, :-1]], dim=1)      # own output, one position on
     return losses, accs
 
 
-def batches(seqs: list, seq_len: int, batch: int, rng: random.Random):
-    """Endless shuffled batches of windows (B, seq_len+1), right-padded, with a validity mask."""
-    windows = []
-    for s in seqs:
-        for a in range(0, max(len(s) - 1, 1), seq_len):
-            w = s[a:a + seq_len + 1]
-            if len(w) >= 3:
-                windows.append(w)
+@torch.no_grad()
+def target_views(target, seqs: list, k: int, batch_tokens: int, log) -> list:
+    """What the head learns from, computed once per sequence with the target: its EAGLE-3 features
+    (n, 3*Ht) float16, and its next-token distribution at every position as the top k entries, ids
+    (n, k) int32 and log-probs (n, k) float16. The target runs once over the data instead of once per
+    training step (for a 135M target on a CPU that is most of the time a step would take)."""
+    out, t0 = [], time.time()
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    views = [None] * len(seqs)
+    i = 0
+    while i < len(order):
+        n = len(seqs[order[i]])
+        group = order[i:i + max(1, batch_tokens // max(n, 1))]
+        T = max(len(seqs[j]) for j in group)
+        x = torch.tensor([seqs[j] + [0] * (T - len(seqs[j])) for j in group], device=target.embed_tokens.weight.device)
+        logits, feats = target(x, torch.arange(T, device=x.device), capture=True)
+        top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+        for b, j in enumerate(group):
+            m = len(seqs[j])
+            views[j] = (feats[b, :m].half().cpu(), top.indices[b, :m].int().cpu(), top.values[b, :m].half().cpu())
+        i += len(group)
+        progress("views", i, len(order), t0)
+    return views
+
+
+def save_views(path: str, views: list):
+    cat = lambda n: torch.cat([v[n] for v in views])
+    save_state(path, {"feats": cat(0), "ids": cat(1), "logp": cat(2),
+                      "lengths": torch.tensor([len(v[0]) for v in views], dtype=torch.int64)}, {})
+
+
+def load_views(path: str, seqs: list) -> list | None:
+    """The cached views, or None when they do not match the sequences (then they are recomputed)."""
+    tensors, _ = load_state(path)
+    try:
+        lengths = tensors["lengths"].tolist()
+        if lengths != [len(s) for s in seqs]:
+            return None
+        out, i = [], 0
+        for n in lengths:
+            out.append((tensors["feats"][i:i + n], tensors["ids"][i:i + n], tensors["logp"][i:i + n]))
+            i += n
+        return out
+    except KeyError:
+        return None
+
+
+def batches(seqs: list, views: list, to_draft: torch.Tensor, seq_len: int, batch: int, rng: random.Random):
+    """Endless shuffled batches of windows of seq_len rows: row t pairs feature t with token t+1 and
+    learns the target's distribution after token t+1 (renormalised on the draft vocabulary).
+    Yields feats (B, T, 3Ht), ids (B, T), tgt_idx (B, T, K), tgt_p (B, T, K), valid (B, T)."""
+    windows = [(s, a) for s, seq in enumerate(seqs) for a in range(0, max(len(seq) - 2, 1), seq_len)
+               if len(seq) - a >= 3]
     if not windows:
         raise GraftError("no training data: the prompts produced no sequences of 3+ tokens")
     while True:
         rng.shuffle(windows)
         for i in range(0, len(windows) - batch + 1 if len(windows) >= batch else 1, batch):
-            chunk = windows[i:i + batch]
-            n = max(len(w) for w in chunk)
-            yield (torch.tensor([w + [0] * (n - len(w)) for w in chunk]),
-                   torch.tensor([[1] * len(w) + [0] * (n - len(w)) for w in chunk], dtype=torch.bool))
+            rows = []
+            for s, a in windows[i:i + batch]:
+                f, ti, tl = views[s]
+                n = min(seq_len, len(seqs[s]) - a - 1)
+                d = to_draft[ti[a + 1:a + 1 + n].long()]                          # (n, K) draft ids or -1
+                p = tl[a + 1:a + 1 + n].float().exp() * (d >= 0)
+                rows.append((f[a:a + n], torch.tensor(seqs[s][a + 1:a + 1 + n]), d, p / p.sum(-1, keepdim=True).clamp(min=1e-9)))
+            T = max(r[0].shape[0] for r in rows)
+            pad = lambda x, v=0: torch.cat([x, x.new_full((T - x.shape[0], *x.shape[1:]), v)])
+            yield (torch.stack([pad(r[0]) for r in rows]).float(), torch.stack([pad(r[1]) for r in rows]),
+                   torch.stack([pad(r[2], -1) for r in rows]), torch.stack([pad(r[3]) for r in rows]),
+                   torch.stack([torch.arange(T) < r[0].shape[0] for r in rows]))
 
 
 def new_head(target, draft_vocab_size: int) -> Eagle3:
@@ -223,11 +283,12 @@ def head_state(head) -> dict:
 def train_eagle3(a) -> str:
     dev = a.device
     torch.manual_seed(a.seed)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.ttt < 1:
         raise GraftError("--ttt must be at least 1")
     # no cache is needed to train; self-distillation sizes one per batch
-    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
-                        max_seq_len=a.seq_len + 1)
+    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, max_seq_len=1)
     for p in target.parameters():
         p.requires_grad_(False)
     tok = load_tokenizer(target.path, target.args)
@@ -247,10 +308,17 @@ def train_eagle3(a) -> str:
             prompts = prompts[:a.max_prompts]
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
         t0 = time.time()
-        seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log)
+        seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log, chat=a.chat)
         save_sequences(data_path, seqs)
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
+    views_path = os.path.join(a.out, "train_views.safetensors")
+    views = load_views(views_path, seqs) if os.path.isfile(views_path) else None
+    if views is None:
+        views = target_views(target, seqs, a.top_k_targets, a.view_tokens, log)
+        save_views(views_path, views)
     used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
+    to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
+    to_draft[used] = torch.arange(used.numel())
     head = new_head(target, used.numel()).to(dev)          # float32 weights; features are cast to them
     head.d2t.copy_(used - torch.arange(used.numel()))
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
@@ -267,22 +335,16 @@ def train_eagle3(a) -> str:
             raise GraftError(f"cannot resume from {state_path}: it does not fit this run ({str(e)[:120]}); "
                              f"delete it or pass --restart") from None
         log(f"resumed at step {step}")
-    used = used.to(dev)
-    data = batches(seqs, a.seq_len, a.batch, rng)
+    data = batches(seqs, views, to_draft, a.seq_len, a.batch, rng)
     t0, deadline = time.time(), time.time() + a.minutes * 60 if a.minutes else float("inf")
     logf = open(os.path.join(a.out, "train_log.jsonl"), "a")
     head.train()
     while step < a.steps and time.time() < deadline:
-        x, valid = next(data)
-        x, valid = x.to(dev), valid.to(dev)
-        with torch.no_grad():
-            logits, feats = target(x[:, :-1], torch.arange(x.shape[1] - 1, device=dev), capture=True)
-            tgt = torch.log_softmax(logits.float(), -1)[:, 1:]      # the target's view of the token after next
-        # row t pairs feature t with token t+1 and learns the target's distribution at t+1
+        feats, ids, tgt_idx, tgt_p, valid = (x.to(dev) for x in next(data))
         lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, accs = ttt_loss(head, feats[:, :-1].float(), x[:, 1:-1], tgt, valid[:, 2:], used, a.ttt)
+        loss, accs = ttt_loss(head, feats, ids, tgt_idx, tgt_p, valid, a.ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -532,6 +594,10 @@ def parse_args(argv=None):
     e.add_argument("--max-prompts", type=int, default=0)
     e.add_argument("--gen-batch", type=int, default=32)
     e.add_argument("--draft-vocab", type=int, default=32000)
+    e.add_argument("--chat", action="store_true", help="render each prompt with the target's chat template")
+    e.add_argument("--top-k-targets", type=int, default=32,
+                   help="the target's distribution is kept as its top entries (computed once over the data)")
+    e.add_argument("--view-tokens", type=int, default=2048, help="tokens per target pass when computing them")
     e.add_argument("--steps", type=int, default=2000)
     e.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
     e.add_argument("--batch", type=int, default=16)
@@ -543,6 +609,7 @@ def parse_args(argv=None):
     e.add_argument("--log-every", type=int, default=10)
     e.add_argument("--save-every", type=int, default=200)
     e.add_argument("--restart", action="store_true", help="ignore a saved train_state.safetensors")
+    e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     t = sub.add_parser("target", help="pretrain a small Qwen3-architecture target from scratch")
     t.add_argument("--out", required=True)
     t.add_argument("--corpus", nargs="*", default=None,
@@ -573,6 +640,8 @@ def parse_args(argv=None):
     sp.add_argument("--lines", type=int, default=24)
     sp.add_argument("--heldout", action="store_true")
     sp.add_argument("--seed", type=int, default=0)
+    cp = sub.add_parser("chat-prompts", help="write chat prompts from ../shared/data (no benchmark set we report)")
+    cp.add_argument("--out", required=True)
     h = sub.add_parser("stories-head", help="(re)create the stories260K-hf head in the cache folder")
     h.add_argument("--out", default=None)
     h.add_argument("--minutes", type=float, default=0)
@@ -589,6 +658,11 @@ def main(argv=None):
         with open(a.out, "w") as fh:
             for t in stdlib_snippets(a.heldout, a.n, a.lines, a.seed):
                 fh.write(json.dumps({"prompt": t}) + "\n")
+        return a.out
+    if a.cmd == "chat-prompts":
+        with open(a.out, "w") as fh:
+            for p in chat_prompts():
+                fh.write(json.dumps({"prompt": p}) + "\n")
         return a.out
     if a.cmd == "stories-head":
         out = ensure_stories_head(a.out, a.minutes)
