@@ -92,39 +92,6 @@ class Row:
                 "lossless": self.mismatches == 0}
 
 
-@torch.no_grad()
-def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
-    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
-    the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
-    verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
-    which is what sets the best budget there. (A chain; the cost does not depend on the tree's
-    shape.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
-    dev, m = eng.device, eng.model
-    context = max(1, min(context, m.max_seq_len - 1))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
-    from verify import chain
-    out = {}
-    for n in sizes:
-        eng.begin(Sampling())
-        G.prefill(eng, G.Plain(eng), ids[:context].tolist())
-        tree = chain(ids[context:context + n])
-        for i in range(repeats + 3):                 # 3 untimed passes first
-            if i == 3:
-                G.sync(dev)
-                t0 = time.perf_counter()
-            if eng.compiling and eng.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
-            if n == 1:
-                eng.decode(tree.tokens[0])
-            else:
-                eng.verify(tree, n)
-            eng.L.fill_(context)                     # undo what the pass committed
-        G.sync(dev)
-        out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
-    return context, out
-
-
 def first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -232,7 +199,7 @@ def main(argv=None) -> dict:
         for meth in runs.values():
             G.generate(eng, meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost_context, cost = pass_cost(eng, sorted({1} | {meth.N for meth in runs.values()}))
+    cost_context, cost = G.pass_cost(eng, sorted({1} | {meth.N for meth in runs.values()}))
 
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early

@@ -327,7 +327,6 @@ class Drafter:
         self.Ld.zero_()
         self.Ld_host = 0
 
-    @torch.no_grad()
     def prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: int, cols: torch.Tensor):
         """Committed rows for a chunk of the prompt: feats (c, 3*Ht), ids (c,) the token after each;
         the first n are real (the rest pad the chunk). Ld advances by n."""
@@ -337,7 +336,6 @@ class Drafter:
         self.head(feats[None], ids[None], rows, rows, mask, fused=True)
         self.Ld.add_(n)
 
-    @torch.no_grad()
     def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Read the accepted path, then draft level 1. feats (P, 3*Ht) of the root and accepted nodes,
         ids (P,) the token after each (the last real one is the new root); the first n (0-d) are real.
@@ -361,7 +359,6 @@ class Drafter:
         self.seen.zero_()
         return s[0, 0].exp()
 
-    @torch.no_grad()
     def level(self, i: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Draft level i+2 from the beam at level i+1 (i: 0-d, 0..D-2): one head forward over the k
         beam nodes (rows Ld + i*k.., position Ld + i), top_k children each, scored by their

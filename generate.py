@@ -34,7 +34,8 @@ from draft import Drafter, load_head
 from graft import (CHECKPOINTS, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, build_template, cache_dir,
                    calibrate, load_state, save_state, with_root)
 from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
-from verify import MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token, verify
+from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token,
+                    token_hash, verify)
 
 # Published EAGLE-3 heads for well-known targets (eagle3.md section 3).
 KNOWN_HEADS = {
@@ -81,7 +82,6 @@ WARMUP_PROMPTS = [
 
 # ----------------------------------------------------------------------------- the target's steps
 
-@torch.no_grad()
 def prefill_chunk(model, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, cols: torch.Tensor,
                   capture: bool) -> tuple:
     """C prompt tokens (the first n real, the rest padding) at rows L..L+C-1, causal among themselves
@@ -117,7 +117,11 @@ class Engine:
         self.sampling = Sampling()
         self.clock = Clock(self.device)
         self.compile_seconds = 0.0
+        if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
+            torch._dynamo.config.cache_size_limit = 64
+            torch._dynamo.config.accumulated_cache_size_limit = 512
         self._cols = self._head_cols = None
+        token_hash(model.args.vocab_size, self.device)      # sampling's table: read, never built, in a graph
         self.reserve(1, 1)
         self._decode = self.compile(partial(decode_one_token, model))
         self._verify = self.compile(partial(verify, model))
@@ -447,6 +451,38 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
     return res
 
 
+@torch.no_grad()
+def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
+    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
+    the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
+    verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
+    which is what sets the best budget there. (A chain; the cost does not depend on the tree's
+    shape.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    dev, m = eng.device, eng.model
+    context = max(1, min(context, m.max_seq_len - 1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
+    out = {}
+    for n in sizes:
+        eng.begin(Sampling())
+        prefill(eng, Plain(eng), ids[:context].tolist())
+        tree = chain(ids[context:context + n])
+        for i in range(repeats + 3):                 # 3 untimed passes first
+            if i == 3:
+                sync(dev)
+                t0 = time.perf_counter()
+            if eng.compiling and eng.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            if n == 1:
+                eng.decode(tree.tokens[0])
+            else:
+                eng.verify(tree, n)
+            eng.L.fill_(context)                     # undo what the pass committed
+        sync(dev)
+        out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
+    return context, out
+
+
 # ----------------------------------------------------------------------------- set-up and warm-up
 
 def state_path_for(engine: Engine, *settings) -> str:
@@ -493,11 +529,6 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         raise GraftError(f"--attention must be window or full, got {attention!r}")
     if compile and attention == "window" and str(device).startswith("cuda"):
         raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
-    if compile:
-        torch._dynamo.config.cache_size_limit = 64
-        torch._dynamo.config.accumulated_cache_size_limit = 512
-    from verify import token_hash
-    token_hash(model.args.vocab_size, model.embed_tokens.weight.device)     # read, never built, in a graph
     return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk,
                   backend=backend)
 

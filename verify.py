@@ -192,7 +192,6 @@ class Verified:
     syncs: int = 1                  # host syncs the round made (commit's, and one per checkpoint reached)
 
 
-@torch.no_grad()
 def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling, seed: torch.Tensor,
            P: int, capture: bool = False, cache=None) -> Verified:
     """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed) and commit its
@@ -201,7 +200,8 @@ def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sam
     Nodes are written at rows L..L+N-1 with positions L + depth; a node attends to the committed
     prefix and its own ancestors (attention_mask; cols: the rows attention reads). Afterwards the
     path's rows are moved to L..L+P-1 (compaction), so rows 0..L+A hold exactly what decoding the
-    accepted tokens one by one would have left. One target pass, no host sync."""
+    accepted tokens one by one would have left. One target pass, no host sync. (Called under no_grad:
+    the decoding loop is; the steps are not decorated, so that each compiles as itself.)"""
     cache = cache if cache is not None else model.cache
     N = tree.tokens.numel()
     mask, depth = tree_mask(tree.parents, tree.valid)
@@ -216,7 +216,6 @@ def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sam
                     torch.isfinite(logits).all())
 
 
-@torch.no_grad()
 def decode_one_token(model, token: torch.Tensor, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling,
                      seed: torch.Tensor, cache=None) -> tuple:
     """Plain decoding's step: the root (1,) at row L, then the target's next token (1,) and whether

@@ -7,6 +7,7 @@ reads them (those tests run last).
                 method, greedy and sampled, two prompts, tokens equal to the eager engine's
   recompiles    after compile_warmup, graphs compiled by rounds at other prompt/context lengths
   demo          the demo pair, aot_eager, graft, greedy and sampled
+  gpu_check     scripts/gpu_check.py --tiny: the GPU check's code end to end on the CPU
   inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
@@ -102,8 +103,17 @@ def main(out: str):
         return {"same": got, "graphs_after_warmup": counters["stats"]["unique_graphs"] - before,
                 "compile_seconds": round(secs, 1)}
 
+    def gpu_check():
+        import subprocess
+        report = tmp / "gpu_check.json"
+        got = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "gpu_check.py"), "--tiny", "--tokens", "16",
+                              "--out", str(report)], capture_output=True, text=True, timeout=1200)
+        if got.returncode:
+            return {"error": got.stderr[-3000:]}
+        return json.loads(report.read_text())
+
     for section, fn in (("every_method", every_method), ("recompiles", recompiles), ("demo", demo),
-                        ("inductor", inductor)):
+                        ("gpu_check", gpu_check), ("inductor", inductor)):
         run(section, fn, result)
         save()
 

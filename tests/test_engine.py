@@ -48,6 +48,16 @@ def test_compiled_with_inductor_equals_eager():
     assert got["same"] == {"ar": True, "graft-root": True} and got["graphs_after_warmup"] == 0
 
 
+def test_compiled_gpu_check_runs_tiny():
+    """scripts/gpu_check.py --tiny: the GPU check's own code end to end, every field of its report."""
+    r = compile_result("gpu_check")
+    assert set(r["ar"]) == {"eager", "compiled"} and r["ar"]["compiled"]["tokens_per_s"] > 0
+    assert set(r["verify_ms"]) >= {"1", "17", "33", "61", "61_over_1"} and r["draft_level_ms"] > 0
+    assert set(r["graft_round_ms"]) == {"full", "0", "1", "5"}
+    assert all(set(v) >= {"draft", "assemble", "verify", "update", "overhead"} for v in r["graft_round_ms"].values())
+    assert set(r["transformers"]) == {"eager", "static_compiled"}
+
+
 # ----------------------------------------------------------------------------- prefill in chunks
 
 def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt):
