@@ -53,6 +53,7 @@ class Row:
     method: str
     budget: int | None
     skipped: int = 0
+    execution: str = "eager"
     tps: list = dataclasses.field(default_factory=list)    # per-prompt tokens/s
     tot: dict = dataclasses.field(default_factory=dict)    # summed Result counters
     stages: dict = dataclasses.field(default_factory=dict)
@@ -75,7 +76,7 @@ class Row:
         mean = sum(self.tps) / len(self.tps) if self.tps else None     # None: every prompt was skipped
         round_ms = {k: round(v / r * 1000, 4) for k, v in sorted(self.times.items()) if k != "prefill"}
         total = sum(round_ms.values())
-        return {"dataset": self.dataset, "method": self.method, "budget": self.budget,
+        return {"dataset": self.dataset, "execution": self.execution, "method": self.method, "budget": self.budget,
                 "prompts": len(self.tps), "skipped": self.skipped,
                 "mat": round(t["committed"] / r, 4) if self.tps else None,
                 "tokens_per_s": round(mean, 2) if mean else None,
@@ -104,17 +105,31 @@ def bar(done: int, total: int, t0: float, what: str):
     sys.stderr.flush()
 
 
-def table(rows: list, sweep: bool) -> str:
-    cols = ["dataset", "method"] + (["budget"] if sweep else []) + [
+def table(rows: list, sweep: bool, executions: bool = False) -> str:
+    cols = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
         "prompts", "skipped", "mat", "tokens_per_s", "speedup", "draft_forwards_per_round", "verified_per_round",
-        "retrieval_share", "stages", "lossless"]
-    head = ["dataset", "method"] + (["budget"] if sweep else []) + [
+        "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
+    head = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
         "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "retrieval share",
-        "stages", "lossless"]
-    fmt = lambda v: ("-" if v is None else f"{v:.2f}" if isinstance(v, float) else
-                     " ".join(f"{k}:{n}" for k, n in v.items()) or "-" if isinstance(v, dict) else str(v))
+        "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
+    phases = ("draft", "assemble", "verify", "update")
+    fmt = lambda c, v: ("-" if v is None else
+                        " + ".join(f"{v.get(p, 0.0):.2f}" for p in phases) if c == "round_ms" else
+                        f"{v:.2f}" if isinstance(v, float) else
+                        " ".join(f"{k}:{n}" for k, n in v.items()) or "-" if isinstance(v, dict) else str(v))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(fmt(c, r[c]) for c in cols) + " |" for r in rows])
+
+
+def compiled_over_eager(rows: list) -> dict:
+    """tokens/s of each (dataset, method, budget) compiled over eager, when the run had both."""
+    by = {(r["dataset"], r["method"], r["budget"], r["execution"]): r["tokens_per_s"] for r in rows}
+    out = {}
+    for (d, m, b, x), tps in by.items():
+        eager = by.get((d, m, b, "eager"))
+        if x == "compiled" and tps and eager:
+            out[f"{Path(d).name} {m}" + (f"@{b}" if b else "")] = round(tps / eager, 3)
+    return out
 
 
 # ----------------------------------------------------------------------------- command line
@@ -129,6 +144,9 @@ def parse_args(argv=None):
                    help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--executions", default=None,
+                   help="eager,compiled: run every method both ways in one process, each against its own ar "
+                        "(default: what --compile says)")
     G.add_engine_flags(p)
     return p.parse_args(argv)
 
@@ -172,34 +190,45 @@ def main(argv=None) -> dict:
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in G.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
+    executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "eager")).split(",") if x.strip()]
+    if not executions or set(executions) - {"eager", "compiled"} or len(set(executions)) < len(executions):
+        raise GraftError(f"--executions takes eager and/or compiled, got {a.executions!r}")
     eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
-                         compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
+                         compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
     if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log)
+    engines = {executions[0]: eng}
+    for x in executions[1:]:
+        engines[x] = eng.variant(compile=x == "compiled")
 
-    # One proposer per (method, budget), kept for the whole run. Each gets its own copy of the
-    # warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
-    runs = {("ar", None): G.make_method(eng, "ar")}
-    for m in methods[1:]:
-        for b in budgets:
-            own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
-            cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b}))
-            runs[(m, b)] = G.make_method(eng, m, cfg, matrix=own)
+    # One proposer per (execution, method, budget), kept for the whole run. Each gets its own copy of
+    # the warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
+    runs = {}
+    for x, e in engines.items():
+        runs[(x, "ar", None)] = G.make_method(e, "ar")
+        for m in methods[1:]:
+            for b in budgets:
+                own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
+                cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b}))
+                runs[(x, m, b)] = G.make_method(e, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
-    # before anything is timed: compile every graph (compiled engines), or one short generation per run
-    # (eager: first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
+    # before anything is timed: compile every graph (compiled engines), and one short generation per
+    # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
     # benchmark prompt leaks into the matrix.
-    how = ("compiled (CUDA graphs)" if eng.cuda else "compiled (inductor)") if eng.compiling else "eager"
-    if eng.compiling:
-        log(f"compile: {G.compile_warmup(eng, list(runs.values()), sampling):.1f}s")
-    else:
-        w = eng.tokenizer.encode(G.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
-        for meth in runs.values():
-            G.generate(eng, meth, w, 16, sampling, eng.tokenizer.eos_ids)
+    how = {x: ("compiled (CUDA graphs)" if e.cuda else "compiled (inductor)") if e.compiling else "eager"
+           for x, e in engines.items()}
+    for x, e in engines.items():
+        if e.compiling:
+            log(f"compile: {G.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
+    w = eng.tokenizer.encode(G.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+    for (x, _, _), meth in runs.items():
+        G.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost_context, cost = G.pass_cost(eng, sorted({1} | {meth.N for meth in runs.values()}))
+    cost = {x: G.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
+    cost_context = next(iter(cost.values()))[0]
+    cost = {x: c for x, (_, c) in cost.items()}
 
     prompts, skipped = {}, {}
     for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
@@ -217,33 +246,35 @@ def main(argv=None) -> dict:
     interrupted = False
     try:
         for d in datasets:
-            acc = {k: Row(d, k[0], k[1], skipped[d]) for k in runs}
+            acc = {k: Row(d, k[1], k[2], skipped[d], execution=k[0]) for k in runs}
             try:
                 for i, ids in enumerate(prompts[d]):
                     # every method on this prompt before the next prompt: slow drifts of a shared machine's
                     # load then hit all methods alike instead of whichever ran last
                     base = None
-                    for (m, b), meth in runs.items():
-                        bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else ""))
-                        res = G.generate(eng, meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
-                        acc[(m, b)].add(res)
-                        base = res.tokens if m == "ar" else base
+                    for (x, m, b), meth in runs.items():
+                        bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
+                            + (f" {x}" if len(engines) > 1 else ""))
+                        res = G.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                        acc[(x, m, b)].add(res)
+                        base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
                         if not same:
-                            acc[(m, b)].mismatches += 1
+                            acc[(x, m, b)].mismatches += 1
                             pos = first_difference(res.tokens, base)
-                            mismatches.append({"dataset": d, "method": m, "budget": b, "prompt": i, "position": pos})
-                            sys.stderr.write(f"\nMISMATCH dataset={d} method={m} budget={b} prompt={i} first "
-                                             f"differing position={pos}\n")
+                            mismatches.append({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
+                                               "position": pos})
+                            sys.stderr.write(f"\nMISMATCH dataset={d} execution={x} method={m} budget={b} prompt={i} "
+                                             f"first differing position={pos}\n")
                         if jsonl:      # each finished run at once: an interrupted bench keeps what it did
-                            jsonl.write(json.dumps({"dataset": d, "method": m, "budget": b, "prompt": i,
+                            jsonl.write(json.dumps({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
                                                     "same_as_ar": same, "tokens": len(res.tokens),
                                                     "seconds": round(res.seconds, 5), **res.stats()}) + "\n")
                             jsonl.flush()
                         done += 1
-            finally:        # on an interrupt too: the rows of what finished
-                ar_tps = acc[("ar", None)].report(0)["tokens_per_s"]
-                rows += [r.report(ar_tps) for r in acc.values() if r.tps]
+            finally:        # on an interrupt too: the rows of what finished; speedups within an execution
+                ar_tps = {x: acc[(x, "ar", None)].report(0)["tokens_per_s"] for x in engines}
+                rows += [r.report(ar_tps[r.execution]) for r in acc.values() if r.tps]
     except KeyboardInterrupt:
         interrupted = True
         log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
@@ -262,20 +293,24 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_seq_len": eng.model.max_seq_len,
-        "execution": how, "attention": "window" if eng.window else "full",
-        "compile_seconds": round(eng.compile_seconds, 2), "prefill_chunk": eng.chunk,
+        "executions": how, "attention": {x: "window" if e.window else "full" for x, e in engines.items()},
+        "compile_seconds": {x: round(e.compile_seconds, 2) for x, e in engines.items()}, "prefill_chunk": eng.chunk,
         "max_new_tokens": a.max_new_tokens, "limit": a.limit, "chat": a.chat, "budgets": budgets,
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed},
         "warmup": a.warmup, "thresholds": {str(c): round(t, 4) for c, t in (eng.thresholds or {}).items()},
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
-        "pass_ms": {str(n): ms for n, ms in cost.items()}, "pass_context": cost_context,
+        "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,
+        "compiled_over_eager": compiled_over_eager(rows),
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
-    print(table(rows, sweep))
-    print(f"\ntarget pass (ms) over N nodes after {cost_context} tokens: " +
-          ", ".join(f"N={n}: {ms:.2f} ({ms / cost[1]:.2f}x N=1)" for n, ms in cost.items()))
+    print(table(rows, sweep, len(engines) > 1))
+    for x, c in cost.items():
+        print(f"\n{how[x]}: target pass (ms) over N nodes after {cost_context} tokens: " +
+              ", ".join(f"N={n}: {ms:.2f} ({ms / c[1]:.2f}x N=1)" for n, ms in c.items()))
+    for k, v in report["meta"]["compiled_over_eager"].items():
+        print(f"compiled / eager tokens/s, {k}: {v:.2f}x")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if mismatches:

@@ -174,6 +174,16 @@ class Engine:
             torch._dynamo.mark_dynamic(c, 0)
         return c
 
+    def variant(self, compile: bool, window: bool | None = None) -> "Engine":
+        """Another engine on the same model, head, tokenizer and warm-up (compiled beside eager, for
+        a comparison in one process)."""
+        d = self.drafter
+        drafter = Drafter(d.head, self.model.max_seq_len, d.top_k, d.depth, d.P, self.chunk) if d else None
+        window = (not (compile and self.cuda)) if window is None else window
+        e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend)
+        e.thresholds, e.hit_rates = self.thresholds, self.hit_rates
+        return e
+
     # -- the steps every method uses
     def begin(self, sampling: Sampling):
         self.sampling = sampling

@@ -64,8 +64,8 @@ def test_budget_sweep_and_skipping(tiny):
     assert all(r["lossless"] and r["prompts"] == 2 and r["skipped"] == 1 for r in rows)
     assert [r["verified_per_round"] for r in rows] == [0, 8, 20]     # the dense tree fills the budget
     # the cost of a target pass is measured at 1 node and at each budget's tree size (root included)
-    assert sorted(saved["meta"]["pass_ms"], key=int) == ["1", "9", "21"]
-    assert all(ms > 0 for ms in saved["meta"]["pass_ms"].values())
+    assert sorted(saved["meta"]["pass_ms"]["eager"], key=int) == ["1", "9", "21"]
+    assert all(ms > 0 for ms in saved["meta"]["pass_ms"]["eager"].values())
 
 
 @needs_shared
@@ -140,3 +140,20 @@ def test_recycle_size_sets_the_retrieval_tree(tiny):
     _, saved = run_bench(tiny, "--methods", "ar,recycle", "--recycle-size", "5")
     assert [(r["method"], r["verified_per_round"], r["lossless"]) for r in saved["rows"]] == \
         [("ar", 0, True), ("recycle", 5, True)]
+
+
+def test_eager_and_compiled_in_one_run(tiny, monkeypatch):
+    """--executions eager,compiled: every method both ways, interleaved, each against its own ar; both
+    lossless against the one ar. (Compiled with aot_eager here: tracing, no codegen.)"""
+    import functools
+    monkeypatch.setattr(bench.G, "build_engine", functools.partial(bench.G.build_engine, backend="aot_eager"))
+    _, saved = run_bench(tiny, "--methods", "ar,graft", "--executions", "eager,compiled", "--budget", "4",
+                         "--depth", "2", "--checkpoints", "0,1", "--max-new-tokens", "8")
+    rows = saved["rows"]
+    assert [(r["execution"], r["method"]) for r in rows] == [("eager", "ar"), ("eager", "graft"),
+                                                            ("compiled", "ar"), ("compiled", "graft")]
+    assert all(r["lossless"] for r in rows) and [r["speedup"] for r in rows][::2] == [1.0, 1.0]
+    assert set(saved["meta"]["compiled_over_eager"]) == {"prompts.jsonl ar", "prompts.jsonl graft@4"}
+    assert set(saved["meta"]["pass_ms"]) == {"eager", "compiled"}
+    graft = rows[1]
+    assert set(graft["round_ms"]) == {"draft", "assemble", "verify", "update"} and 0 < graft["overhead"] < 1
