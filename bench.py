@@ -121,6 +121,39 @@ def table(rows: list, sweep: bool, executions: bool = False) -> str:
     return "\n".join(lines + ["| " + " | ".join(fmt(c, r[c]) for c in cols) + " |" for r in rows])
 
 
+def plot(rows: list, path: str, title: str):
+    """The paper's Figure 1 for this run: speedup over ar against MAT, one point per (method, budget),
+    a line through each method's budgets, one panel per dataset and execution."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise GraftError("--plot needs matplotlib: pip install matplotlib") from None
+    panels = sorted({(r["dataset"], r["execution"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (d, x) in zip(axes[0], panels):
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["mat"], r["speedup"], r["budget"]) for r in rows
+                         if (r["dataset"], r["execution"], r["method"]) == (d, x, m) and r["speedup"])
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+            for mat, sp, b in pts:
+                if b:
+                    ax.annotate(str(b), (mat, sp), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("MAT (tokens per round)")
+        ax.set_ylabel("speedup over ar")
+        ax.set_title(f"{Path(d).name} ({x})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def compiled_over_eager(rows: list) -> dict:
     """tokens/s of each (dataset, method, budget) compiled over eager, when the run had both."""
     by = {(r["dataset"], r["method"], r["budget"], r["execution"]): r["tokens_per_s"] for r in rows}
@@ -144,6 +177,8 @@ def parse_args(argv=None):
                    help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--plot", default=None, help="FILE.png: speedup against MAT, one point per method and budget "
+                                                "(the paper's Figure 1; needs matplotlib)")
     p.add_argument("--executions", default=None,
                    help="eager,compiled: run every method both ways in one process, each against its own ar "
                         "(default: what --compile says)")
@@ -198,7 +233,10 @@ def main(argv=None) -> dict:
     log = lambda s: print(s, file=sys.stderr)
     if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
-        G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log)
+        G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
+                  calibration=a.calibration, auto_budget=a.auto_budget)
+        if a.auto_budget and eng.budget:
+            budgets = [eng.budget]
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled")
@@ -313,6 +351,8 @@ def main(argv=None) -> dict:
         print(f"compiled / eager tokens/s, {k}: {v:.2f}x")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    if a.plot:
+        plot(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
     if mismatches:
         log(f"{len(mismatches)} outputs differ from ar: NOT lossless")
     print(json.dumps(report, separators=(",", ":")))

@@ -17,6 +17,7 @@ is a proposer (verify.Proposer): each round it proposes a tree under the root, t
   graft-tail   dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)
 """
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -31,8 +32,8 @@ import torch
 
 from data import read_prompts, read_text
 from draft import Drafter, load_head
-from graft import (CHECKPOINTS, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, build_template, cache_dir,
-                   calibrate, load_state, save_state, with_root)
+from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, accepted_by,
+                   build_template, cache_dir, calibrate, choose_budget, load_state, save_state, stage_tree, with_root)
 from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
 from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token,
                     token_hash, verify)
@@ -117,6 +118,7 @@ class Engine:
         self.sampling = Sampling()
         self.clock = Clock(self.device)
         self.compile_seconds = 0.0
+        self.budget = None                                  # what the warm-up chose (--budget auto)
         if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
@@ -181,7 +183,7 @@ class Engine:
         drafter = Drafter(d.head, self.model.max_seq_len, d.top_k, d.depth, d.P, self.chunk) if d else None
         window = (not (compile and self.cuda)) if window is None else window
         e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend)
-        e.thresholds, e.hit_rates = self.thresholds, self.hit_rates
+        e.thresholds, e.hit_rates, e.budget = self.thresholds, self.hit_rates, self.budget
         return e
 
     # -- the steps every method uses
@@ -225,6 +227,7 @@ class Plain(Proposer):
         self.eng = eng
 
     def round(self, root: torch.Tensor) -> Verified:
+        self.last_tree = chain(root.view(1))
         nxt, finite = self.eng.decode(root)
         self.eng.clock.mark("verify")
         got = torch.stack([nxt[0], finite.long()]).tolist()     # the round's one host sync
@@ -261,7 +264,7 @@ class Recycle(Proposer):
 
     def round(self, root: torch.Tensor) -> Verified:
         e = self.eng
-        tree = self.propose(root)
+        tree = self.last_tree = self.propose(root)
         e.clock.mark("assemble")
         v = e.verify(tree, self.P)
         e.clock.mark("verify")
@@ -295,7 +298,7 @@ class PromptLookup(Proposer):
     def round(self, root: torch.Tensor) -> Verified:
         e = self.eng
         self.context.append(e.root_id)
-        tree = chain(torch.tensor([e.root_id] + self.lookup(), device=e.device), self.N)
+        tree = self.last_tree = chain(torch.tensor([e.root_id] + self.lookup(), device=e.device), self.N)
         e.clock.mark("assemble")
         v = e.verify(tree, self.P)
         e.clock.mark("verify")
@@ -409,9 +412,10 @@ def prefill(eng: Engine, method: Proposer, ids: list) -> int:
 
 @torch.no_grad()
 def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: int, sampling: Sampling,
-             eos_ids=(), on_tokens=None) -> Result:
+             eos_ids=(), on_tokens=None, on_round=None) -> Result:
     """Decode up to max_new_tokens after the prompt with one method; stops after an EOS. The returned
-    counts are of the tokens returned (a round cut at EOS or max_new_tokens counts what it kept)."""
+    counts are of the tokens returned (a round cut at EOS or max_new_tokens counts what it kept).
+    on_tokens(tokens) after each round; on_round(method, verified) too (--show-tree)."""
     N = len(prompt_ids)
     if N == 0:
         raise GraftError("empty prompt")
@@ -433,6 +437,8 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
         if eng.compiling and eng.cuda:
             torch.compiler.cudagraph_mark_step_begin()      # CUDA graphs: a new round reuses buffers
         v = method.round(eng.root)
+        if on_round:
+            on_round(method, v)
         A = len(v.accepted)
         eng.L_host += A + 1
         res.rounds += 1
@@ -462,7 +468,7 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
 
 
 @torch.no_grad()
-def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
+def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False) -> tuple:
     """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
     the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
     verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
@@ -475,7 +481,7 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
     out = {}
     for n in sizes:
         eng.begin(Sampling())
-        prefill(eng, Plain(eng), ids[:context].tolist())
+        prefill(eng, Plain(eng), ids[:context].tolist())     # (root: eng.root, for the timed steps)
         tree = chain(ids[context:context + n])
         for i in range(repeats + 3):                 # 3 untimed passes first
             if i == 3:
@@ -483,14 +489,46 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20) -> tuple:
                 t0 = time.perf_counter()
             if eng.compiling and eng.cuda:
                 torch.compiler.cudagraph_mark_step_begin()
-            if n == 1:
+            if n == 1 and not capture:
                 eng.decode(tree.tokens[0])
             else:
-                eng.verify(tree, n)
+                eng.verify(tree, n, capture)
             eng.L.fill_(context)                     # undo what the pass committed
         sync(dev)
         out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
     return context, out
+
+
+def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
+                 bonus: int, decode) -> str:
+    """One round's tree for --show-tree: each node's token, where it came from (the draft head or the
+    continuation matrix), the accepted path marked with *, the stage that pruned the round."""
+    kids = {i: [] for i in range(len(tokens))}
+    for i in range(1, len(tokens)):
+        if valid[i]:
+            kids[parents[i]].append(i)
+    real = [i for i in range(1, len(tokens)) if valid[i]]
+    n_ret = sum(retrieved[i] for i in real)
+    how = "drafted to full depth" if stage is None else f"pruned at checkpoint {stage}"
+    lines = [f"round {n}: {how}; {len(real)} nodes verified ({len(real) - n_ret} drafted, {n_ret} retrieved); "
+             f"accepted {len(path) - 1} (*), bonus {decode([bonus])!r}"]
+    on = set(path)
+    width = 28
+
+    def line(prefix, i):
+        text = f"{prefix}{'*' if i in on else ' '} {decode([tokens[i]])!r}"
+        src = "root" if i == 0 else "matrix" if retrieved[i] else "draft"
+        return f"{text:<{width}} {src}"
+
+    def walk(i, indent):
+        for j, c in enumerate(kids[i]):
+            last = j == len(kids[i]) - 1
+            lines.append(line(indent + ("└─" if last else "├─"), c))
+            walk(c, indent + ("   " if last else "│  "))
+
+    lines.append(line("", 0))
+    walk(0, "")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- set-up and warm-up
@@ -552,52 +590,124 @@ def tok_context(path: str) -> int:
     return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
 
 
+# What --budget auto chooses from (verification budgets: candidate nodes per round).
+AUTO_BUDGETS = (8, 12, 16, 24, 32, 48, 60)
+
+
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
-            use_cache: bool = True, chat: bool = False, log=None):
+            use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
+            auto_budget: bool = False):
     """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
-    a few generations with the dense tree (GRAFT.md sections 3, 4, 6). Cached per (target, head) and
-    settings. A prompt too long for the cache is skipped, never truncated; a warm-up in which no
-    generation ran calibrates nothing (the thresholds never prune) and is not cached."""
+    a few generations with the dense tree (GRAFT.md sections 3, 4, 6). calibration "throughput" picks
+    the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS) that maximise the expected
+    tokens/s on this machine (graft.throughput); "youden" maximises Youden's J per checkpoint. Cached
+    per (target, head), device, dtype, execution and settings. A prompt too long for the cache is
+    skipped, never truncated; a warm-up in which no generation ran calibrates nothing (the thresholds
+    never prune) and is not cached. Sets engine.thresholds, engine.hit_rates and engine.budget."""
     log = log or (lambda s: None)
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
-    path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, cfg.budget, engine.matrix.k,
-                          (d.top_k, d.depth) if d else None)
+    budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
+    execution = ("compiled", engine.backend, engine.window) if engine.compiling else ("eager", engine.window)
+    path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
+                          engine.matrix.k, (d.top_k, d.depth) if d else None, calibration, execution)
+    engine.budget = cfg.budget
     if use_cache:
         got = load_state(path, engine.matrix, checkpoints)
-        if got is not None:
+        if got is not None and (not budgets or got["meta"].get("budget") in budgets):
             engine.thresholds = got["thresholds"]
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
-            log(f"warm-up: loaded from {path}")
+            engine.budget = got["meta"].get("budget", cfg.budget)
+            log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {got['thresholds']}")
             return
-    if d:      # the dense tree, learning the matrix, recording each checkpoint's confidence
-        m = Graft(engine, dataclasses.replace(cfg, prune=False, retrieve=False, ablation=None, top_k=d.top_k,
-                                              depth=d.depth), engine.matrix)
+    wb = max(budgets) if budgets else cfg.budget
+    if d:      # the dense tree, learning the matrix, recording each round's candidates and confidences
+        m = Graft(engine, dataclasses.replace(cfg, budget=wb, prune=False, retrieve=False, ablation=None,
+                                              top_k=d.top_k, depth=d.depth), engine.matrix)
+        m.calib_template = build_template(PRIOR_HIT_RATES, 2 * wb).to(engine.device)
     else:
         m = Recycle(engine, cfg, engine.matrix)
+    if engine.compiling:
+        compile_warmup(engine, [m])
     m.records = []
-    ran = 0
+    ran, results = 0, []
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
-            generate(engine, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+            first = len(m.records)
+            res = generate(engine, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+            full = ids + res.tokens                 # what the target generated: each round's truth
+            for rec in m.records[first:] if d else ():
+                rec["truth"] = full[rec["L"] + 1:rec["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
+            results.append(res)
             ran += 1
     engine.matrix.refresh_fallback()
     rates = engine.matrix.hit_rates()
     engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
-    calibrated = ran > 0 and (not d or all(any(c in conf for conf, _ in m.records) for c in checkpoints))
-    engine.thresholds = calibrate(m.records, checkpoints) if calibrated else {c: 0.0 for c in checkpoints}
+    calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in m.records) for c in checkpoints))
     if not calibrated:
+        engine.thresholds = {c: 0.0 for c in checkpoints}
         log(f"warning: warm-up ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
             f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
             f"is off (pass --thresholds to set it), and nothing is cached")
         return
+    youden = calibrate([(r["conf"], r["accepted"]) for r in m.records], checkpoints) if d else {}
+    engine.thresholds = youden
+    if d and calibration == "throughput":
+        options = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
+        b, engine.thresholds, rate = choose_budget(options, checkpoints)
+        engine.budget = b if budgets else cfg.budget
+        log(f"warm-up: throughput calibration {'picked budget ' + str(b) + ', ' if budgets else ''}"
+            f"expects {rate:.1f} tokens/s (Youden's J would have chosen {youden})")
     log(f"warm-up: {ran} of {len(prompts)} generations ran, thresholds "
         f"{ {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
         f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
-        save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates), "generations": ran})
+        save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates), "generations": ran,
+                                                            "budget": engine.budget})
+
+
+@torch.no_grad()
+def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> dict:
+    """For each candidate budget B: (rounds, cost) as graft.throughput reads them. rounds: each warm-up
+    round's confidences and, per stage, the tokens its graft tree would have accepted (graft.stage_tree,
+    matched against what the target generated); cost: seconds per round per stage, from this engine's
+    own steps: draft forwards (timed in the warm-up), each stage's assembly, the verify pass at B + 1
+    nodes (pass_cost), and the update."""
+    d = eng.drafter
+    k, D = d.top_k, d.depth
+    forwards = sum(r.draft_forwards for r in results)
+    t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
+    n_rounds = max(sum(r.rounds for r in results), 1)
+    t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
+    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), capture=True)
+    usable = [r for r in records if len(r["truth"]) > D]      # the last rounds of a generation see too little
+    options = {}
+    for b in budgets:
+        c = dataclasses.replace(cfg, budget=b, prune=True, retrieve=True, ablation=None, keep=None, top_k=k, depth=D)
+        stages = c.stages()
+        t_asm = assembly_seconds(eng, c)
+        cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
+        rounds = [(r["conf"], {s: accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k), r["truth"])
+                               for s, (K, R) in stages.items()}) for r in usable]
+        options[b] = (rounds, cost)
+    return options
+
+
+def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
+    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates."""
+    g = Graft(eng, cfg, copy.deepcopy(eng.matrix), eng.hit_rates)
+    out = {}
+    for s, fn in g.assemble.items():
+        for i in range(repeats + 2):
+            if i == 2:
+                sync(eng.device)
+                t0 = time.perf_counter()
+            fn(eng.root)
+        sync(eng.device)
+        out[s] = (time.perf_counter() - t0) / repeats
+    return out
 
 
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
@@ -654,9 +764,12 @@ def add_engine_flags(p):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: the model's context)")
-    p.add_argument("--budget", type=int, default=None,
-                   help=f"verification budget: candidate nodes per round (default {GPU_BUDGET} on a GPU, "
-                        f"{CPU_BUDGET} on a CPU)")
+    p.add_argument("--budget", default="auto",
+                   help="verification budget: candidate nodes per round, or auto (the default): the warm-up "
+                        f"picks it from {', '.join(map(str, AUTO_BUDGETS))} by measured throughput on this machine "
+                        f"(without a warm-up: {GPU_BUDGET} on a GPU, {CPU_BUDGET} on a CPU)")
+    p.add_argument("--calibration", choices=("throughput", "youden"), default="throughput",
+                   help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
     p.add_argument("--draft-top-k", type=int, default=10, help="draft children per expansion")
     p.add_argument("--depth", type=int, default=8, help="draft levels")
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
@@ -685,6 +798,8 @@ def parse_args(argv=None):
     add_engine_flags(p)
     p.add_argument("--compare", action="store_true", help="also run ar and print the speedup")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument("--show-tree", action="store_true",
+                   help="print each round's tree on stderr: tokens, their source, the accepted path")
     return p.parse_args(argv)
 
 
@@ -724,8 +839,12 @@ def check_args(a, budgets=None):
     check_device(a.device)
     if a.compile is None:
         a.compile = str(a.device).startswith("cuda")
-    if a.budget is None:
-        a.budget = default_budget(a.device)
+    a.auto_budget = a.budget in (None, "auto") and not budgets
+    if a.budget in (None, "auto"):
+        a.budget = default_budget(a.device)       # the fallback, and the reference before the warm-up picks
+    elif isinstance(a.budget, str):
+        a.budget = numbers("--budget", a.budget)[0] if a.budget.strip().lstrip("-").isdigit() else None
+        need(a.budget is not None, "--budget takes a number of nodes or auto")
     budgets = budgets or [a.budget]
     need(all(b >= 1 for b in budgets), f"--budget must be >= 1, got {min(budgets)}")
     cps = numbers("--checkpoints", a.checkpoints)
@@ -818,7 +937,8 @@ def main(argv=None):
     if method in NEEDS_MATRIX | {"prune"} and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
-                log=lambda s: print(s, file=err))
+                log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
+        cfg = dataclasses.replace(cfg, budget=eng.budget)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     m = make_method(eng, method, cfg)
     base = make_method(eng, "ar") if a.compare and method != "ar" else None
@@ -827,7 +947,18 @@ def main(argv=None):
         secs = compile_warmup(eng, [m] + ([base] if base else []), s)
         print(f"compile: {secs:.1f}s (a second run reads inductor's cache)", file=err)
     stream = TextStream(eng.tokenizer)
-    res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream)
+    rounds = [0]
+
+    def show(method, v):          # one more host transfer a round: only with --show-tree
+        rounds[0] += 1
+        t = method.last_tree
+        host = torch.stack([t.tokens, t.parents, t.valid.long(),
+                            t.retrieved.long() if t.retrieved is not None else t.valid.long() * 0]).tolist()
+        print(render_round(rounds[0], *host, [int(x) for x in v.path[:len(v.accepted) + 1].tolist()], v.stage,
+                           v.bonus_id, eng.tokenizer.decode), file=err)
+
+    res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,
+                   on_round=show if a.show_tree else None)
     text_out = stream.finish(res.tokens)
     st = res.stats()
     line = f"[{method}, {how}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s"

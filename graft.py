@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from draft import deepest, select
-from verify import Proposer, Tree, Verified, commit
+from verify import Proposer, Tree, Verified, accept, commit, tree_mask
 
 CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test runs
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
@@ -202,13 +202,83 @@ def youden_threshold(conf, positive) -> float:
 
 
 def calibrate(records: list, checkpoints=CHECKPOINTS) -> dict:
-    """records: (confidences {c: float}, accepted draft length) per dense warm-up round.
-    A round is positive at c when the accepted length went past level c+1 (drafting deeper paid off)."""
+    """Youden's J per checkpoint (--calibration youden). records: (confidences {c: float}, accepted
+    draft length) per dense warm-up round. A round is positive at c when the accepted length went past
+    level c+1 (drafting deeper paid off)."""
     taus = {}
     for c in checkpoints:
         rows = [(conf[c], acc > c + 1) for conf, acc in records if c in conf]
         taus[c] = youden_threshold([r[0] for r in rows], [r[1] for r in rows]) if rows else 0.0
     return taus
+
+
+# Throughput calibration [ours]. Youden's J counts a wrong prune (a round that would have accepted
+# several more tokens) the same as a right one (a round that saves a few draft forwards). What matters
+# is tokens per second. From dense warm-up rounds we know, per round r, each checkpoint's confidence
+# conf_c(r) and, for every stage s a round can end in, the tokens A_s(r) its tree would have accepted
+# (the kept draft nodes grafted with their retrieved nodes, matched against what the target then
+# generated). The engine's own steps give each stage's round time T_s (draft forwards, assembly, the
+# verify pass, the update). Thresholds tau send round r to stage s_r = the first checkpoint c with
+# conf_c(r) < tau_c (none: drafted to full depth), and
+#
+#       rate(tau) = sum_r (A_{s_r}(r) + 1) / sum_r T_{s_r}           tokens per second
+#
+# is what the thresholds maximise (a search over the cuts between observed confidences).
+
+def stage_of(conf: dict, taus: dict, checkpoints) -> int | None:
+    """The stage a round ends in: the first checkpoint whose confidence is below its threshold."""
+    return next((c for c in checkpoints if conf[c] < taus[c]), None)
+
+
+def throughput(rounds: list, taus: dict, cost: dict, checkpoints) -> float:
+    """rate(tau) above. rounds: (conf {c: conf_c}, accepted {stage: A_s}) per warm-up round;
+    cost {stage: seconds per round} (stage None = drafted to full depth). Tokens per second."""
+    stages = [stage_of(conf, taus, checkpoints) for conf, _ in rounds]
+    tokens = sum(acc[s] + 1 for (_, acc), s in zip(rounds, stages))
+    return tokens / max(sum(cost[s] for s in stages), 1e-12)
+
+
+def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16) -> tuple:
+    """Thresholds maximising rate(tau) (see above). Each tau_c ranges over 0 (never prune), the
+    midpoints between its observed confidences, and above 1 (always prune). Every combination of up to
+    `grid` cuts per checkpoint (evenly spaced among them) is scored, since checkpoints interact (a
+    round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
+    best. Deterministic: a change must strictly improve the rate. Returns ({c: tau_c}, tokens/s)."""
+    import itertools
+    cands = {}
+    for c in checkpoints:
+        seen = sorted({conf[c] for conf, _ in rounds})
+        cands[c] = [0.0] + [(a + b) / 2 for a, b in zip(seen, seen[1:])] + [1.0 + 1e-6]
+    coarse = {c: v if len(v) <= grid else [v[round(i * (len(v) - 1) / (grid - 1))] for i in range(grid)]
+              for c, v in cands.items()}
+    rate_of = lambda t: throughput(rounds, t, cost, checkpoints)
+    best, taus = -1.0, None
+    for combo in itertools.product(*(coarse[c] for c in checkpoints)):
+        trial = dict(zip(checkpoints, combo))
+        rate = rate_of(trial)
+        if rate > best * (1 + 1e-12):
+            best, taus = rate, trial
+    improved = True
+    while improved:
+        improved = False
+        for c in checkpoints:
+            for t in cands[c]:
+                trial = {**taus, c: t}
+                rate = rate_of(trial)
+                if rate > best * (1 + 1e-12):
+                    best, taus, improved = rate, trial, True
+    return taus, best
+
+
+def choose_budget(options: dict, checkpoints=CHECKPOINTS) -> tuple:
+    """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
+    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate) of the best."""
+    best = None
+    for b in sorted(options):
+        taus, rate = throughput_thresholds(*options[b], checkpoints)
+        if best is None or rate > best[2] * (1 + 1e-12):
+            best = (b, taus, rate)
+    return best
 
 
 # ----------------------------------------------------------------------------- hybrid trees
@@ -259,6 +329,33 @@ def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, N: int) -> 
                 torch.cat([torch.tensor([-1], device=dev), torch.where(parents < 0, 0, parents + 1), z(torch.long, -1)]),
                 torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, z(torch.bool)]),
                 torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), retrieved, z(torch.bool)]))
+
+
+def accepted_by(tree: Tree, truth: list) -> int:
+    """The tokens a tree accepts under greedy decoding when the target's continuation after the root
+    is `truth` (host ints): the deepest root path spelling a prefix of it. Greedy choices are a
+    function of the path, so this is what verifying the tree would have accepted."""
+    mask, depth = tree_mask(tree.parents, tree.valid)
+    t = torch.tensor(list(truth) or [-1])
+    target = torch.where(depth < len(truth), t[depth.clamp(max=t.numel() - 1)], -1)   # the choice after each node
+    return int(accept(tree.tokens, tree.parents, tree.valid, mask, depth, target, 1)[0])
+
+
+def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
+    """The tree a warm-up round would have verified had it ended in `stage` (None: full depth) with K
+    draft nodes kept and R retrieved: its candidates (rec["scores"/"tokens"/"parents"], slots past the
+    stage's levels left out), grafted with the first K + R nodes of its retrieval (rec["retrieved"],
+    best-first, so a smaller template is a prefix of a larger one)."""
+    scores = rec["scores"].clone()
+    if stage is not None:
+        scores[k + stage * k * k:] = float("-inf")                   # levels not drafted by then
+    d_tok, d_par, _ = select(scores, rec["tokens"], rec["parents"], K)
+    root = torch.tensor(rec["root"])
+    if not R:
+        yes = torch.ones_like(d_tok, dtype=torch.bool)
+        return with_root(root, d_tok, d_par, yes, ~yes, 1 + K)
+    tpl = build_template(rates, K + R)
+    return with_root(root, *graft_trees(d_tok, d_par, rec["retrieved"][:K + R], tpl, R), 1 + K + R)
 
 
 # ----------------------------------------------------------------------------- the round
@@ -334,7 +431,8 @@ class Graft(Proposer):
         self.assemble = {s: eng.compile(partial(self.assemble_stage, s)) for s in self.stages}
         self.learn = eng.compile(self.learn_step)
         self.seed_matrix = eng.compile(matrix.update) if matrix is not None else None
-        self.records = None              # warm-up: a list to collect (confidences, accepted) per round
+        self.records = None              # warm-up: a list to collect each round's candidates and confidences
+        self.calib_template = None       # warm-up: the largest retrieval template a calibrated stage may use
         eng.static(self.pend_feats, self.pend_ids, self.pend_n)
 
     # -- the prompt: the head's committed rows, and the matrix seeded from the prefill logits
@@ -423,7 +521,7 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     # 2-4. keep the K best draft nodes, retrieve R nodes from the continuation matrix under the root,
     #    graft them into one hybrid tree of N nodes (padding where merges freed more than the template
     #    held, or where pruning left slots empty and nothing retrieves)
-    tree = g.assemble[stage](root)
+    tree = g.last_tree = g.assemble[stage](root)
     e.clock.mark("assemble")
     # 5. verify: one target pass over the tree, exact acceptance, KV compaction
     v = e.verify(tree, g.P, capture=True)
@@ -435,8 +533,11 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     e.clock.mark("update")
     g.pend_n_host = len(v.accepted) + 1
     v.stage, v.draft_forwards, v.syncs = stage, forwards, syncs
-    if g.records is not None:                           # warm-up: the confidences the calibration reads
-        g.records.append(({c: float(x) for c, x in seen.items()}, len(v.accepted)))
+    if g.records is not None:                           # warm-up: what the calibration reads
+        g.records.append({"conf": {c: float(x) for c, x in seen.items()}, "accepted": len(v.accepted),
+                          "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
+                          "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
+                          "retrieved": g.matrix.retrieve(root, g.calib_template).cpu()})
     return v
 
 

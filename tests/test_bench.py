@@ -157,3 +157,24 @@ def test_eager_and_compiled_in_one_run(tiny, monkeypatch):
     assert set(saved["meta"]["pass_ms"]) == {"eager", "compiled"}
     graft = rows[1]
     assert set(graft["round_ms"]) == {"draft", "assemble", "verify", "update"} and 0 < graft["overhead"] < 1
+
+
+def test_plot_draws_speedup_against_mat(tiny, tmp_path):
+    png = tmp_path / "fig1.png"
+    run_bench(tiny, "--methods", "ar,eagle3,graft", "--budgets", "4,8", "--plot", str(png), "--max-new-tokens", "8")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_one_line_error(tiny, monkeypatch, capsys):
+    import builtins
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__",
+                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name)) if name.startswith("matplotlib")
+                        else real(name, *a, **k))
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--draft", str(head), "--methods", "ar", "--datasets", str(prompts),
+                   "--max-new-tokens", "4", "--warmup", "0", "--plot", str(d / "x.png")])
+    assert e.value.code == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
+    assert err == ["error: --plot needs matplotlib: pip install matplotlib"]

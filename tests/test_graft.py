@@ -521,3 +521,98 @@ def test_every_stage_has_a_keep_size_and_n_nodes():
             tree = g.assemble_stage(stage, T(30))
             assert tree.tokens.numel() == 21
             assert int(tree.valid.sum()) == 1 + K + R and (R == 0 or retrieve)
+
+
+# ----------------------------------------------------------------------------- throughput calibration
+
+def rounds_of(rows):
+    """(conf_0, A_full, A_stage0) per round -> the (conf, accepted) pairs throughput() reads."""
+    return [({0: c}, {None: full, 0: pruned}) for c, full, pruned in rows]
+
+
+def test_throughput_is_tokens_over_seconds():
+    rounds = rounds_of([(0.9, 5, 0), (0.3, 1, 1)])
+    cost = {None: 10.0, 0: 2.0}
+    # tau 0.5: round 1 full (6 tokens, 10 s), round 2 pruned (2 tokens, 2 s)
+    assert G.throughput(rounds, {0: 0.5}, cost, (0,)) == pytest.approx(8 / 12)
+    assert G.throughput(rounds, {0: 0.0}, cost, (0,)) == pytest.approx(8 / 20)
+    assert G.throughput(rounds, {0: 1.1}, cost, (0,)) == pytest.approx(3 / 4)
+
+
+def test_throughput_picks_the_known_best_threshold():
+    # pruning a confident round loses all its tokens; pruning an unconfident one loses nothing
+    rounds = rounds_of([(0.9, 5, 0), (0.8, 5, 0), (0.3, 1, 1), (0.2, 1, 1)])
+    taus, rate = G.throughput_thresholds(rounds, {None: 10.0, 0: 4.0}, (0,))
+    assert taus == {0: pytest.approx(0.55)} and rate == pytest.approx(16 / 28)
+
+
+def test_throughput_and_youden_disagree():
+    """Youden's J separates positives (accepted past level 1) from negatives at 0.55; throughput prunes
+    round 2 too: it accepts only 2 tokens dense, and a pruned round costs a fifth of a dense one."""
+    rows = [(0.9, 8, 0), (0.6, 2, 1), (0.5, 1, 1), (0.4, 1, 1)]
+    assert G.youden_threshold([r[0] for r in rows], [r[1] > 1 for r in rows]) == pytest.approx(0.55)
+    taus, rate = G.throughput_thresholds(rounds_of(rows), {None: 10.0, 0: 2.0}, (0,))
+    assert taus == {0: pytest.approx(0.75)} and rate == pytest.approx(15 / 16)
+    assert G.throughput(rounds_of(rows), {0: 0.55}, {None: 10.0, 0: 2.0}, (0,)) == pytest.approx(16 / 24)
+
+
+def test_throughput_two_checkpoints_coordinate_ascent():
+    # checkpoint 1 only matters for rounds that pass checkpoint 0
+    rounds = [({0: 0.9, 1: 0.8}, {None: 6, 0: 0, 1: 5}), ({0: 0.9, 1: 0.2}, {None: 2, 0: 0, 1: 2}),
+              ({0: 0.1, 1: 0.1}, {None: 0, 0: 0, 1: 0})]
+    cost = {None: 8.0, 0: 1.0, 1: 2.0}
+    taus, rate = G.throughput_thresholds(rounds, cost, (0, 1))
+    # best: prune round 3 at 0 (1 s), round 2 at 1 (2 s), round 1 at 1 too (5 of 6 tokens for 2 s not 8)
+    assert G.stage_of({0: 0.1, 1: 0.1}, taus, (0, 1)) == 0
+    assert G.stage_of({0: 0.9, 1: 0.2}, taus, (0, 1)) == 1 and G.stage_of({0: 0.9, 1: 0.8}, taus, (0, 1)) == 1
+    assert rate == pytest.approx((6 + 3 + 1) / (2 + 2 + 1))
+
+
+def test_choose_budget_picks_the_known_best():
+    """Two budgets: the larger accepts one more token a round but its verify pass costs 60% more."""
+    rounds16 = rounds_of([(0.9, 3, 1), (0.2, 1, 1)])
+    rounds32 = rounds_of([(0.9, 4, 1), (0.2, 2, 1)])
+    options = {16: (rounds16, {None: 10.0, 0: 6.0}), 32: (rounds32, {None: 16.0, 0: 12.0})}
+    b, taus, rate = G.choose_budget(options, (0,))
+    # 16: best is tau 0.55 -> (4 + 2) / (10 + 6) = 0.375; 32: (5 + 3) / 32 = 0.25 or (5+2)/28 = 0.25
+    assert b == 16 and rate == pytest.approx(6 / 16)
+    options[32] = (rounds32, {None: 11.0, 0: 7.0})      # cheaper verification: 32 wins
+    assert G.choose_budget(options, (0,))[0] == 32
+
+
+def test_accepted_by_follows_the_true_continuation():
+    from verify import Tree
+    #  root 0 -> 1 (5) -> 3 (7) -> 4 (9);  0 -> 2 (6)
+    tree = Tree(T([100, 5, 6, 7, 9]), T([-1, 0, 0, 1, 3]), T([True] * 5, torch.bool))
+    assert G.accepted_by(tree, [5, 7, 9, 4]) == 3
+    assert G.accepted_by(tree, [5, 7, 8]) == 2
+    assert G.accepted_by(tree, [6, 7]) == 1
+    assert G.accepted_by(tree, [4]) == 0
+    assert G.accepted_by(Tree(tree.tokens, tree.parents, T([True, True, True, False, True], torch.bool)), [5, 7, 9]) == 1
+
+
+def test_stage_tree_keeps_only_levels_drafted_by_the_stage():
+    k = 2   # slots: level 1 = 0, 1; level 2 = 2..5
+    rec = {"scores": T([-0.1, -0.2, -0.15, -3.0, -4.0, -5.0], torch.float32), "tokens": T([10, 11, 12, 13, 14, 15]),
+           "parents": T([-1, -1, 0, 0, 1, 1]), "root": 99, "retrieved": T([20, 21, 22, 23])}
+    full = G.stage_tree(rec, None, 3, 0, (0.5, 0.25), k)
+    assert full.tokens.tolist() == [99, 10, 11, 12]            # slot 2 (-0.15) beats slot 1's children
+    early = G.stage_tree(rec, 0, 2, 2, (0.5, 0.25), k)        # stage 0: level 1 only, then 2 retrieved
+    assert early.tokens.tolist() == [99, 10, 11, 20, 21] and early.retrieved.tolist() == [False] * 3 + [True] * 2
+
+
+# ----------------------------------------------------------------------------- --show-tree
+
+def test_render_round_exact():
+    from generate import render_round
+    #   0 root(100) -> 1 (10, draft) -> 3 (30, draft) ; 0 -> 2 (20, matrix) -> 4 (40, matrix) ; 5 padding
+    got = render_round(7, tokens=[100, 10, 20, 30, 40, 0], parents=[-1, 0, 0, 1, 2, -1],
+                       valid=[1, 1, 1, 1, 1, 0], retrieved=[0, 0, 1, 0, 1, 0], path=[0, 2, 4], stage=0, bonus=55,
+                       decode=lambda ids: f"t{ids[0]}")
+    assert got == (
+        "round 7: pruned at checkpoint 0; 4 nodes verified (2 drafted, 2 retrieved); accepted 2 (*), bonus 't55'\n"
+        "* 't100'                     root\n"
+        "├─  't10'                    draft\n"
+        "│  └─  't30'                 draft\n"
+        "└─* 't20'                    matrix\n"
+        "   └─* 't40'                 matrix")
