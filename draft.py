@@ -31,6 +31,7 @@ class HeadConfig:
     vocab_size: int                  # V: the target's vocabulary
     draft_vocab_size: int            # Vd
     norm_before_residual: bool = False
+    n_features: int = 3              # target features fc fuses (low|mid|high, or what the head declares)
 
 
 def head_config(cfg, what: str = "draft head config.json") -> HeadConfig:
@@ -96,7 +97,7 @@ class Eagle3(nn.Module):
         super().__init__()
         self.config = c
         H = c.layer.dim
-        self.fc = nn.Linear(3 * c.target_hidden, H, bias=False)
+        self.fc = nn.Linear(c.n_features * c.target_hidden, H, bias=False)
         self.midlayer = DraftLayer(c.layer, c.norm_before_residual)
         self.norm = RMSNorm(H, c.layer.norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
@@ -179,15 +180,17 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     # infer what the config may leave out from the tensors themselves
     if "fc.weight" not in sd:
         raise GraftError(f"draft head {path} has no fc.weight: not an EAGLE-3 head")
-    if sd["fc.weight"].dim() != 2 or sd["fc.weight"].shape[1] % 3:
-        raise GraftError(f"draft head fc.weight has shape {tuple(sd['fc.weight'].shape)}: EAGLE-3 fuses three "
-                         f"target features, so its input width must be a multiple of 3")
-    c.target_hidden = sd["fc.weight"].shape[1] // 3
+    points = aux_layers(cfg, ta.n_layers) or ta.capture_layers      # the target features the head reads
+    if sd["fc.weight"].dim() != 2 or sd["fc.weight"].shape[1] % len(points):
+        raise GraftError(f"draft head fc.weight has shape {tuple(sd['fc.weight'].shape)}: it fuses {len(points)} "
+                         f"target features, so its input width must be a multiple of {len(points)}")
+    c.target_hidden = sd["fc.weight"].shape[1] // len(points)
+    c.n_features = len(points)
     if "lm_head.weight" in sd:
         c.draft_vocab_size = sd["lm_head.weight"].shape[0]
     if c.target_hidden != ta.dim:
         raise GraftError(f"draft head does not fit the target: it reads target features of width "
-                         f"{c.target_hidden} (fc takes {3 * c.target_hidden}), the target's hidden size is {ta.dim}")
+                         f"{c.target_hidden} (fc takes {len(points) * c.target_hidden}), the target's hidden size is {ta.dim}")
     if c.vocab_size != ta.vocab_size:
         raise GraftError(f"draft head does not fit the target: head vocab_size {c.vocab_size}, "
                          f"target vocab_size {ta.vocab_size}")
@@ -195,13 +198,6 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
         if name in sd and sd[name].dtype not in kinds:
             raise GraftError(f"draft head {path}: {name} must be an integer tensor, found "
                              f"{str(sd[name].dtype).replace('torch.', '')}")
-    eagle_cfg = Fields(cfg, "draft head config.json").get("eagle_config", dict, {})
-    aux = Fields(eagle_cfg, "draft head eagle_config").get("eagle_aux_hidden_state_layer_ids", list, None)
-    if aux is not None and not all(type(i) is int for i in aux):
-        raise GraftError("draft head config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids")
-    if aux is not None and tuple(sorted(i + 1 for i in aux)) != ta.capture_layers:
-        raise GraftError(f"draft head reads the outputs of target layers {list(aux)}; this engine captures the "
-                         f"inputs of layers {list(ta.capture_layers)} (outputs of {[i - 1 for i in ta.capture_layers]})")
     own_embed = "embed_tokens.weight" in sd
     if not own_embed and c.layer.dim != ta.dim:
         raise GraftError(f"draft head has no embedding and its hidden size {c.layer.dim} differs from the "
@@ -251,7 +247,28 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     else:
         head.embed_tokens = target.embed_tokens
     head.path = path
+    target.capture_layers = tuple(points)       # the target now captures what this head reads
     return head.eval()
+
+
+def aux_layers(cfg: dict, n_layers: int) -> tuple | None:
+    """The target features a head declares, as the layers whose input is captured (0..L, L = the last
+    layer's output), or None (the default: inputs of layers 2, L//2, L-3). Two conventions meet here
+    (eagle3.md section 2): SGLang/SpecForge nest `eagle_config.eagle_aux_hidden_state_layer_ids` and
+    count outputs of layers (so +1); vLLM and speculators configs put the key at the top and count
+    inputs of layers. Errors: GraftError for ids that are not layers of this target."""
+    c = Fields(cfg, "draft head config.json")
+    nested = Fields(c.get("eagle_config", dict, {}), "draft head eagle_config").get(
+        "eagle_aux_hidden_state_layer_ids", list, None)
+    top = c.get("eagle_aux_hidden_state_layer_ids", list, None)
+    if nested is None and top is None:
+        return None
+    ids = nested if nested is not None else top
+    points = [i + 1 for i in ids] if nested is not None and all(type(i) is int for i in ids) else ids
+    if not points or not all(type(i) is int and 0 <= i <= n_layers for i in points):
+        raise GraftError(f"draft head config.json: eagle_aux_hidden_state_layer_ids {ids!r:.80} are not layers of "
+                         f"this {n_layers}-layer target")
+    return tuple(sorted(points))
 
 
 def save_head(head: Eagle3, out_dir: str, t2d: torch.Tensor | None = None, extra_config: dict | None = None):

@@ -423,7 +423,7 @@ class Graft(Proposer):
         self.P = min(self.N, 1 + (cfg.depth + T if self.tail else max(cfg.depth, T)))
         eng.reserve(self.N, self.P)
         dev, Ht = eng.device, eng.model.args.dim
-        self.pend_feats = torch.zeros(self.P, 3 * Ht, dtype=eng.dtype, device=dev)   # the accepted path
+        self.pend_feats = torch.zeros(self.P, len(eng.model.capture_layers) * Ht, dtype=eng.dtype, device=dev)
         self.pend_ids = torch.zeros(self.P, dtype=torch.long, device=dev)
         self.pend_n = torch.ones((), dtype=torch.long, device=dev)
         self.level_index = [torch.tensor(i, device=dev) for i in range(cfg.depth)]

@@ -26,7 +26,7 @@ class GraftError(Exception):
     """Bad input (checkpoint, prompt, flags): the CLI prints the message on one line and exits."""
 
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -145,6 +145,12 @@ class ModelArgs:
     qk_norm: bool = False                # Qwen3: RMSNorm over each head of q and k
     bos_token_id: int | None = None
     eos_token_ids: list = field(default_factory=list)
+    # Qwen3-MoE: layers whose MLP is a sparse block of n_experts experts, top-k routed
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple = ()            # per layer: True = sparse MoE block, False = dense MLP
 
     @classmethod
     def from_hf_config(cls, cfg, what: str = "config.json") -> "ModelArgs":
@@ -159,7 +165,7 @@ class ModelArgs:
             raise GraftError(f"{what}: architectures must be a list of names")
         arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
         if arch is None and not archs:
-            arch = {"llama": "llama", "qwen3": "qwen3"}.get(c.get("model_type", str, ""))
+            arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}.get(c.get("model_type", str, ""))
         if arch is None:
             raise GraftError(f"unsupported architecture {archs or cfg.get('model_type')}: "
                              f"supported are {', '.join(SUPPORTED)}")
@@ -181,16 +187,28 @@ class ModelArgs:
         if head_dim % 2:
             raise GraftError(f"{what}: head_dim {head_dim} is odd; RoPE rotates pairs")
         vocab = c.int("vocab_size")
+        layers = c.int("num_hidden_layers")
         theta, scaling = read_rope(cfg, what)
+        moe = {}
+        if arch == "qwen3_moe":        # transformers' Qwen3MoeConfig (num_local_experts: transformers 5's name)
+            E = c.int("num_experts", None) or c.int("num_local_experts")
+            step = c.int("decoder_sparse_step", 1)
+            dense = c.get("mlp_only_layers", list, [])
+            if not all(type(i) is int and 0 <= i < layers for i in dense):
+                raise GraftError(f"malformed {what}: mlp_only_layers must be layer indices in [0, {layers})")
+            moe = dict(n_experts=E, n_experts_per_tok=c.int("num_experts_per_tok", hi=E),
+                       moe_intermediate_size=c.int("moe_intermediate_size"),
+                       norm_topk_prob=c.get("norm_topk_prob", bool, False),
+                       sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
         return cls(
-            arch=arch, vocab_size=vocab, dim=dim, n_layers=c.int("num_hidden_layers"), n_heads=n_heads,
+            arch=arch, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=n_heads,
             n_kv_heads=n_kv, head_dim=head_dim, intermediate_size=c.int("intermediate_size"),
             norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=c.int("max_position_embeddings", 4096),
             tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
-            attention_bias=c.get("attention_bias", bool, False), qk_norm=arch == "qwen3",
+            attention_bias=c.get("attention_bias", bool, False), qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=c.int("bos_token_id", None, lo=0, hi=vocab - 1),
-            eos_token_ids=c.ids("eos_token_id", vocab))
+            eos_token_ids=c.ids("eos_token_id", vocab), **moe)
 
     @property
     def capture_layers(self) -> tuple:
@@ -379,13 +397,54 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse block: a router scores n_experts SwiGLU experts per token (softmax in
+    float32), keeps the top k (renormalised with norm_topk_prob), and mixes their outputs by those
+    weights. The experts' weights are stacked, (E, I, D) and (E, D, I), so a step picks the chosen ones
+    with static shapes: for a few tokens (N*k <= E: decoding, a small tree) it gathers the N*k chosen
+    experts' weights (gpt-fast's Mixtral port); for more it runs every expert on every token and
+    mixes with a dense routing matrix, so each expert's weights are read once."""
+
     def __init__(self, a: ModelArgs):
+        super().__init__()
+        E, I, D = a.n_experts, a.moe_intermediate_size, a.dim
+        self.k, self.norm_topk = a.n_experts_per_tok, a.norm_topk_prob
+        self.gate = nn.Linear(D, E, bias=False)                        # the router
+        self.w_gate = nn.Parameter(torch.empty(E, I, D))
+        self.w_up = nn.Parameter(torch.empty(E, I, D))
+        self.w_down = nn.Parameter(torch.empty(E, D, I))
+
+    def route(self, h):
+        """h (N, D) -> the chosen experts (N, k) and their weights (N, k) in h's dtype."""
+        probs = torch.softmax(self.gate(h).float(), dim=-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return idx, w.to(h.dtype)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.reshape(-1, D)                                                 # (N, D)
+        idx, w = self.route(h)
+        E = self.w_gate.shape[0]
+        if h.shape[0] * self.k <= E:       # gather the chosen experts: (N, k, I, D)
+            a = F.silu(torch.einsum("nd,nkid->nki", h, self.w_gate[idx])) * torch.einsum("nd,nkid->nki", h, self.w_up[idx])
+            y = (torch.einsum("nki,nkdi->nkd", a, self.w_down[idx]) * w[..., None]).sum(1)
+        else:                              # every expert on every token: (E, N, I)
+            a = F.silu(torch.einsum("nd,eid->eni", h, self.w_gate)) * torch.einsum("nd,eid->eni", h, self.w_up)
+            r = torch.zeros(h.shape[0], E, dtype=h.dtype, device=h.device).scatter(1, idx, w)   # (N, E)
+            y = torch.einsum("eni,edi,ne->nd", a, self.w_down, r)
+        return y.reshape(B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, i: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
-        self.mlp = MLP(a.dim, a.intermediate_size)
+        sparse = bool(a.sparse_layers) and a.sparse_layers[i]
+        self.mlp = MoE(a) if sparse else MLP(a.dim, a.intermediate_size)
 
     def forward(self, x, rope, rows=None, mask=None, kv=None):
         x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv)
@@ -399,7 +458,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
+        self.capture_layers = a.capture_layers     # EAGLE-3 feature points; a head may declare its own
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq_len = 0                # committed tokens the cache holds (prompt + generated)
@@ -422,8 +482,9 @@ class Transformer(nn.Module):
         With `rows` (T,): the T new rows are written there in `cache` (default: the model's own) and
         attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend).
         Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
-        capture=True, the EAGLE-3 features (B, T, 3*dim): the residual stream at the input of layers
-        2, L//2 and L-3, concatenated low|mid|high.
+        capture=True, the EAGLE-3 features (B, T, n*dim): the residual stream at the input of the
+        layers in self.capture_layers (2, L//2 and L-3 unless a head declares others; L = the output of
+        the last layer, before the norm), concatenated low to high.
         """
         if self.rope is None or (rows is None and self.rope.shape[0] < tokens.shape[-1]):
             # no cache (training): positions are 0..T-1, so a table of T rows is enough
@@ -433,14 +494,16 @@ class Transformer(nn.Module):
         # under CPU autocast (training) the activations' dtype varies by op: keep RoPE in float32 then
         rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
         mask = mask_bias(mask, x.dtype)
-        feats = []
+        feats, points = [], self.capture_layers
         for i, layer in enumerate(self.layers):
             if capture:
-                feats += [x] * self.args.capture_layers.count(i)
+                feats += [x] * points.count(i)
             x = layer(x, rope, rows, mask, cache.layer(i) if rows is not None else None)
+        if capture:                          # "the input of layer L": the last layer's output, before the norm
+            feats += [x] * points.count(len(self.layers))
         logits = self.lm_head(self.norm(x))                           # (B, T, V)
         if capture:
-            return logits, torch.cat(feats, dim=-1)                   # (B, T, 3*dim)
+            return logits, torch.cat(feats, dim=-1)                   # (B, T, n*dim)
         return logits
 
 
@@ -952,6 +1015,126 @@ def gguf_tokenizer(meta: dict, path: str):
     return tk
 
 
+# ----------------------------------------------------------------------------- SentencePiece tokenizer.model
+
+def _proto(buf: bytes):
+    """The (field number, value) pairs of a protobuf message (wire types 0, 1, 2, 5): the few fields of
+    sentencepiece_model.proto read below, without a protobuf library."""
+    def varint(i):
+        v = shift = 0
+        while True:
+            b = buf[i]
+            v |= (b & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if b < 0x80:
+                return v, i
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        wire = key & 7
+        if wire == 0:
+            v, i = varint(i)
+        elif wire == 2:
+            n, i = varint(i)
+            v, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            v, i = buf[i:i + n], i + n
+        else:
+            raise ValueError(f"wire type {wire}")
+        yield key >> 3, v
+
+
+def sentencepiece_tokenizer(file: str):
+    """A tokenizers.Tokenizer that encodes as the SentencePiece model `file` (tokenizer.model: Llama-2,
+    Vicuna) does, BOS first. The sentencepiece library reads and checks the file; its pieces, scores and
+    types, and the settings that change what is encoded, are read from the model's protobuf
+    (sentencepiece_model.proto: TrainerSpec model_type, byte_fallback; NormalizerSpec name,
+    precompiled_charsmap, add_dummy_prefix, remove_extra_whitespaces). BPE models become BPE merges
+    ranked by score (as for GGUF's SentencePiece vocabularies), unigram models a Unigram model.
+    Errors: GraftError, one line."""
+    import struct
+    import sentencepiece
+    from tokenizers import Regex, Tokenizer as HFTokenizer, models, normalizers
+    try:
+        sp = sentencepiece.SentencePieceProcessor(model_file=file)
+        pieces, trainer, norm = [], {}, {}
+        for f, v in _proto(sp.serialized_model_proto()):
+            if f == 1:
+                p = dict(_proto(v))
+                pieces.append((p[1].decode("utf-8"), struct.unpack("<f", p.get(2, b"\0\0\0\0"))[0], p.get(3, NORMAL)))
+            elif f == 2:
+                trainer = dict(_proto(v))
+            elif f == 3:
+                norm = dict(_proto(v))
+    except Exception as e:     # not a SentencePiece model, or a damaged one
+        raise GraftError(f"cannot read {file} as a SentencePiece model: {str(e).splitlines()[0][:200]}") from None
+    kind = trainer.get(3, 1)                                 # ModelType: UNIGRAM = 1, BPE = 2
+    if kind not in (1, 2):
+        raise GraftError(f"{file}: SentencePiece model type {kind} is not supported (unigram and BPE are)")
+    tokens, scores, types = [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+    prefix, squeeze = bool(norm.get(3, 1)), bool(norm.get(4, 1))
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_space_prefix": prefix,
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_bos_token": sp.bos_id() >= 0}
+    for key, i in (("bos", sp.bos_id()), ("eos", sp.eos_id())):
+        if i >= 0:
+            meta[f"tokenizer.ggml.{key}_token_id"] = i
+    tk = gguf_tokenizer(meta, file)
+    if kind == 1:                                            # unigram: scores are log-probabilities
+        tk.model = models.Unigram(list(zip(tokens, scores)), sp.unk_id(), bool(trainer.get(35, 0)))
+    steps = []
+    name = norm.get(1, b"identity").decode()
+    if name != "identity" and norm.get(2):
+        steps.append(normalizers.Precompiled(norm[2]))       # the model's own character map (NFKC-style)
+    if squeeze:                                              # leading, trailing and repeated spaces go
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
+    tk.normalizer = normalizers.Sequence(steps + [normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")])
+    return tk
+
+
+def is_vicuna(path: str) -> bool:
+    """A checkpoint that says it is Vicuna: its config's _name_or_path, or its folder or hub id, names it."""
+    cfg = os.path.join(path, "config.json")
+    name = read_json(cfg).get("_name_or_path", "") if os.path.isfile(cfg) else ""
+    return "vicuna" in f"{name} {os.path.abspath(path)}".lower()
+
+
+# The Vicuna v1.1 conversation format (FastChat's "vicuna_v1.1"), for checkpoints that say they are
+# Vicuna and carry no chat template of their own.
+VICUNA_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set rest = messages[1:] %}"
+    "{% else %}{% set system = 'A chat between a curious user and an artificial intelligence assistant. The "
+    "assistant gives helpful, detailed, and polite answers to the user\\'s questions.' %}{% set rest = messages %}"
+    "{% endif %}{{ system + ' ' }}{% for m in rest %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def stack_experts(sd: dict, args: ModelArgs, path: str) -> dict:
+    """Qwen3-MoE checkpoints keep each expert as its own MLP, layers.i.mlp.experts.e.{gate,up,down}_proj
+    (the Hub's files, and what transformers' save_pretrained writes); transformers 5 fuses them in
+    memory as experts.gate_up_proj (E, 2I, D) and experts.down_proj (E, D, I), also accepted. Either
+    becomes the MoE block's stacked w_gate, w_up (E, I, D) and w_down (E, D, I). An expert missing is a
+    GraftError; one beyond n_experts stays in `sd` and is refused as an unknown weight."""
+    for i, sparse in enumerate(args.sparse_layers):
+        if not sparse:
+            continue
+        p = f"layers.{i}.mlp."
+        if p + "experts.gate_up_proj" in sd:
+            gu = sd.pop(p + "experts.gate_up_proj")
+            sd[p + "w_gate"], sd[p + "w_up"] = gu.chunk(2, dim=1)
+            sd[p + "w_down"] = sd.pop(p + "experts.down_proj")
+            continue
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            names = [f"{p}experts.{e}.{theirs}.weight" for e in range(args.n_experts)]
+            missing = [n for n in names if n not in sd]
+            if missing:
+                raise GraftError(f"checkpoint {path} lacks expert weight {missing[0]} ({len(missing)} missing)")
+            sd[p + ours] = torch.stack([sd.pop(n) for n in names])
+    return sd
+
+
 def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None) -> Transformer:
     """Build the model from its config and load its weights (a folder, a hub id or a .gguf file, see
     resolve_checkpoint); the KV cache holds max_seq_len positions (default: the model's own context).
@@ -971,6 +1154,7 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
     else:
         sd = read_safetensors(weight_files(path), device, dtype, keep=lambda n: "rotary_emb" not in n)
         sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    sd = stack_experts(sd, args, path)
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_word_embeddings and "lm_head.weight" in sd and "embed_tokens.weight" in sd:
@@ -1084,13 +1268,16 @@ class Tokenizer:
 
     def __init__(self, path: str, model_args: ModelArgs | None = None):
         from tokenizers import Tokenizer as HFTokenizer
-        f = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(f):
-            raise GraftError(f"no tokenizer.json in {path}")
-        try:
-            self.tk = HFTokenizer.from_file(f)
-        except Exception as e:     # the Rust side reports bad JSON and bad models alike as Exception
-            raise GraftError(f"malformed tokenizer.json in {path}: {str(e).splitlines()[0][:200]}") from None
+        f, spm_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+        if os.path.isfile(f):
+            try:
+                self.tk = HFTokenizer.from_file(f)
+            except Exception as e:     # the Rust side reports bad JSON and bad models alike as Exception
+                raise GraftError(f"malformed tokenizer.json in {path}: {str(e).splitlines()[0][:200]}") from None
+        elif os.path.isfile(spm_file):     # Llama-2 era checkpoints (Vicuna) ship only SentencePiece's model
+            self.tk = sentencepiece_tokenizer(spm_file)
+        else:
+            raise GraftError(f"no tokenizer.json or tokenizer.model in {path}")
         cf = os.path.join(path, "tokenizer_config.json")
         cfg = Fields(read_json(cf) if os.path.isfile(cf) else {}, "tokenizer_config.json")
         self.chat_template = pick_chat_template(cfg.obj.get("chat_template"), "tokenizer_config.json")
@@ -1101,6 +1288,8 @@ class Tokenizer:
                     self.chat_template = fh.read().decode("utf-8")
             except UnicodeDecodeError:
                 raise GraftError(f"chat_template.jinja in {path} is not UTF-8 text") from None
+        if self.chat_template is None and is_vicuna(path):
+            self.chat_template = VICUNA_TEMPLATE
         self.special = {}                  # bos_token, eos_token, ...: the strings templates may print
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
             v = cfg.obj.get(name)
@@ -1175,7 +1364,8 @@ class Tokenizer:
     def render(self, messages: list, add_generation_prompt: bool = True, **context) -> str:
         """The checkpoint's chat template rendered for `messages`, with its special tokens in scope."""
         if not self.chat_template:
-            raise GraftError("--chat: this checkpoint has no chat_template in tokenizer_config.json")
+            raise GraftError("--chat: this checkpoint has no chat_template in tokenizer_config.json (and is not "
+                             "a Vicuna model, whose v1.1 format is built in)")
         specials = {k: v for k, v in self.special.items() if v is not None}
         return render_chat(self.chat_template, messages, add_generation_prompt, **{**specials, **context})
 
