@@ -44,6 +44,9 @@ KNOWN_HEADS = {
     "meta-llama/Meta-Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
     "lmsys/vicuna-13b-v1.3": "yuhuili/EAGLE3-Vicuna1.3-13B",
     "Qwen/Qwen3-8B": "AngelSlim/Qwen3-8B_eagle3",
+    "Qwen/Qwen3-30B-A3B": "AngelSlim/Qwen3-a3B_eagle3",
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": "RedHatAI/Qwen3-30B-A3B-Instruct-2507-speculator.eagle3",
+    "Qwen/Qwen3-235B-A22B": "nvidia/Qwen3-235B-A22B-Eagle3",
 }
 
 # The shipped demo pair (checkpoints/): a small Qwen3 pretrained on the stdlib and its EAGLE-3 head.
