@@ -27,23 +27,6 @@ from data import STORIES, check_dataset, load_dataset, read_prompts, stories_hea
 from model import GraftError
 from verify import Sampling
 
-# ----------------------------------------------------------------------------- datasets
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- measuring
 
 @dataclasses.dataclass
@@ -84,7 +67,7 @@ class Row:
                 "draft_forwards_per_round": round(t.get("draft_forwards", 0) / r, 4),
                 "verified_per_round": round(t.get("verified", 0) / r, 4),
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
-                "stages": dict(sorted(self.stages.items())) if self.method in G.NEEDS_HEAD else {},
+                "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in G.NEEDS_HEAD else {},
                 "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
                 # everything but the verify pass, as a share of the round (GPU: CUDA events, no syncs)
                 "overhead": round(1 - round_ms.get("verify", 0.0) / total, 4) if total else None,
@@ -182,7 +165,7 @@ def parse_args(argv=None):
     p.add_argument("--executions", default=None,
                    help="eager,compiled: run every method both ways in one process, each against its own ar "
                         "(default: what --compile says)")
-    G.add_engine_flags(p)
+    G.add_engine_flags(p, compare_calibrations=True)
     return p.parse_args(argv)
 
 
@@ -211,6 +194,10 @@ def main(argv=None) -> dict:
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
+    calibrations = [c.strip() for c in a.calibration.split(",") if c.strip()]
+    if not calibrations or set(calibrations) - set(G.CALIBRATIONS) or len(set(calibrations)) < len(calibrations):
+        raise GraftError(f"--calibration takes throughput and/or youden, got {a.calibration!r}")
+    a.calibration = calibrations[0]
     budgets = G.numbers("--budgets", a.budgets) if a.budgets else None
     G.check_args(a, budgets)
     budgets = budgets or [a.budget]
@@ -235,22 +222,27 @@ def main(argv=None) -> dict:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                   calibration=a.calibration, auto_budget=a.auto_budget)
-        if a.auto_budget and eng.budget:
-            budgets = [eng.budget]
+        if a.auto_budget and eng.calibrations:
+            budgets = [None]           # each method at the budget its calibration picked
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled")
 
     # One proposer per (execution, method, budget), kept for the whole run. Each gets its own copy of
     # the warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
+    # A second calibration (--calibration throughput,youden) adds a run of each pruning method with its
+    # thresholds and budget, labelled method[youden].
     runs = {}
     for x, e in engines.items():
         runs[(x, "ar", None)] = G.make_method(e, "ar")
         for m in methods[1:]:
             for b in budgets:
-                own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
-                cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b}))
-                runs[(x, m, b)] = G.make_method(e, m, cfg, matrix=own)
+                for c in calibrations if m in G.PRUNING else calibrations[:1]:
+                    cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
+                    cfg = G.method_config(e, m, cfg, auto_budget=b is None, calibration=c)
+                    own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
+                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else b)
+                    runs[key] = G.make_method(e, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     # before anything is timed: compile every graph (compiled engines), and one short generation per
     # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
@@ -322,7 +314,7 @@ def main(argv=None) -> dict:
     bar(done, total, t0, "interrupted" if interrupted else "done")
     sys.stderr.write("\n")
 
-    sweep = len(budgets) > 1
+    sweep = len({r["budget"] for r in rows if r["budget"]}) > 1     # a budget column when budgets differ
     report = {"meta": {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -333,9 +325,15 @@ def main(argv=None) -> dict:
         "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_seq_len": eng.model.max_seq_len,
         "executions": how, "attention": {x: "window" if e.window else "full" for x, e in engines.items()},
         "compile_seconds": {x: round(e.compile_seconds, 2) for x, e in engines.items()}, "prefill_chunk": eng.chunk,
-        "max_new_tokens": a.max_new_tokens, "limit": a.limit, "chat": a.chat, "budgets": budgets,
+        "max_new_tokens": a.max_new_tokens, "limit": a.limit, "chat": a.chat,
+        "budgets": "auto" if budgets == [None] else budgets,
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed},
         "warmup": a.warmup, "thresholds": {str(c): round(t, 4) for c, t in (eng.thresholds or {}).items()},
+        "calibration": calibrations[0],
+        "calibrations": {n: {m: {"budget": c["budget"], "expected_tokens_per_s": c["rate"],
+                                 "thresholds": {str(k): round(t, 4) for k, t in c["thresholds"].items()}}
+                             for m, c in per.items()} for n, per in eng.calibrations.items()},
+        "expected_tokens_per_s_by_budget": {m: {str(b): r for b, r in c.items()} for m, c in eng.budget_curve.items()},
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,

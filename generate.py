@@ -122,6 +122,8 @@ class Engine:
         self.clock = Clock(self.device)
         self.compile_seconds = 0.0
         self.budget = None                                  # what the warm-up chose (--budget auto)
+        self.calibration = "throughput"                     # the warm-up's: which calibration the methods use,
+        self.calibrations, self.budget_curve = {}, {}       # both of them per method, and rate by budget
         if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
@@ -187,6 +189,7 @@ class Engine:
         window = (not (compile and self.cuda)) if window is None else window
         e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend)
         e.thresholds, e.hit_rates, e.budget = self.thresholds, self.hit_rates, self.budget
+        e.calibration, e.calibrations, e.budget_curve = self.calibration, self.calibrations, self.budget_curve
         return e
 
     # -- the steps every method uses
@@ -319,6 +322,7 @@ METHODS = {
 }
 NEEDS_HEAD = {m for m, v in METHODS.items() if isinstance(v, dict)}
 NEEDS_MATRIX = {m for m, v in METHODS.items() if isinstance(v, dict) and v.get("retrieve", True)} | {"recycle"}
+PRUNING = {m for m, v in METHODS.items() if isinstance(v, dict) and v.get("prune", True)}     # calibrated
 
 
 def make_method(eng: Engine, method: str, cfg: Config | None = None, matrix: ContinuationMatrix | None = None) -> Proposer:
@@ -339,6 +343,8 @@ def make_method(eng: Engine, method: str, cfg: Config | None = None, matrix: Con
     elif kind == "recycle":
         p = Recycle(eng, cfg, matrix, eng.hit_rates)
     else:
+        if cfg.thresholds is None:           # the warm-up's calibration for this method, else the engine's
+            cfg = method_config(eng, method, cfg, auto_budget=False)
         if cfg.thresholds is None and eng.thresholds is not None:
             cfg = dataclasses.replace(cfg, thresholds=dict(eng.thresholds))
         cfg = dataclasses.replace(cfg, **kind, top_k=eng.drafter.top_k, depth=eng.drafter.depth)
@@ -482,9 +488,9 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
     out = {}
+    eng.begin(Sampling())
+    prefill(eng, Plain(eng), ids[:context].tolist())         # once: every pass below is undone after it
     for n in sizes:
-        eng.begin(Sampling())
-        prefill(eng, Plain(eng), ids[:context].tolist())     # (root: eng.root, for the timed steps)
         tree = chain(ids[context:context + n])
         for i in range(repeats + 3):                 # 3 untimed passes first
             if i == 3:
@@ -551,7 +557,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 2        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 3        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
@@ -593,6 +599,8 @@ def tok_context(path: str) -> int:
     return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
 
 
+CALIBRATIONS = ("throughput", "youden")
+
 # What --budget auto chooses from (verification budgets: candidate nodes per round).
 AUTO_BUDGETS = (8, 12, 16, 24, 32, 48, 60)
 
@@ -601,12 +609,17 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
             use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
             auto_budget: bool = False):
     """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
-    a few generations with the dense tree (GRAFT.md sections 3, 4, 6). calibration "throughput" picks
-    the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS) that maximise the expected
-    tokens/s on this machine (graft.throughput); "youden" maximises Youden's J per checkpoint. Cached
-    per (target, head), device, dtype, execution and settings. A prompt too long for the cache is
-    skipped, never truncated; a warm-up in which no generation ran calibrates nothing (the thresholds
-    never prune) and is not cached. Sets engine.thresholds, engine.hit_rates and engine.budget."""
+    a few generations with the dense tree (GRAFT.md sections 3, 4, 6).
+
+    Both calibrations are computed, for each calibrated method (eagle3, prune, graft; the ablations use
+    graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)
+    that maximise the expected tokens/s on this machine (graft.throughput); "youden" maximises Youden's
+    J per checkpoint at cfg.budget. `calibration` selects which one the engine uses by default
+    (engine.calibration; method_config reads it). Cached per (target, head), device, dtype, execution
+    and settings. A prompt too long for the cache is skipped, never truncated; a warm-up in which no
+    generation ran calibrates nothing (the thresholds never prune) and is not cached. Sets
+    engine.calibrations, engine.budget_curve, engine.hit_rates, and graft's choice in
+    engine.thresholds and engine.budget."""
     log = log or (lambda s: None)
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
@@ -614,15 +627,24 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
     execution = ("compiled", engine.backend, engine.window) if engine.compiling else ("eager", engine.window)
     path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
-                          engine.matrix.k, (d.top_k, d.depth) if d else None, calibration, execution)
-    engine.budget = cfg.budget
+                          engine.matrix.k, (d.top_k, d.depth) if d else None, execution)
+    engine.calibration, engine.budget = calibration, cfg.budget
+
+    def use(calibrations: dict, curve: dict):
+        engine.calibrations, engine.budget_curve = calibrations, curve
+        if d:
+            engine.thresholds = dict(calibrations[calibration]["graft"]["thresholds"])
+            engine.budget = calibrations[calibration]["graft"]["budget"]
+        else:
+            engine.thresholds = {}
+
     if use_cache:
         got = load_state(path, engine.matrix, checkpoints)
-        if got is not None and (not budgets or got["meta"].get("budget") in budgets):
-            engine.thresholds = got["thresholds"]
+        cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
+        if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
-            engine.budget = got["meta"].get("budget", cfg.budget)
-            log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {got['thresholds']}")
+            use(*cal)
+            log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {engine.thresholds}")
             return
     wb = max(budgets) if budgets else cfg.budget
     if d:      # the dense tree, learning the matrix, recording each round's candidates and confidences
@@ -655,47 +677,106 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
             f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
             f"is off (pass --thresholds to set it), and nothing is cached")
         return
-    youden = calibrate([(r["conf"], r["accepted"]) for r in m.records], checkpoints) if d else {}
-    engine.thresholds = youden
-    if d and calibration == "throughput":
+    calibrations, curve = {}, {}
+    if d:
+        youden = calibrate([(r["conf"], r["accepted"]) for r in m.records], checkpoints)
         options = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
-        b, engine.thresholds, rate = choose_budget(options, checkpoints)
-        engine.budget = b if budgets else cfg.budget
-        log(f"warm-up: throughput calibration {'picked budget ' + str(b) + ', ' if budgets else ''}"
-            f"expects {rate:.1f} tokens/s (Youden's J would have chosen {youden})")
-    log(f"warm-up: {ran} of {len(prompts)} generations ran, thresholds "
-        f"{ {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
+        calibrations = {"throughput": {}, "youden": {}}
+        for method, opts in options.items():
+            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else ())
+            calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
+                                                  "rate": round(rate, 3)}
+            calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
+                                              "thresholds": youden if method != "eagle3" else {}}
+            log(f"warm-up: {method}: expected tokens/s by budget: " +
+                ", ".join(f"{x}: {r:.1f}" for x, r in curve[method].items()) +
+                f" -> budget {b}, thresholds { {c: round(t, 3) for c, t in taus.items()} }")
+        log(f"warm-up: Youden's J thresholds { {c: round(t, 3) for c, t in youden.items()} } "
+            f"(--calibration youden, budget {cfg.budget})")
+    use(calibrations, curve)
+    log(f"warm-up: {ran} of {len(prompts)} generations ran, {calibration} calibration: graft budget "
+        f"{engine.budget}, thresholds { {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
         f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
-        save_state(path, engine.matrix, engine.thresholds, {"hit_rates": list(engine.hit_rates), "generations": ran,
-                                                            "budget": engine.budget})
+        save_state(path, engine.matrix, engine.thresholds,
+                   {"hit_rates": list(engine.hit_rates), "generations": ran,
+                    "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
+                                         for m, c in per.items()} for n, per in calibrations.items()},
+                    "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
+
+
+def read_calibrations(meta: dict, checkpoints) -> tuple | None:
+    """(calibrations, budget_curve) from a cache file's JSON, or None when they are malformed or do not
+    fit (checkpoints None: a warm-up without a head, which calibrates nothing)."""
+    try:
+        cal = {n: {m: {"budget": int(c["budget"]), "rate": None if c.get("rate") is None else float(c["rate"]),
+                       "thresholds": {int(k): float(t) for k, t in c["thresholds"].items()}}
+                   for m, c in per.items()} for n, per in meta.get("calibrations", {}).items()}
+        curve = {m: {int(b): float(r) for b, r in c.items()} for m, c in meta.get("budget_curve", {}).items()}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+    if checkpoints is None:
+        return (cal, curve) if not cal else None
+    ok = set(cal) == set(CALIBRATIONS) and all(
+        set(per) == set(CALIBRATED.values()) and all(
+            c["budget"] >= 1 and set(c["thresholds"]) == (set() if m == "eagle3" else set(checkpoints))
+            and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
+            for m, c in per.items()) for per in cal.values())
+    return (cal, curve) if ok else None
+
+
+CALIBRATED = {"eagle3": "eagle3", "prune": "prune", "graft": "graft", "graft-fixed": "graft", "graft-root": "graft",
+              "graft-tail": "graft"}       # method -> whose calibration it uses
+
+
+def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, calibration: str | None = None) -> Config:
+    """cfg with what the warm-up calibrated for `method` (CALIBRATED): its thresholds unless cfg gives
+    some (--thresholds), and with auto_budget its budget. calibration: "throughput" or "youden"
+    (default: the warm-up's engine.calibration). Unchanged when nothing was calibrated."""
+    per = eng.calibrations.get(calibration or eng.calibration, {})
+    got = per.get(CALIBRATED.get(method))
+    if not got:
+        return cfg
+    if cfg.thresholds is None and got["thresholds"]:
+        cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
+    if auto_budget:
+        cfg = dataclasses.replace(cfg, budget=got["budget"])
+    return cfg
 
 
 @torch.no_grad()
 def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> dict:
-    """For each candidate budget B: (rounds, cost) as graft.throughput reads them. rounds: each warm-up
-    round's confidences and, per stage, the tokens its graft tree would have accepted (graft.stage_tree,
-    matched against what the target generated); cost: seconds per round per stage, from this engine's
-    own steps: draft forwards (timed in the warm-up), each stage's assembly, the verify pass at B + 1
-    nodes (pass_cost), and the update."""
+    """{method: {budget: (rounds, cost)}} as graft.choose_budget reads them, for eagle3, prune and
+    graft. rounds: each warm-up round's confidences and, per stage, the tokens its tree would have
+    accepted (graft.stage_tree, matched against what the target generated); cost: seconds per round
+    per stage, from this engine's own steps: draft forwards (timed in the warm-up), each stage's
+    assembly, the verify pass at B + 1 nodes (pass_cost), and the update."""
     d = eng.drafter
     k, D = d.top_k, d.depth
     forwards = sum(r.draft_forwards for r in results)
     t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
     n_rounds = max(sum(r.rounds for r in results), 1)
     t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
-    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), capture=True)
+    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True)
     usable = [r for r in records if len(r["truth"]) > D]      # the last rounds of a generation see too little
-    options = {}
+    memo = {}
+
+    def acc(i, s, K, R):          # a tree that two methods share (full depth, no retrieval) is matched once
+        if (i, s, K, R) not in memo:
+            r = usable[i]
+            memo[(i, s, K, R)] = accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k), r["truth"])
+        return memo[(i, s, K, R)]
+
+    out = {"eagle3": {}, "prune": {}, "graft": {}}
     for b in budgets:
-        c = dataclasses.replace(cfg, budget=b, prune=True, retrieve=True, ablation=None, keep=None, top_k=k, depth=D)
-        stages = c.stages()
-        t_asm = assembly_seconds(eng, c)
-        cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
-        rounds = [(r["conf"], {s: accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k), r["truth"])
-                               for s, (K, R) in stages.items()}) for r in usable]
-        options[b] = (rounds, cost)
-    return options
+        for method in out:
+            c = dataclasses.replace(cfg, budget=b, ablation=None, keep=None, top_k=k, depth=D, **METHODS[method])
+            stages = c.stages()
+            t_asm = assembly_seconds(eng, c)
+            cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
+            rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
+            out[method][b] = (rounds, cost)
+    return out
 
 
 def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
@@ -754,8 +835,9 @@ class ArgumentParser(argparse.ArgumentParser):
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
 
 
-def add_engine_flags(p):
-    """The flags generate.py and bench.py share: model, sampling and tree shape."""
+def add_engine_flags(p, compare_calibrations: bool = False):
+    """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
+    --calibration may name both calibrations, to compare them in one run."""
     p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -771,8 +853,14 @@ def add_engine_flags(p):
                    help="verification budget: candidate nodes per round, or auto (the default): the warm-up "
                         f"picks it from {', '.join(map(str, AUTO_BUDGETS))} by measured throughput on this machine "
                         f"(without a warm-up: {GPU_BUDGET} on a GPU, {CPU_BUDGET} on a CPU)")
-    p.add_argument("--calibration", choices=("throughput", "youden"), default="throughput",
-                   help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
+    if compare_calibrations:
+        p.add_argument("--calibration", default="throughput",
+                       help="how the warm-up sets the thresholds: throughput (expected tokens/s, the default), "
+                            "youden (Youden's J), or throughput,youden: every pruning method under each, in one "
+                            "run (rows method[youden])")
+    else:
+        p.add_argument("--calibration", choices=CALIBRATIONS, default="throughput",
+                       help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
     p.add_argument("--draft-top-k", type=int, default=10, help="draft children per expansion")
     p.add_argument("--depth", type=int, default=8, help="draft levels")
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
@@ -941,7 +1029,7 @@ def main(argv=None):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
                 log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
-        cfg = dataclasses.replace(cfg, budget=eng.budget)
+        cfg = method_config(eng, method, cfg, a.auto_budget)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     m = make_method(eng, method, cfg)
     base = make_method(eng, "ar") if a.compare and method != "ar" else None

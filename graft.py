@@ -16,12 +16,12 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
 from draft import deepest, select
-from verify import Proposer, Tree, Verified, accept, commit, tree_mask
+from verify import Proposer, Tree, Verified, commit
 
 CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test runs
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
@@ -241,44 +241,64 @@ def throughput(rounds: list, taus: dict, cost: dict, checkpoints) -> float:
 def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16) -> tuple:
     """Thresholds maximising rate(tau) (see above). Each tau_c ranges over 0 (never prune), the
     midpoints between its observed confidences, and above 1 (always prune). Every combination of up to
-    `grid` cuts per checkpoint (evenly spaced among them) is scored, since checkpoints interact (a
-    round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
-    best. Deterministic: a change must strictly improve the rate. Returns ({c: tau_c}, tokens/s)."""
-    import itertools
-    cands = {}
-    for c in checkpoints:
-        seen = sorted({conf[c] for conf, _ in rounds})
-        cands[c] = [0.0] + [(a + b) / 2 for a, b in zip(seen, seen[1:])] + [1.0 + 1e-6]
-    coarse = {c: v if len(v) <= grid else [v[round(i * (len(v) - 1) / (grid - 1))] for i in range(grid)]
-              for c, v in cands.items()}
-    rate_of = lambda t: throughput(rounds, t, cost, checkpoints)
-    best, taus = -1.0, None
-    for combo in itertools.product(*(coarse[c] for c in checkpoints)):
-        trial = dict(zip(checkpoints, combo))
-        rate = rate_of(trial)
-        if rate > best * (1 + 1e-12):
-            best, taus = rate, trial
+    `grid` cuts per checkpoint (evenly spaced among them) is scored at once, since checkpoints interact
+    (a round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
+    best. Deterministic: the first best in grid order wins, and a change must strictly improve the
+    rate. Returns ({c: tau_c}, tokens/s)."""
+    checkpoints = tuple(checkpoints)
+    m = len(checkpoints)
+    conf = torch.tensor([[c[k] for k in checkpoints] for c, _ in rounds], dtype=torch.float64).reshape(len(rounds), m)
+    tok = torch.tensor([[a[s] + 1 for s in (*checkpoints, None)] for _, a in rounds], dtype=torch.float64)
+    secs = torch.tensor([cost[s] for s in (*checkpoints, None)], dtype=torch.float64)
+    cands = []
+    for k in range(m):
+        seen = torch.unique(conf[:, k])                                         # sorted
+        cands.append(torch.cat([torch.zeros(1, dtype=torch.float64), (seen[1:] + seen[:-1]) / 2,
+                                torch.full((1,), 1.0 + 1e-6, dtype=torch.float64)]))
+    while grid > 2 and grid ** m * max(len(rounds), 1) > 2e7:       # keep the grid's tensor small
+        grid -= 1
+    coarse = [v if v.numel() <= grid else v[torch.round(torch.arange(grid) * (v.numel() - 1) / (grid - 1)).long()]
+              for v in cands]
+    rates = _rates(conf, tok, secs, coarse)                          # (g_0, ..., g_{m-1})
+    best = float(rates.max())
+    idx = [int(i) for i in torch.unravel_index(torch.argmax(rates), rates.shape)] if m else []
+    taus = [float(coarse[k][i]) for k, i in enumerate(idx)]
     improved = True
     while improved:
         improved = False
-        for c in checkpoints:
-            for t in cands[c]:
-                trial = {**taus, c: t}
-                rate = rate_of(trial)
-                if rate > best * (1 + 1e-12):
-                    best, taus, improved = rate, trial, True
-    return taus, best
+        for k in range(m):                      # all of checkpoint k's cuts, the others held
+            grids = [torch.tensor([t], dtype=torch.float64) for t in taus]
+            grids[k] = cands[k]
+            r = _rates(conf, tok, secs, grids).reshape(-1)
+            i = int(torch.argmax(r))
+            if float(r[i]) > best * (1 + 1e-12):
+                best, taus[k], improved = float(r[i]), float(cands[k][i]), True
+    return dict(zip(checkpoints, taus)), best
+
+
+def _rates(conf, tok, secs, grids) -> torch.Tensor:
+    """rate(tau) for every combination of grids[k] (1-D tensors of tau_k): shape (len g_0, ...).
+    conf (R, m), tok (R, m + 1) accepted + 1 per stage (the last: full depth), secs (m + 1,)."""
+    R, m = tok.shape[0], len(grids)
+    t, c = tok[:, m], secs[m].expand(R)               # (R,): rounds that pass every checkpoint
+    for k in reversed(range(m)):                      # an earlier checkpoint decides first
+        below = (conf[:, k] < grids[k][:, None]).view(-1, *[1] * (t.dim() - 1), R)   # (g_k, 1.., R)
+        t = torch.where(below, tok[:, k], t.unsqueeze(0))
+        c = torch.where(below, secs[k], c.unsqueeze(0))
+    return t.sum(-1) / c.sum(-1).clamp_min(1e-12)
 
 
 def choose_budget(options: dict, checkpoints=CHECKPOINTS) -> tuple:
     """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
-    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate) of the best."""
-    best = None
+    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
+    the best (a tie goes to the smaller budget) and the whole curve, for the log and the report."""
+    best, curve = None, {}
     for b in sorted(options):
         taus, rate = throughput_thresholds(*options[b], checkpoints)
+        curve[b] = rate
         if best is None or rate > best[2] * (1 + 1e-12):
             best = (b, taus, rate)
-    return best
+    return (*best, curve)
 
 
 # ----------------------------------------------------------------------------- hybrid trees
@@ -334,11 +354,14 @@ def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, N: int) -> 
 def accepted_by(tree: Tree, truth: list) -> int:
     """The tokens a tree accepts under greedy decoding when the target's continuation after the root
     is `truth` (host ints): the deepest root path spelling a prefix of it. Greedy choices are a
-    function of the path, so this is what verifying the tree would have accepted."""
-    mask, depth = tree_mask(tree.parents, tree.valid)
-    t = torch.tensor(list(truth) or [-1])
-    target = torch.where(depth < len(truth), t[depth.clamp(max=t.numel() - 1)], -1)   # the choice after each node
-    return int(accept(tree.tokens, tree.parents, tree.valid, mask, depth, target, 1)[0])
+    function of the path, so this is what verifying the tree would have accepted. (On the host: the
+    calibration asks it thousands of times about trees of a few dozen nodes.)"""
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    depth = [0] * len(tokens)           # a node's depth when its whole root path matches truth, else -1
+    for i in range(1, len(tokens)):     # parents first: a node's parent was decided before it
+        d = depth[parents[i]] if 0 <= parents[i] < i else -1
+        depth[i] = d + 1 if valid[i] and d >= 0 and d < len(truth) and tokens[i] == truth[d] else -1
+    return max(depth)
 
 
 def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
@@ -354,8 +377,13 @@ def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
     if not R:
         yes = torch.ones_like(d_tok, dtype=torch.bool)
         return with_root(root, d_tok, d_par, yes, ~yes, 1 + K)
-    tpl = build_template(rates, K + R)
+    tpl = _template(tuple(rates), K + R)
     return with_root(root, *graft_trees(d_tok, d_par, rec["retrieved"][:K + R], tpl, R), 1 + K + R)
+
+
+@lru_cache(maxsize=256)
+def _template(rates: tuple, n: int) -> Template:
+    return build_template(rates, n)
 
 
 # ----------------------------------------------------------------------------- the round

@@ -4,8 +4,9 @@
         --max-new-tokens 128 --threads 1 [--static] --json-out peer.json
 
 Greedy, the prompts bench.py would read (data.load_dataset, our tokenizer, so the ids are the same),
-stopping at the same EOS ids. Reports Spec-Bench's tokens/s (mean over prompts) and whether every
-output equals our engine's plain decoding (ar, eager). --static uses transformers' static KV cache
+stopping at the same EOS ids. Reports Spec-Bench's tokens/s (mean over prompts) of transformers and,
+in the same process, interleaved prompt by prompt, of our plain decoding (ar) eager and compiled
+(inductor; --no-ours-compiled skips it), and whether every output equals ours. --static uses transformers' static KV cache
 with its forward compiled (its documented fast path). A .gguf checkpoint is read by transformers'
 own GGUF loader (from_pretrained(..., gguf_file=), which needs the `accelerate` package).
 transformers is a test requirement (pip install -r requirements.txt), not a runtime one.
@@ -35,6 +36,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--chat", action="store_true")
     p.add_argument("--static", action="store_true", help="static KV cache + compiled forward")
+    p.add_argument("--ours-compiled", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time our compiled ar (default: on)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -53,6 +56,11 @@ def main(argv=None):
     if a.static:
         kw["cache_implementation"] = "static"
         hf.forward = torch.compile(hf.forward, fullgraph=True)
+    ours = {"eager": (eng, G.make_method(eng, "ar"))}
+    if a.ours_compiled:
+        c = eng.variant(compile=True)
+        ours["compiled"] = (c, G.make_method(c, "ar"))
+        G.compile_warmup(c, [ours["compiled"][1]])
     rows, same, t_all = [], 0, time.time()
     for d in a.datasets.split(","):
         texts = load_dataset(d, a.limit, eng)
@@ -65,12 +73,20 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 out = hf.generate(x, **kw)[0, len(ids):].tolist()
                 secs = time.perf_counter() - t0
-            ours = G.generate(eng, G.make_method(eng, "ar"), ids, a.max_new_tokens, G.Sampling(),
-                              eng.tokenizer.eos_ids).tokens
-            same += out == ours
-            rows.append({"dataset": d, "tokens": len(out), "seconds": round(secs, 4), "tokens_per_s": len(out) / secs})
+            row = {"dataset": d, "tokens": len(out), "seconds": round(secs, 4), "tokens_per_s": len(out) / secs}
+            ok = True
+            for x, (e, m) in ours.items():
+                res = G.generate(e, m, ids, a.max_new_tokens, G.Sampling(), eng.tokenizer.eos_ids)
+                row[f"ours_{x}_tokens_per_s"] = res.tokens_per_s
+                ok &= res.tokens == out
+            same += ok
+            rows.append(row)
+    mean = lambda k: round(sum(r[k] for r in rows) / len(rows), 2)
     report = {"ckpt": a.ckpt, "static_compiled": a.static, "dtype": a.dtype, "threads": torch.get_num_threads(),
-              "prompts": len(rows), "tokens_per_s": round(sum(r["tokens_per_s"] for r in rows) / len(rows), 2),
+              "prompts": len(rows), "tokens_per_s": mean("tokens_per_s"),
+              **{f"ours_{x}_tokens_per_s": mean(f"ours_{x}_tokens_per_s") for x in ours},
+              **{f"ours_{x}_over_transformers": round(mean(f"ours_{x}_tokens_per_s") / mean("tokens_per_s"), 3)
+                 for x in ours},
               "same_as_ours": same, "wall_seconds": round(time.time() - t_all, 1), "rows": rows}
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")

@@ -178,3 +178,35 @@ def test_plot_without_matplotlib_is_one_line_error(tiny, monkeypatch, capsys):
     assert e.value.code == 2
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
     assert err == ["error: --plot needs matplotlib: pip install matplotlib"]
+
+
+def test_both_calibrations_and_auto_budget(tiny):
+    """--calibration throughput,youden --budget auto: each pruning method runs twice (the second labelled
+    [youden]), each head method at the budget its calibration picked; the report carries both
+    calibrations and the expected tokens/s per budget; everything stays lossless."""
+    _, saved = run_bench(tiny, "--methods", "ar,eagle3,prune,graft", "--calibration", "throughput,youden",
+                         "--budget", "auto", "--depth", "3", "--checkpoints", "0,1", "--max-new-tokens", "8")
+    rows, meta = saved["rows"], saved["meta"]
+    assert [r["method"] for r in rows] == ["ar", "eagle3", "prune", "prune[youden]", "graft", "graft[youden]"]
+    assert all(r["lossless"] for r in rows) and meta["budgets"] == "auto"
+    assert set(meta["calibrations"]) == {"throughput", "youden"}
+    thr = meta["calibrations"]["throughput"]
+    for r in rows[1:]:
+        name = r["method"].split("[")[0]
+        want = meta["calibrations"]["youden" if "[" in r["method"] else "throughput"][name]["budget"]
+        assert r["budget"] == want
+    curve = meta["expected_tokens_per_s_by_budget"]
+    assert set(curve) == {"eagle3", "prune", "graft"}
+    for m in curve:           # the chosen budget is the curve's best
+        best = max(curve[m].items(), key=lambda kv: kv[1])
+        assert int(best[0]) == thr[m]["budget"] and thr[m]["expected_tokens_per_s"] == pytest.approx(best[1], rel=1e-2)
+
+
+def test_one_calibration_name_only(tiny, capsys):
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--draft", str(head), "--datasets", str(prompts),
+                   "--calibration", "youden,youden"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--calibration" in err[0]

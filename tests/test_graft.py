@@ -466,7 +466,8 @@ class FakeEngine:
 
     def __init__(self, drafter):
         import types
-        self.drafter, self.model = drafter, types.SimpleNamespace(args=types.SimpleNamespace(dim=4))
+        self.drafter, self.model = drafter, types.SimpleNamespace(args=types.SimpleNamespace(dim=4),
+                                                                          capture_layers=(0, 1, 2))
 
     def reserve(self, *a):
         pass
@@ -573,9 +574,9 @@ def test_choose_budget_picks_the_known_best():
     rounds16 = rounds_of([(0.9, 3, 1), (0.2, 1, 1)])
     rounds32 = rounds_of([(0.9, 4, 1), (0.2, 2, 1)])
     options = {16: (rounds16, {None: 10.0, 0: 6.0}), 32: (rounds32, {None: 16.0, 0: 12.0})}
-    b, taus, rate = G.choose_budget(options, (0,))
+    b, taus, rate, curve = G.choose_budget(options, (0,))
     # 16: best is tau 0.55 -> (4 + 2) / (10 + 6) = 0.375; 32: (5 + 3) / 32 = 0.25 or (5+2)/28 = 0.25
-    assert b == 16 and rate == pytest.approx(6 / 16)
+    assert b == 16 and rate == pytest.approx(6 / 16) and curve == {16: pytest.approx(6 / 16), 32: pytest.approx(0.25)}
     options[32] = (rounds32, {None: 11.0, 0: 7.0})      # cheaper verification: 32 wins
     assert G.choose_budget(options, (0,))[0] == 32
 
@@ -616,3 +617,52 @@ def test_render_round_exact():
         "│  └─  't30'                 draft\n"
         "└─* 't20'                    matrix\n"
         "   └─* 't40'                 matrix")
+
+
+# ----------------------------------------------------------------------------- cached calibrations
+
+def good_meta():
+    per = lambda taus: {"eagle3": {"budget": 24, "rate": 50.0, "thresholds": {}},
+                        "prune": {"budget": 12, "rate": 60.0, "thresholds": taus},
+                        "graft": {"budget": 8, "rate": 70.0, "thresholds": taus}}
+    return {"calibrations": {"throughput": per({"0": 1.0, "1": 0.0, "5": 0.0}),
+                             "youden": per({"0": 0.05, "1": 0.08, "5": 0.002})},
+            "budget_curve": {"graft": {"8": 70.0, "16": 65.0}}}
+
+
+def test_read_calibrations_round_trip():
+    from generate import read_calibrations
+    cal, curve = read_calibrations(good_meta(), (0, 1, 5))
+    assert cal["throughput"]["graft"] == {"budget": 8, "rate": 70.0, "thresholds": {0: 1.0, 1: 0.0, 5: 0.0}}
+    assert cal["youden"]["eagle3"]["thresholds"] == {} and curve == {"graft": {8: 70.0, 16: 65.0}}
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda m: m["calibrations"].pop("youden"),                                           # one missing
+    lambda m: m["calibrations"]["throughput"]["graft"]["thresholds"].pop("5"),           # other checkpoints
+    lambda m: m["calibrations"]["throughput"]["prune"]["thresholds"].update({"0": float("nan")}),
+    lambda m: m["calibrations"]["youden"]["graft"]["thresholds"].update({"1": 7.0}),     # not a probability
+    lambda m: m["calibrations"]["throughput"]["graft"].update({"budget": 0}),
+    lambda m: m["calibrations"]["throughput"]["graft"].update({"budget": "many"}),
+    lambda m: m.update({"budget_curve": {"graft": {"x": 1.0}}}),
+])
+def test_read_calibrations_refuses_what_does_not_fit(spoil):
+    from generate import read_calibrations
+    meta = good_meta()
+    spoil(meta)
+    assert read_calibrations(meta, (0, 1, 5)) is None
+
+
+def test_method_config_uses_each_methods_own_calibration():
+    import types
+    from generate import method_config, read_calibrations
+    eng = types.SimpleNamespace(calibration="throughput", calibrations=read_calibrations(good_meta(), (0, 1, 5))[0])
+    cfg = G.Config(budget=16)
+    assert method_config(eng, "prune", cfg, auto_budget=True).budget == 12
+    assert method_config(eng, "graft", cfg, auto_budget=False) == G.Config(budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
+    assert method_config(eng, "graft-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
+    assert method_config(eng, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
+    given = G.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
+    assert method_config(eng, "graft", given, auto_budget=False).thresholds == given.thresholds
+    assert method_config(eng, "eagle3", cfg, auto_budget=True) == G.Config(budget=24)
+    assert method_config(eng, "pld", cfg, auto_budget=True) == cfg                   # not calibrated
