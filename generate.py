@@ -326,8 +326,6 @@ class Recycle(Proposer):
         return with_root(root, toks, self.tpl.parents, yes, yes, self.N)
 
     def learn_step(self, tree, v: Verified):
-        if self.records is not None:
-            self.matrix.record(tree.tokens, v.target, tree.valid)
         self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
 
     def round(self, root: torch.Tensor) -> Verified:
@@ -336,6 +334,8 @@ class Recycle(Proposer):
         e.clock.mark("assemble")
         v = e.verify(tree, self.P)
         e.clock.mark("verify")
+        if self.records is not None:        # warm-up: ranks before the update, outside the compiled step
+            self.matrix.record(tree.tokens, v.target, tree.valid)
         self.learn(tree, v)
         commit(v, tree)
         e.clock.mark("update")
@@ -859,10 +859,12 @@ def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
     """Run every compiled step once before anything is timed: a short generation per method, and for
     a pruning method one per stage (thresholds that force it). Returns the seconds it took, which is
-    what compilation costs (a second run reads inductor's FX graph cache)."""
+    what compilation costs (a second run reads inductor's FX graph cache). The continuation matrix is
+    left as it was: what these generations taught it would otherwise reach a warm-up's records."""
     if not eng.compiling:
         return 0.0
     t0 = time.perf_counter()
+    kept = {k: v.clone() for k, v in eng.matrix.state_dict().items()}
     ids = eng.tokenizer.encode(WARMUP_PROMPTS[0])[:max(1, eng.model.max_seq_len - 16)] or [0]
     for m in methods:
         forced = [None]
@@ -877,6 +879,7 @@ def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), 
             generate(eng, m, ids, 8, sampling, ())
         if saved:
             m.thresholds = saved
+    eng.matrix.load_state_dict(kept)
     eng.compile_seconds += time.perf_counter() - t0
     if log:
         log(f"compile: {time.perf_counter() - t0:.1f}s")

@@ -510,8 +510,6 @@ class Graft(Proposer):
     def learn_step(self, tree: Tree, v: Verified):
         """The matrix learns from every verified node; the head's next extend reads the accepted path."""
         if self.matrix is not None:
-            if self.records is not None:
-                self.matrix.record(tree.tokens, v.target, tree.valid)
             self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
         nxt = torch.cat([tree.tokens.index_select(0, v.path[1:]), v.bonus.view(1)])       # token after each
         self.pend_ids.copy_(torch.where(torch.arange(self.P, device=nxt.device) == v.A, v.bonus, nxt))
@@ -561,6 +559,8 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     e.clock.mark("verify")
     # 6. update: the continuation matrix from every verified node's logits, the head's next input
     #    from the accepted path; then the round's one transfer to the host
+    if g.records is not None:     # warm-up: the matrix's rank of each true token, before it learns (eager:
+        g.matrix.record(tree.tokens, v.target, tree.valid)   # a list in a compiled step recompiles per round)
     g.learn(tree, v)
     commit(v, tree)
     e.clock.mark("update")

@@ -6,6 +6,9 @@ reads them (those tests run last).
                 backend (dynamo tracing with fullgraph, functionalised cache writes, no codegen): every
                 method, greedy and sampled, two prompts, tokens equal to the eager engine's
   recompiles    after compile_warmup, graphs compiled by rounds at other prompt/context lengths
+  warmup        the calibration warm-up on the compiled engine (aot_eager): it runs (more rounds than
+                dynamo's recompile limit), and records what the eager engine's records (Youden's
+                thresholds, hit rates, the matrix)
   demo          the demo pair, aot_eager, graft, greedy and sampled
   gpu_check     scripts/gpu_check.py --tiny: the GPU check's code end to end on the CPU
   inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
@@ -79,6 +82,15 @@ def main(out: str):
                 G.generate(comp, m, ids, 30, GREEDY, ())
         return {"graphs_after_warmup": counters["stats"]["unique_graphs"] - before}
 
+    def warmup():
+        eager, comp = tiny_pair("aot_eager", tmp)
+        got = []
+        for e in (eager, comp):
+            G.warm_up(e, CFG, rounds=3, max_new_tokens=40, use_cache=False)
+            got.append((e.calibrations["youden"]["graft"]["thresholds"], e.hit_rates, e.matrix.M.clone()))
+        return {"youden": got[0][0] == got[1][0], "hit_rates": got[0][1] == got[1][1],
+                "matrix": bool(torch.equal(got[0][2], got[1][2]))}
+
     def demo():
         ckpt, head = str(HERE.parent / "checkpoints" / "stdlib-qwen3"), str(HERE.parent / "checkpoints" / "stdlib-qwen3-eagle3")
         eager = G.build_engine(ckpt, head, max_seq_len=512)
@@ -112,7 +124,7 @@ def main(out: str):
             return {"error": got.stderr[-3000:]}
         return json.loads(report.read_text())
 
-    for section, fn in (("every_method", every_method), ("recompiles", recompiles), ("demo", demo),
+    for section, fn in (("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
                         ("gpu_check", gpu_check), ("inductor", inductor)):
         run(section, fn, result)
         save()

@@ -41,6 +41,13 @@ def test_compiled_rounds_never_recompile_after_warmup():
     assert compile_result("recompiles")["graphs_after_warmup"] == 0
 
 
+def test_compiled_warmup_records_what_eager_records():
+    """The calibration warm-up on a compiled engine runs past dynamo's recompile limit (its records
+    live outside the compiled steps) and gives the eager warm-up's Youden thresholds, hit rates and
+    matrix."""
+    assert compile_result("warmup") == {"youden": True, "hit_rates": True, "matrix": True}
+
+
 def test_compiled_with_inductor_equals_eager():
     """The real CPU backend on the tiny model: ar and graft-root (every kind of step), greedy; no
     graph compiled after warm-up."""
