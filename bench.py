@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import generate as G
-from data import STORIES, check_dataset, load_dataset, read_prompts, stories_head_dir
+from data import check_dataset, load_dataset, read_prompts
 from model import GraftError
 from verify import Sampling
 
@@ -214,10 +214,6 @@ def main(argv=None) -> dict:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in G.NEEDS_HEAD for m in methods)
     draft = a.draft or (G.known_head(a.ckpt) if need_head else None)
-    if need_head and not draft and os.path.realpath(a.ckpt) == os.path.realpath(STORIES):
-        draft = stories_head_dir()                 # made by `python train.py stories-head` (~2 min)
-        if not os.path.isfile(os.path.join(draft, "model.safetensors")):
-            raise GraftError(f"no head for stories260K-hf in {draft}: make it with `python train.py stories-head`")
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in G.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")

@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from data import read_prompts, read_text
+from data import STORIES, read_prompts, read_text, stories_head_dir
 from draft import Drafter, load_head
 from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, accepted_by,
                    build_template, cache_dir, calibrate, choose_budget, load_state, save_state, stage_tree, with_root)
@@ -106,9 +106,12 @@ def default_demo(device) -> str:
 
 def known_head(ckpt: str) -> str | None:
     """The published (or shipped) EAGLE-3 head for a well-known target: its Hub id, or a GGUF file (or
-    a folder holding one) of the demo model. None when the target is not known."""
+    a folder holding one) of the demo model, or ../shared/models/stories260K-hf (the head shipped for
+    it). None when the target is not known."""
     if ckpt in KNOWN_HEADS:
         return KNOWN_HEADS[ckpt]
+    if os.path.isdir(ckpt) and os.path.realpath(ckpt) == os.path.realpath(STORIES):
+        return stories_head_dir()
     names = [os.path.basename(ckpt)]
     if os.path.isdir(ckpt):
         names = [f for f in os.listdir(ckpt) if f.lower().endswith(".gguf")]

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
-from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stories_head_dir
+from data import (STORIES, cache_dir, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files,
+                  stdlib_snippets)
 
 
 # ----------------------------------------------------------------------------- resumable state
@@ -555,10 +556,11 @@ def train_target(a) -> str:
 
 
 def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) -> str:
-    """The EAGLE-3 head for ../shared/models/stories260K-hf, trained once into the cache folder
-    (about two minutes on 2 CPU cores) and reused after that. Prompts: 300 openings the model
-    samples itself (seed 0); bench.py holds out openings sampled with another seed."""
-    out = out or stories_head_dir()
+    """Train the EAGLE-3 head for ../shared/models/stories260K-hf into `out` (default: the cache
+    folder; the repository ships the same recipe's head in data.stories_head_dir()), about two
+    minutes on 2 CPU cores, unless `out` already holds one. Prompts: 300 openings the model samples
+    itself (seed 0); bench.py holds out openings sampled with another seed."""
+    out = out or os.path.join(cache_dir(), "stories260K-eagle3")
     if os.path.isfile(os.path.join(out, "model.safetensors")) and os.path.isfile(os.path.join(out, "config.json")):
         return out
     if not os.path.isdir(STORIES):
@@ -642,7 +644,8 @@ def parse_args(argv=None):
     sp.add_argument("--seed", type=int, default=0)
     cp = sub.add_parser("chat-prompts", help="write chat prompts from ../shared/data (no benchmark set we report)")
     cp.add_argument("--out", required=True)
-    h = sub.add_parser("stories-head", help="(re)create the stories260K-hf head in the cache folder")
+    h = sub.add_parser("stories-head", help="train the stories260K-hf head (the recipe of the shipped one) into --out "
+                                            "(default: the cache folder)")
     h.add_argument("--out", default=None)
     h.add_argument("--minutes", type=float, default=0)
     return p.parse_args(argv)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, needs_shared
 import generate as G
 from generate import STDLIB_CKPT, STDLIB_DRAFT, Config, build_engine, generate, make_method, warm_up
 from verify import Sampling
@@ -125,6 +125,30 @@ def test_known_heads(ckpt, known):
     assert (G.known_head(ckpt) is not None) == known
     if "mollm" in ckpt.lower() and known:
         assert G.known_head(ckpt) == G.DEMO_DRAFT
+
+
+@needs_shared
+def test_stories_head_recipe_trains_a_loadable_head(tmp_path):
+    """`train.py stories-head --out DIR` (the shipped head's recipe, cut to a second of training):
+    a head in the published format that the engine drafts with."""
+    from data import STORIES
+    from train import main
+    out = main(["stories-head", "--out", str(tmp_path / "h"), "--minutes", "0.02"])
+    eng = build_engine(STORIES, out, max_seq_len=128)
+    r = G.generate(eng, G.make_method(eng, "eagle3", G.Config(budget=8)), [1, 403, 407, 261, 378], 12, G.Sampling(), ())
+    assert len(r.tokens) == 12 and r.draft_forwards > 0
+
+
+def test_stories_has_its_shipped_head(tmp_path):
+    """stories260K-hf (by its place in ../shared) maps to the head shipped in checkpoints/, which loads;
+    a copy of the model elsewhere is not recognised by name."""
+    from data import STORIES
+    head = G.known_head(STORIES)
+    assert head == str(ROOT / "checkpoints" / "stories260K-eagle3")
+    cfg = json.loads((Path(head) / "config.json").read_text())
+    assert cfg["vocab_size"] == 512 and (Path(head) / "model.safetensors").is_file()
+    (tmp_path / "stories260K-hf").mkdir()
+    assert G.known_head(str(tmp_path / "stories260K-hf")) is None
 
 
 @has_demo

@@ -119,9 +119,8 @@ def test_deep_acceptance_keeps_cache_exact(tiny_engine, s):
 
 @pytest.fixture(scope="module")
 def stories_engine():
-    from train import ensure_stories_head, STORIES
-    head = ensure_stories_head()
-    eng = build_engine(STORIES, head)
+    from data import STORIES, stories_head_dir
+    eng = build_engine(STORIES, stories_head_dir())
     warm_up(eng, Config(), use_cache=False)
     return eng
 
