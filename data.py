@@ -297,6 +297,6 @@ def sample_openings(model, tok, n: int, length: int = 8, seed: int = 0, temperat
 
 
 def stories_head_dir() -> str:
-    """The shipped EAGLE-3 head for stories260K-hf (checkpoints/stories260K-eagle3, 0.4 MB, made by
+    """The shipped EAGLE-3 head for stories260K-hf (checkpoints/stories-260k-eagle3, 0.4 MB, made by
     `python train.py stories-head`: see the README's stories section for its data and agreement)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "stories260K-eagle3")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "stories-260k-eagle3")

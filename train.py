@@ -560,7 +560,7 @@ def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) ->
     folder; the repository ships the same recipe's head in data.stories_head_dir()), about two
     minutes on 2 CPU cores, unless `out` already holds one. Prompts: 300 openings the model samples
     itself (seed 0); bench.py holds out openings sampled with another seed."""
-    out = out or os.path.join(cache_dir(), "stories260K-eagle3")
+    out = out or os.path.join(cache_dir(), "stories-260k-eagle3")
     if os.path.isfile(os.path.join(out, "model.safetensors")) and os.path.isfile(os.path.join(out, "config.json")):
         return out
     if not os.path.isdir(STORIES):

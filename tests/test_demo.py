@@ -144,7 +144,7 @@ def test_stories_has_its_shipped_head(tmp_path):
     a copy of the model elsewhere is not recognised by name."""
     from data import STORIES
     head = G.known_head(STORIES)
-    assert head == str(ROOT / "checkpoints" / "stories260K-eagle3")
+    assert head == str(ROOT / "checkpoints" / "stories-260k-eagle3")
     cfg = json.loads((Path(head) / "config.json").read_text())
     assert cfg["vocab_size"] == 512 and (Path(head) / "model.safetensors").is_file()
     (tmp_path / "stories260K-hf").mkdir()
