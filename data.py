@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from graft import cache_dir
 from model import GraftError
 from verify import Sampling, choose
 
