@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Attention, Fields, GraftError, KVCache, MLP, ModelArgs, RMSNorm, attention_mask, check_finite,
-                   read_config, read_rope, read_safetensors, resolve_checkpoint, rope_at, rope_table)
+from model import (Attention, Fields, GraftError, KVCache, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows,
+                   check_finite, read_config, read_rope, read_safetensors, resolve_checkpoint, rope_at, rope_table)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -84,11 +84,11 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(a.dim, a.intermediate_size)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None):
+    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None):
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
-        hidden = residual + self.self_attn(x, rope, rows, mask, kv, steps_kv)
+        hidden = residual + self.self_attn(x, rope, rows, mask, kv, steps_kv, keep)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -109,14 +109,17 @@ class Eagle3(nn.Module):
     def setup_caches(self, rows: int):
         p = self.fc.weight
         a = self.config.layer
+        rows = cache_rows(rows)
         self.rope = rope_table(a, rows).to(p.device)
         self.cache = KVCache(1, 1, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
-    def forward(self, hidden, ids, positions, rows=None, mask=None, fused: bool = True, steps_kv=None, cache=None):
+    def forward(self, hidden, ids, positions, rows=None, mask=None, fused: bool = True, steps_kv=None, cache=None,
+                keep=None):
         """hidden (B, T, 3*Ht) target features (fused=True) or (B, T, H) the head's own output;
         ids (B, T) the token *after* each feature. With rows (T,): written there in `cache` (default
         the head's own), attention over rows 0..n_keys-1 under mask (T, n_keys). Returns the pre-norm
-        output (B, T, H). steps_kv: earlier unrolled steps' keys/values (training only, see train.py)."""
+        output (B, T, H). steps_kv: earlier unrolled steps' keys/values (training only, see train.py);
+        keep (T,) bool: the real rows (padding writes zeros to the cache)."""
         if fused:
             hidden = self.fc(hidden)
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
@@ -126,7 +129,7 @@ class Eagle3(nn.Module):
         kv = None
         if rows is not None:
             kv = (cache if cache is not None else self.cache).layer(0)
-        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv)
+        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv, keep)
 
     def logprobs(self, out_hidden):
         """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""
@@ -350,7 +353,7 @@ class Drafter:
         c, dev = ids.numel(), ids.device
         rows = self.Ld + torch.arange(c, device=dev)
         mask = attention_mask(torch.ones(c, c, dtype=torch.bool, device=dev).tril_(), self.Ld, cols)
-        self.head(feats[None], ids[None], rows, rows, mask, fused=True)
+        self.head(feats[None], ids[None], rows, rows, mask, fused=True, keep=torch.arange(c, device=dev) < n)
         self.Ld.add_(n)
 
     def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -361,7 +364,8 @@ class Drafter:
         P = ids.numel()
         rows = self.Ld + torch.arange(P, device=dev)
         mask = attention_mask(torch.ones(P, P, dtype=torch.bool, device=dev).tril_(), self.Ld, cols)
-        out = head(feats[None], ids[None], rows, rows, mask, fused=True)[0]       # (P, H)
+        keep = torch.arange(P, device=dev) < n                                     # the path; the rest pads
+        out = head(feats[None], ids[None], rows, rows, mask, fused=True, keep=keep)[0]   # (P, H)
         h_root = out.index_select(0, (n - 1).view(1))                              # (1, H)
         self.Ld.add_(n)
         s, t = head.logprobs(h_root).topk(k, dim=-1)                               # (1, k)

@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -37,8 +38,8 @@ from draft import Drafter, load_head
 from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, accepted_by,
                    build_template, cache_dir, calibrate, choose_budget, load_state, save_state, stage_tree, with_root)
 from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
-from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token,
-                    token_hash, verify)
+from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit,
+                    decode_one_token, token_hash, verify)
 
 # Published EAGLE-3 heads for well-known targets (eagle3.md section 3).
 KNOWN_HEADS = {
@@ -158,31 +159,121 @@ def prefill_chunk(model, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor,
     C, dev = tokens.numel(), tokens.device
     rows = L + torch.arange(C, device=dev)
     mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), L, cols)
-    out = model(tokens[None], rows, rows, mask, capture)
+    out = model(tokens[None], rows, rows, mask, capture, keep=torch.arange(C, device=dev) < n)
     L.add_(n)
     return (out[0][0], out[1][0]) if capture else (out[0], None)
 
 
 # ----------------------------------------------------------------------------- the engine
+#
+# The CUDA-graph contract (torch.compile mode="reduce-overhead", cudagraph trees), which every step
+# below follows on any device and the CPU suite checks (tests/test_gpu_contract.py):
+#   1. An output of a compiled step lives until the next generation begins (Engine.mark_step: before
+#      every round and every prefill chunk) or until the same step runs again. What must outlive it is
+#      written into a static buffer inside the step (the next root: Engine.root, written by verify and
+#      decode) or cloned (the prompt's last feature, the warm-up's confidences).
+#      Checked by check_lifetimes=True: every output is poisoned (NaN, an out-of-range id) as soon as
+#      it expires, and every method must stay lossless.
+#   2. Every tensor a step reads that lives across rounds (caches, round state, RoPE tables, column
+#      indices, the token hash, templates) is allocated once and declared with Engine.static; on a GPU
+#      that marks its address static, so a replay reads it in place instead of copying it in.
+#   3. Nothing in a step syncs with the host; a round makes one transfer (verify.commit) plus one per
+#      checkpoint reached, and host values reach the device by fills of static buffers, not copies.
+#   4. A cache row a query may not see is zero or was written by a real node whose logits were checked:
+#      padding rows write zeros, and with full attention begin() zeroes the caches.
+#   5. Each step has its own code object, so its graphs live in a dynamo cache of their own (Engine.compile),
+#      and the verify step takes the tree size as a dynamic dimension: one compile serves every budget.
+
+
+def own_code(fn, name: str):
+    """fn with a code object of its own. Dynamo keeps compiled graphs per code object: every step made
+    with functools.partial(verify, model), or every Graft's bound `assemble_stage`, would share one
+    cache, whose entries pile up across methods and engines until dynamo stops compiling. Partials
+    and bound methods keep their arguments and self."""
+    if isinstance(fn, partial):
+        return partial(own_code(fn.func, name), *fn.args, **fn.keywords)
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(own_code(fn.__func__, name), fn.__self__)
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{name}")
+    f = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__kwdefaults__, f.__qualname__, f.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return f
+
+
+def tensors_in(x) -> list:
+    """Every tensor in a step's output or arguments: tuples, lists, dicts and dataclasses (Tree, Verified)."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in tensors_in(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in tensors_in(v)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [t for f in dataclasses.fields(x) for t in tensors_in(getattr(x, f.name))]
+    return []
+
+
+def poison(t: torch.Tensor):
+    """Overwrite an expired output as a CUDA graph's next replay would: floats NaN, integers an id no
+    vocabulary or index has, booleans flipped."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.logical_not_()
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+class OutputLifetimes:
+    """Test mode of contract rule 1 on any device: each step's outputs are poisoned when the next
+    generation begins and when the step runs again. Outputs that share storage with an argument or a
+    static buffer are state, not outputs, and are left alone."""
+
+    def __init__(self, eng: "Engine"):
+        self.eng, self.live = eng, {}
+
+    def wrap(self, step, name: str):
+        def run(*args, **kwargs):
+            self.expire(name)
+            out = step(*args, **kwargs)
+            keep = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs)) + self.eng.statics}
+            self.live[name] = [t for t in tensors_in(out) if t.untyped_storage().data_ptr() not in keep]
+            return out
+        return run
+
+    def expire(self, name: str):
+        for t in self.live.pop(name, []):
+            poison(t)
+
+    def new_generation(self):
+        for name in list(self.live):
+            self.expire(name)
+
 
 class Engine:
     """A target with its tokenizer, optional head and continuation matrix, and how its steps run:
     eager, or compiled (inductor on a CPU, CUDA graphs on a GPU), with attention over a window of the
     cache that grows with the context (`window`, a CPU's fastest) or over the whole cache (static
     shapes, what CUDA graphs need). It owns the device-side round state: the committed length L, the
-    sampling seed, and the clock of the round's phases."""
+    next root, the sampling seed, and the clock of the round's phases. check_lifetimes: poison every
+    step output when it expires (OutputLifetimes; tests)."""
 
     def __init__(self, model, tokenizer: Tokenizer, drafter: Drafter | None, matrix: ContinuationMatrix,
-                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK, backend: str = "inductor"):
+                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK, backend="inductor",
+                 check_lifetimes: bool = False):
         self.model, self.tokenizer, self.drafter, self.matrix = model, tokenizer, drafter, matrix
         self.thresholds, self.hit_rates = None, None
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.cuda = self.device.type == "cuda"
         self.compiling, self.window, self.chunk, self.backend = compile, window, chunk, backend
-        self.L = torch.zeros((), dtype=torch.long, device=self.device)       # committed rows, on the device
-        self.L_host = 0                                                      # and its mirror on the host
-        self.seed = torch.zeros((), dtype=torch.long, device=self.device)
+        self.statics = []                                   # what lives across rounds (contract rule 2)
+        self.lifetimes = OutputLifetimes(self) if check_lifetimes else None
+        new = lambda: torch.zeros((), dtype=torch.long, device=self.device)
+        self.L, self.L_host = new(), 0                      # committed rows, on the device and its host mirror
+        self.root, self.root_id = new(), None               # the next round's root (written by the steps)
+        self.seed = new()
+        self._n, self._head_n = new(), new()                # real tokens of a prefill chunk (filled, not copied)
         self.sampling = Sampling()
         self.clock = Clock(self.device)
         self.compile_seconds = 0.0
@@ -192,33 +283,49 @@ class Engine:
         if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
+            if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+                torch._dynamo.config.fail_on_recompile_limit_hit = True     # never fall back to eager silently
         self._cols = self._head_cols = None
-        token_hash(model.args.vocab_size, self.device)      # sampling's table: read, never built, in a graph
+        self.static(self.L, self.root, self.seed, self._n, self._head_n, *matrix.buffers(),
+                    token_hash(model.args.vocab_size, self.device))    # sampling's table: read, never built, in a graph
         self.reserve(1, 1)
-        self._decode = self.compile(partial(decode_one_token, model))
-        self._verify = self.compile(partial(verify, model))
-        self._prefill = self.compile(partial(prefill_chunk, model))
-        self._head_prefill = self.compile(drafter.prefill) if drafter else None
-        self.static(self.L, self.seed, matrix.M, matrix.written, matrix.counts, matrix.hits)
+        self._decode = self.compile(partial(decode_one_token, model), "decode")
+        self._verify = self.compile(partial(verify, model), "verify")
+        self._prefill = self.compile(partial(prefill_chunk, model), "prefill")
+        self._head_prefill = self.compile(drafter.prefill, "head_prefill") if drafter else None
 
     # -- compilation
-    def compile(self, fn):
-        """fn as it runs on this engine: itself, or compiled. A CPU gets inductor; a GPU gets CUDA
-        graphs through torch.compile's reduce-overhead mode. One graph per shape: N, P, stage."""
+    def compile(self, fn, name: str):
+        """fn as it runs on this engine: itself, or compiled (a CPU gets inductor; a GPU gets CUDA
+        graphs through torch.compile's reduce-overhead mode), with a code object of its own (own_code).
+        One graph per shape: P, stage, sampling; the verify step's tree size is dynamic."""
+        fn = own_code(fn, name)
         if not self.compiling:
-            return fn
-        if self.backend != "inductor":         # tests: "aot_eager" traces and functionalises, no codegen
-            return torch.compile(fn, fullgraph=True, backend=self.backend)
-        if self.cuda:
-            return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
-        return torch.compile(fn, fullgraph=True, **CPU_COMPILE)
+            step = fn
+        elif self.backend != "inductor":       # tests: "aot_eager" traces and functionalises, no codegen
+            step = torch.compile(fn, fullgraph=True, backend=self.backend)
+        elif self.cuda:
+            step = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        else:
+            step = torch.compile(fn, fullgraph=True, **CPU_COMPILE)
+        return self.lifetimes.wrap(step, name) if self.lifetimes else step
 
     def static(self, *tensors):
-        """Tensors that live across rounds at a fixed address (caches, state buffers): CUDA graphs
-        read and write them in place instead of copying them in and out."""
+        """Tensors that live across rounds at a fixed address (caches, state buffers, tables): CUDA
+        graphs read and write them in place instead of copying them in on every replay."""
+        for t in tensors:
+            if not any(t is s for s in self.statics):
+                self.statics.append(t)
+                if self.compiling and self.cuda:
+                    torch._dynamo.mark_static_address(t)
+
+    def mark_step(self):
+        """A new generation of step outputs begins (before every round and every prefill chunk): CUDA
+        graph trees may now reuse the memory of the previous generation's outputs."""
         if self.compiling and self.cuda:
-            for t in tensors:
-                torch._dynamo.mark_static_address(t)
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.lifetimes:
+            self.lifetimes.new_generation()
 
     def reserve(self, nodes: int, path: int):
         """Make room in the caches for rounds of `nodes` tree nodes and `path` accepted rows (done when
@@ -228,12 +335,12 @@ class Engine:
         if self._cols is None or m.cache.rows < m.max_seq_len + need:
             m.setup_caches(m.max_seq_len, slack=max(need, 64))
             self._cols = torch.arange(m.cache.rows, device=self.device)
-            self.static(*m.cache.tensors())
+            self.static(*m.cache.tensors(), m.rope, self._cols)
         d = self.drafter
         if d is not None and (self._head_cols is None or d.P < path):
             d.setup(m.max_seq_len, max(path, d.P), self.chunk)
             self._head_cols = torch.arange(d.head.cache.rows, device=self.device)
-            self.static(*d.buffers())
+            self.static(*d.buffers(), d.head.rope, self._head_cols)
 
     def cols(self, n: int, head: bool = False) -> torch.Tensor:
         """The cache rows a step reads: 0..n-1 (window: a size that varies, compiled once as a
@@ -252,7 +359,8 @@ class Engine:
         d = self.drafter
         drafter = Drafter(d.head, self.model.max_seq_len, d.top_k, d.depth, d.P, self.chunk) if d else None
         window = (not (compile and self.cuda)) if window is None else window
-        e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend)
+        e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend,
+                   self.lifetimes is not None)
         e.thresholds, e.hit_rates, e.budget = self.thresholds, self.hit_rates, self.budget
         e.calibration, e.calibrations, e.budget_curve = self.calibration, self.calibrations, self.budget_curve
         return e
@@ -264,24 +372,34 @@ class Engine:
         self.L.zero_()
         self.L_host = 0
         self.clock.reset()
+        if not self.window:          # full attention reads every row: none may hold a previous run's junk
+            for t in self.model.cache.tensors() + (self.drafter.head.cache.tensors() if self.drafter else []):
+                t.zero_()
 
     def prefill(self, tokens: torch.Tensor, n: int, capture: bool) -> tuple:
-        out = self._prefill(tokens, self.L, torch.tensor(n, device=self.device), self.cols(self.L_host + tokens.numel()),
-                            capture)
+        self._n.fill_(n)
+        out = self._prefill(tokens, self.L, self._n, self.cols(self.L_host + tokens.numel()), capture)
         self.L_host += n
         return out
 
     def head_prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: int):
         d = self.drafter
-        self._head_prefill(feats, ids, torch.tensor(n, device=self.device), self.cols(d.Ld_host + ids.numel(), head=True))
+        self._head_n.fill_(n)
+        self._head_prefill(feats, ids, self._head_n, self.cols(d.Ld_host + ids.numel(), head=True))
         d.Ld_host += n
 
-    def decode(self, root: torch.Tensor) -> tuple:
-        return self._decode(root.view(1), self.L, self.cols(self.L_host + 1), self.sampling, self.seed)
+    def decode(self) -> tuple:
+        """decode_one_token after self.root, which then holds the next token."""
+        return self._decode(None, self.L, self.cols(self.L_host + 1), self.sampling, self.seed, root=self.root)
 
     def verify(self, tree, P: int, capture: bool = False) -> Verified:
+        """verify() at the committed length; the bonus lands in self.root. The tree size is a dynamic
+        dimension of the compiled step (one graph for every budget)."""
+        if self.compiling:
+            for t in (tree.tokens, tree.parents, tree.valid):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         return self._verify(tree, self.L, self.cols(self.L_host + tree.tokens.numel()), self.sampling, self.seed,
-                            P, capture)
+                            P, capture, root=self.root)
 
 
 # torch.compile settings on a CPU (inductor's defaults: graphs go to the FX graph cache, so a second
@@ -298,8 +416,10 @@ class Plain(Proposer):
         self.eng = eng
 
     def round(self, root: torch.Tensor) -> Verified:
+        if root is not self.eng.root:
+            self.eng.root.copy_(root)
         self.last_tree = chain(root.view(1))
-        nxt, finite = self.eng.decode(root)
+        nxt, finite = self.eng.decode()
         self.eng.clock.mark("verify")
         got = torch.stack([nxt[0], finite.long()]).tolist()     # the round's one host sync
         if not got[1]:
@@ -316,8 +436,9 @@ class Recycle(Proposer):
         self.tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size).to(eng.device)
         self.N, self.P = cfg.recycle_size + 1, 1 + int(self.tpl.depth.max())
         eng.reserve(self.N, self.P)
-        self.propose, self.learn = eng.compile(self.propose_step), eng.compile(self.learn_step)
-        self.seed_matrix = eng.compile(matrix.update)
+        self.propose, self.learn = eng.compile(self.propose_step, "recycle_propose"), eng.compile(self.learn_step, "recycle_learn")
+        self.seed_matrix = eng.compile(matrix.update, "matrix_update")
+        eng.static(*self.tpl.tensors())
         self.records = None
 
     def prompt_chunk(self, ids, logits, feats, n: int):
@@ -353,6 +474,12 @@ class PromptLookup(Proposer):
         self.eng, self.ngram, self.n_tokens = eng, cfg.pld_ngram, cfg.pld_tokens
         self.N = self.P = cfg.pld_tokens + 1
         eng.reserve(self.N, self.P)
+        # the chain is built on the host: it reaches the device as one asynchronous copy from pinned
+        # memory into a static buffer (row 0 tokens, row 1 whether the node is real), not a blocking one
+        self.host = torch.zeros(2, self.N, dtype=torch.long, pin_memory=eng.cuda)
+        self.chain = torch.zeros(2, self.N, dtype=torch.long, device=eng.device)
+        self.parents = torch.arange(self.N, device=eng.device) - 1
+        eng.static(self.chain, self.parents)
 
     def start(self, prompt: list):
         self.context = list(prompt)
@@ -369,7 +496,12 @@ class PromptLookup(Proposer):
     def round(self, root: torch.Tensor) -> Verified:
         e = self.eng
         self.context.append(e.root_id)
-        tree = self.last_tree = chain(torch.tensor([e.root_id] + self.lookup(), device=e.device), self.N)
+        ids = [e.root_id] + self.lookup()
+        self.host.zero_()            # free to write: the last round's commit() waited for its copy
+        self.host[0, :len(ids)] = torch.tensor(ids)
+        self.host[1, :len(ids)] = 1
+        self.chain.copy_(self.host, non_blocking=True)
+        tree = self.last_tree = Tree(self.chain[0], self.parents, self.chain[1] > 0)
         e.clock.mark("assemble")
         v = e.verify(tree, self.P)
         e.clock.mark("verify")
@@ -464,23 +596,25 @@ def sync(device):
 def prefill(eng: Engine, method: Proposer, ids: list) -> int:
     """The prompt through the target in chunks of eng.chunk tokens (the last one padded), each chunk's
     logits and features handed to the method (the matrix and the head read them); then the first
-    token. Returns it (and leaves it in eng.root / eng.root_id)."""
+    token. Returns it (and leaves it in eng.root, a static buffer, and eng.root_id)."""
     C, dev = eng.chunk, eng.device
-    t = torch.tensor(ids, dtype=torch.long, device=dev)
+    t = torch.tensor(ids, dtype=torch.long, device=dev)       # the prompt's one copy to the device
     finite = torch.ones((), dtype=torch.bool, device=dev)
     for s in range(0, len(ids), C):
         n = min(C, len(ids) - s)
+        eng.mark_step()                           # each chunk is a generation of its own (the step replays)
         chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])
         logits, feats = eng.prefill(chunk, n, method.needs_features)
         finite &= torch.isfinite(logits[:n]).all()
         method.prompt_chunk(chunk, logits, feats, n)
         last = logits[n - 1:n]
-    root = choose(last, torch.tensor([len(ids)], device=dev), eng.sampling, eng.seed)[0]
+    root = choose(last, eng.L.view(1).clone(), eng.sampling, eng.seed)[0]      # L = len(ids): its position
+    eng.root.copy_(root)
     got = torch.stack([root, finite.long()]).tolist()
     if not got[1]:
         raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
                          "in this dtype or its weights are broken")
-    eng.root, eng.root_id = root, got[0]
+    eng.root_id = got[0]
     return got[0]
 
 
@@ -508,8 +642,7 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
     if on_tokens:
         on_tokens(res.tokens)
     while len(res.tokens) < max_new_tokens and root not in eos:
-        if eng.compiling and eng.cuda:
-            torch.compiler.cudagraph_mark_step_begin()      # CUDA graphs: a new round reuses buffers
+        eng.mark_step()                     # the last round's step outputs are dead from here on
         v = method.round(eng.root)
         if on_round:
             on_round(method, v)
@@ -530,7 +663,7 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
         res.accepted += kept
         res.from_retrieval += sum(v.from_retrieval[:kept])
         res.tokens += new
-        root, eng.root, eng.root_id = v.bonus_id, v.bonus, v.bonus_id
+        root = eng.root_id = v.bonus_id     # (the device copy is in eng.root: verify wrote it)
         if on_tokens:
             on_tokens(res.tokens)
         if res.tokens[-1] in eos:
@@ -546,8 +679,7 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: 
     """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
     the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
     verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
-    which is what sets the best budget there. (A chain; the cost does not depend on the tree's
-    shape.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    which is what sets the best budget there. (cost_tree: every size shares one verify graph.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
     dev, m = eng.device, eng.model
     context = max(1, min(context, m.max_seq_len - 1))
     g = torch.Generator().manual_seed(0)
@@ -556,21 +688,37 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: 
     eng.begin(Sampling())
     prefill(eng, Plain(eng), ids[:context].tolist())         # once: every pass below is undone after it
     for n in sizes:
-        tree = chain(ids[context:context + n])
+        tree, P = cost_tree(ids[context:context + n])
         for i in range(repeats + 3):                 # 3 untimed passes first
             if i == 3:
                 sync(dev)
                 t0 = time.perf_counter()
-            if eng.compiling and eng.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
+            eng.mark_step()
             if n == 1 and not capture:
-                eng.decode(tree.tokens[0])
+                eng.root.copy_(tree.tokens[0])
+                eng.decode()
             else:
-                eng.verify(tree, n, capture)
+                eng.verify(tree, P, capture)
             eng.L.fill_(context)                     # undo what the pass committed
         sync(dev)
         out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
     return context, out
+
+
+# The longest path of the trees pass_cost times: a Graft round's (1 + max(draft depth 8, template depth
+# 9)). Fixed, so that every size runs through one verify graph (the tree size is dynamic, P is not).
+COST_PATH = 10
+
+
+def cost_tree(tokens: torch.Tensor) -> tuple:
+    """A tree of N = tokens.numel() nodes for timing: a chain of min(N, COST_PATH) nodes from the root,
+    the others children of the root. Returns (tree, P). (The cost of a pass does not depend on the
+    tree's shape, only on N.)"""
+    N, dev = tokens.numel(), tokens.device
+    P = min(N, COST_PATH)
+    idx = torch.arange(N, device=dev)
+    parents = torch.where(idx < P, idx - 1, 0)
+    return Tree(tokens, parents, torch.ones(N, dtype=torch.bool, device=dev)), P
 
 
 def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
@@ -853,6 +1001,7 @@ def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
             if i == 2:
                 sync(eng.device)
                 t0 = time.perf_counter()
+            eng.mark_step()
             fn(eng.root)
         sync(eng.device)
         out[s] = (time.perf_counter() - t0) / repeats

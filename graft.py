@@ -143,6 +143,9 @@ class Template:
     def widths(self) -> list:
         return torch.bincount(self.depth)[1:].tolist()
 
+    def tensors(self) -> list:
+        return [self.parents, self.ranks, self.depth] + [x for lv in self.levels for x in lv]
+
     def to(self, device) -> "Template":
         return Template(self.parents.to(device), self.ranks.to(device), self.depth.to(device),
                         [tuple(x.to(device) for x in lv) for lv in self.levels])
@@ -317,7 +320,8 @@ def graft_trees(d_tokens, d_parents, r_tokens, tpl: Template, free: int, anchor=
     result, -1 = root. Static shapes: no nonzero, no data-dependent sizes."""
     dev = d_tokens.device
     K, n = d_tokens.numel(), r_tokens.numel()
-    anchor = torch.as_tensor(anchor, device=dev)
+    if not torch.is_tensor(anchor):                           # (a host int: a fill, never a copy to the device)
+        anchor = torch.full((), anchor, dtype=torch.long, device=dev)
     hid = torch.empty(n, dtype=torch.long, device=dev)       # hybrid id: draft index, or K + j if new
     merged = torch.zeros(n, dtype=torch.bool, device=dev)
     for idx, par, _ in tpl.levels:                            # level by level: parents are resolved
@@ -348,7 +352,8 @@ def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, N: int) -> 
     z = lambda dtype, v=0: torch.full((pad,), v, dtype=dtype, device=dev)
     one = lambda x: x.view(1)
     return Tree(torch.cat([one(root), tokens, z(torch.long)]),
-                torch.cat([torch.tensor([-1], device=dev), torch.where(parents < 0, 0, parents + 1), z(torch.long, -1)]),
+                torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), torch.where(parents < 0, 0, parents + 1),
+                           z(torch.long, -1)]),
                 torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, z(torch.bool)]),
                 torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), retrieved, z(torch.bool)]))
 
@@ -446,7 +451,7 @@ class Graft(Proposer):
         self.thresholds = {c: float((cfg.thresholds or {}).get(c, 0.0)) for c in cfg.checkpoints} if cfg.prune else {}
         self.stages = cfg.stages()
         rates = hit_rates or PRIOR_HIT_RATES
-        self.templates = {s: build_template(rates, K + R) for s, (K, R) in self.stages.items() if R}
+        self.templates = {s: build_template(rates, K + R).to(eng.device) for s, (K, R) in self.stages.items() if R}
         self.N = 1 + max(cfg.budget, *(K + R for K, R in self.stages.values()))
         T = MAX_TEMPLATE_DEPTH if self.templates else 0
         self.tail = cfg.ablation == "tail"
@@ -456,14 +461,15 @@ class Graft(Proposer):
         self.pend_feats = torch.zeros(self.P, len(eng.model.capture_layers) * Ht, dtype=eng.dtype, device=dev)
         self.pend_ids = torch.zeros(self.P, dtype=torch.long, device=dev)
         self.pend_n = torch.ones((), dtype=torch.long, device=dev)
-        self.level_index = [torch.tensor(i, device=dev) for i in range(cfg.depth)]
-        self.extend, self.level = eng.compile(self.d.extend), eng.compile(self.d.level)
-        self.assemble = {s: eng.compile(partial(self.assemble_stage, s)) for s in self.stages}
-        self.learn = eng.compile(self.learn_step)
-        self.seed_matrix = eng.compile(matrix.update) if matrix is not None else None
+        self.level_index = [torch.full((), i, dtype=torch.long, device=dev) for i in range(cfg.depth)]
+        self.extend, self.level = eng.compile(self.d.extend, "extend"), eng.compile(self.d.level, "level")
+        self.assemble = {s: eng.compile(partial(self.assemble_stage, s), f"assemble_{s}") for s in self.stages}
+        self.learn = eng.compile(self.learn_step, "learn")
+        self.seed_matrix = eng.compile(matrix.update, "matrix_update") if matrix is not None else None
         self.records = None              # warm-up: a list to collect each round's candidates and confidences
         self.calib_template = None       # warm-up: the largest retrieval template a calibrated stage may use
-        eng.static(self.pend_feats, self.pend_ids, self.pend_n)
+        eng.static(self.pend_feats, self.pend_ids, self.pend_n, *self.level_index,
+                   *(t for tpl in self.templates.values() for t in tpl.tensors()))
 
     # -- the prompt: the head's committed rows, and the matrix seeded from the prefill logits
     def start(self, prompt: list):
@@ -480,7 +486,7 @@ class Graft(Proposer):
             F, I, real = feats, torch.cat([ids[1:], ids[:1] * 0]), n - 1
         else:                            # later ones start with the previous chunk's last feature
             F, I, real = torch.cat([self._last, feats[:-1]]), ids, n
-        self._last = feats[n - 1:n]
+        self._last = feats[n - 1:n].clone()      # an output of the prefill step, read after its next replay
         self.eng.head_prefill(F, I, real)
 
     # -- one round
@@ -535,7 +541,7 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     stage, forwards, syncs, seen = None, 1, 1, {}
     for c in range(D):                                  # level c+1 exists now
         if c in g.thresholds or (g.records is not None and c in cfg.checkpoints):
-            seen[c] = conf
+            seen[c] = conf.clone()                       # read after later levels replay their step
             if c in g.thresholds:
                 syncs += 1
                 if float(conf) < g.thresholds[c]:        # a host sync: the decision

@@ -303,6 +303,12 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+def cache_rows(n: int) -> int:
+    """n rounded up to a multiple of 16. With full attention a step reads every row, and the
+    memory-efficient SDPA kernel pads a mask whose last dimension is not 16-aligned on every call."""
+    return -(-n // 16) * 16
+
+
 class KVCache:
     """Keys and values of every layer, (B, H_kv, rows, D) each, preallocated and written at explicit
     rows (gpt-fast's static cache). A plain object, not module buffers: compiled steps take it as an
@@ -357,7 +363,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None):
+    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -367,8 +373,13 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv is not None:
-            # the new rows go into the cache first; then every query reads cache rows 0..n_keys-1
+            # the new rows go into the cache first; then every query reads cache rows 0..n_keys-1.
+            # Padding rows (keep False) write zeros: a row nobody may see must still be finite, since
+            # with full attention its keys and values meet the mask's zero weights (0 * NaN = NaN).
             kc, vc = kv
+            if keep is not None:
+                k = torch.where(keep[:, None], k, 0.0)
+                v = torch.where(keep[:, None], v, 0.0)
             kc.index_copy_(2, rows, k)
             vc.index_copy_(2, rows, v)
             n_keys = mask.shape[-1]
@@ -380,8 +391,27 @@ class Attention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            y = grouped_attention(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+def grouped_attention(q, k, v, mask):
+    """Masked grouped-query attention without expanding K and V: the G = H / H_kv query heads that
+    share a KV head become G*T query rows against it, and the mask is tiled to match.
+
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask (T, S) bool or additive. Returns (B, H, T, D).
+    Why: with a mask, flash attention is out and the memory-efficient kernel takes no GQA (torch 2.11
+    on CUDA), so `enable_gqa=True` lands on the math kernel, which copies K and V to every query head
+    and upcasts them: the whole cache, several times per layer per step. Folded, every backend sees
+    plain multi-head attention with H_kv heads (query head h reads KV head h // G, as HF's repeat_kv)."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if H == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, D)                                   # row g*T + t: head kv*G + g, token t
+    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(G, 1))   # (B, H_kv, G*T, D)
+    return y.reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -446,8 +476,8 @@ class Block(nn.Module):
         sparse = bool(a.sparse_layers) and a.sparse_layers[i]
         self.mlp = MoE(a) if sparse else MLP(a.dim, a.intermediate_size)
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv)
+    def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -472,15 +502,16 @@ class Transformer(nn.Module):
         a step never needs a shape that depends on how full the cache is."""
         p, a = self.embed_tokens.weight, self.args
         self.max_seq_len = max_seq_len
-        rows = max_seq_len + slack
+        rows = cache_rows(max_seq_len + slack)
         self.rope = rope_table(a, rows).to(p.device)
         self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
-    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None):
+    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None):
         """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
 
         With `rows` (T,): the T new rows are written there in `cache` (default: the model's own) and
-        attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend).
+        attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend);
+        `keep` (T,) bool marks the real rows (padding writes zeros to the cache, see Attention).
         Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
         capture=True, the EAGLE-3 features (B, T, n*dim): the residual stream at the input of the
         layers in self.capture_layers (2, L//2 and L-3 unless a head declares others; L = the output of
@@ -498,7 +529,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if capture:
                 feats += [x] * points.count(i)
-            x = layer(x, rope, rows, mask, cache.layer(i) if rows is not None else None)
+            x = layer(x, rope, rows, mask, cache.layer(i) if rows is not None else None, keep)
         if capture:                          # "the input of layer L": the last layer's output, before the norm
             feats += [x] * points.count(len(self.layers))
         logits = self.lm_head(self.norm(x))                           # (B, T, V)

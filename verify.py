@@ -135,20 +135,23 @@ def chain(tokens: torch.Tensor, n: int | None = None) -> Tree:
     return Tree(toks, idx - 1, idx < k)
 
 
-def tree_mask(parents: torch.Tensor, valid: torch.Tensor | None = None) -> tuple:
+def tree_mask(parents: torch.Tensor, valid: torch.Tensor | None = None, max_depth: int | None = None) -> tuple:
     """Ancestor mask (N, N) bool (row i sees i and its ancestors) and depth (N,) (root 0).
 
     Start from "self or parent" and square the relation: after j squarings it reaches ancestors up to
-    2^j generations away, so ceil(log2 N) small matmuls, a number fixed by N alone (no host sync).
-    A padding node (valid False) is its own root: it sees only itself and has depth 0."""
+    2^j generations away. The number of squarings depends on max_depth (the deepest node a tree may
+    have; default N - 1), never on N itself, so N can be a dynamic dimension of a compiled step (one
+    graph for every tree size). A padding node (valid False) is its own root: it sees only itself
+    and has depth 0."""
     N = parents.numel()
+    max_depth = N - 1 if max_depth is None else max_depth
     idx = torch.arange(N, device=parents.device)
     alone = parents < 0 if valid is None else (parents < 0) | ~valid
     up = torch.where(alone, idx, parents.clamp(min=0))                # a root is its own parent
     rel = torch.zeros(N, N, device=parents.device)
     rel[idx, idx] = 1.0
     rel[idx, up] = 1.0
-    for _ in range(max(N - 1, 1).bit_length()):
+    for _ in range(max(max_depth, 1).bit_length()):
         rel = (rel @ rel).clamp_(max=1.0)
     mask = rel > 0
     return mask, mask.sum(-1) - 1
@@ -193,37 +196,47 @@ class Verified:
 
 
 def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling, seed: torch.Tensor,
-           P: int, capture: bool = False, cache=None) -> Verified:
+           P: int, capture: bool = False, cache=None, root: torch.Tensor | None = None) -> Verified:
     """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed) and commit its
     accepted path in the cache; L (0-d, on the device) advances by A + 1.
 
     Nodes are written at rows L..L+N-1 with positions L + depth; a node attends to the committed
     prefix and its own ancestors (attention_mask; cols: the rows attention reads). Afterwards the
     path's rows are moved to L..L+P-1 (compaction), so rows 0..L+A hold exactly what decoding the
-    accepted tokens one by one would have left. One target pass, no host sync. (Called under no_grad:
-    the decoding loop is; the steps are not decorated, so that each compiles as itself.)"""
+    accepted tokens one by one would have left. No node is deeper than P - 1 (P: the longest path the
+    tree can hold). root: a 0-d buffer that receives the bonus token (the next round's root) inside
+    the step, so that it outlives the step's outputs (a CUDA graph's outputs are overwritten by its
+    next replay). One target pass, no host sync. (Called under no_grad: the decoding loop is; the
+    steps are not decorated, so that each compiles as itself.)"""
     cache = cache if cache is not None else model.cache
     N = tree.tokens.numel()
-    mask, depth = tree_mask(tree.parents, tree.valid)
+    mask, depth = tree_mask(tree.parents, tree.valid, P - 1)
     attend = attention_mask(mask, L, cols) & (tree.valid[:, None] | (cols[None, :] >= L))   # padding: nothing
-    out = model(tree.tokens[None], L + depth, L + torch.arange(N, device=L.device), attend, capture, cache)
+    out = model(tree.tokens[None], L + depth, L + torch.arange(N, device=L.device), attend, capture, cache,
+                keep=tree.valid)
     logits, feats = (out[0][0], out[1][0]) if capture else (out[0], None)
     target = choose(logits, L + depth + 1, sampling, seed)                               # (N,)
     A, bonus, path = accept(tree.tokens, tree.parents, tree.valid, mask, depth, target, P)
     cache.move_rows(L + path, L + torch.arange(P, device=L.device))
     L.add_(A + 1)
-    return Verified(A, bonus, path, logits, target, None if feats is None else feats.index_select(0, path),
-                    torch.isfinite(logits).all())
+    if root is not None:
+        root.copy_(bonus)
+    finite = (torch.isfinite(logits) | ~tree.valid[:, None]).all()       # real nodes only: padding is junk
+    return Verified(A, bonus, path, logits, target, None if feats is None else feats.index_select(0, path), finite)
 
 
 def decode_one_token(model, token: torch.Tensor, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling,
-                     seed: torch.Tensor, cache=None) -> tuple:
+                     seed: torch.Tensor, cache=None, root: torch.Tensor | None = None) -> tuple:
     """Plain decoding's step: the root (1,) at row L, then the target's next token (1,) and whether
-    its logits were finite (()). L advances by one."""
+    its logits were finite (()). L advances by one. root: a 0-d buffer that receives the next token
+    inside the step (see verify); with token None the step reads its token from there too."""
+    token = root.view(1) if token is None else token
     one = torch.ones(1, 1, dtype=torch.bool, device=token.device)
     logits = model(token[None], L.view(1), L.view(1), attention_mask(one, L, cols), False, cache)[0]
     nxt = choose(logits, (L + 1).view(1), sampling, seed)
     L.add_(1)
+    if root is not None:
+        root.copy_(nxt[0])
     return nxt, torch.isfinite(logits).all()
 
 
@@ -274,8 +287,10 @@ class Clock:
         self.reset()
 
     def reset(self):
+        """Forget every phase; timing restarts at the next start() (no event is recorded here, so an
+        engine on fake CUDA tensors can be built on a machine without CUDA)."""
         self.totals, self.events = {}, []
-        self.start()
+        self.last = time.perf_counter()
 
     def start(self):
         if self.cuda:

@@ -472,7 +472,7 @@ class FakeEngine:
     def reserve(self, *a):
         pass
 
-    def compile(self, fn):
+    def compile(self, fn, name=None):
         return fn
 
     def static(self, *a):
