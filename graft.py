@@ -168,12 +168,12 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
             for r in range(len(a)):
                 heapq.heappush(heap, (neg * a[r], counter, j, r, d + 1))
                 counter += 1
-    P, R, D = (torch.tensor(x, dtype=torch.long) for x in (parents, ranks, depth))
+    long = lambda x: torch.tensor(x, dtype=torch.long)
     levels = []
-    for d in range(1, int(D.max()) + 1 if n else 1):
-        idx = (D == d).nonzero().flatten()
-        levels.append((idx, P[idx], R[idx]))
-    return Template(P, R, D, levels)
+    for d in range(1, max(depth, default=0) + 1):        # (host lists: built once, then moved to the device)
+        idx = [j for j, x in enumerate(depth) if x == d]
+        levels.append((long(idx), long([parents[j] for j in idx]), long([ranks[j] for j in idx])))
+    return Template(long(parents), long(ranks), long(depth), levels)
 
 
 # ----------------------------------------------------------------------------- calibration
