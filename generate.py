@@ -185,16 +185,21 @@ def prefill_chunk(model, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor,
 #      and the verify step takes the tree size as a dynamic dimension: one compile serves every budget.
 
 
-def own_code(fn, name: str):
-    """fn with a code object of its own. Dynamo keeps compiled graphs per code object: every step made
-    with functools.partial(verify, model), or every Graft's bound `assemble_stage`, would share one
-    cache, whose entries pile up across methods and engines until dynamo stops compiling. Partials
-    and bound methods keep their arguments and self."""
+def own_code(fn, name: str, codes: dict):
+    """fn with a code object of its own for the step `name`. Dynamo keeps compiled graphs per code
+    object: every step made with functools.partial(verify, model), or every Graft's bound
+    `assemble_stage`, would share one cache, whose entries pile up across steps, stages and engines
+    until dynamo stops compiling (it then fails: fail_on_recompile_limit_hit). `codes` (one per engine)
+    keeps one code object per (function, step), so two methods' instances of a step share their graphs.
+    Partials and bound methods keep their arguments and self."""
     if isinstance(fn, partial):
-        return partial(own_code(fn.func, name), *fn.args, **fn.keywords)
+        return partial(own_code(fn.func, name, codes), *fn.args, **fn.keywords)
     if isinstance(fn, types.MethodType):
-        return types.MethodType(own_code(fn.__func__, name), fn.__self__)
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{name}")
+        return types.MethodType(own_code(fn.__func__, name, codes), fn.__self__)
+    key = (fn.__code__, name)
+    if key not in codes:
+        codes[key] = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{name}")
+    code = codes[key]
     f = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     f.__kwdefaults__, f.__qualname__, f.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return f
@@ -268,6 +273,7 @@ class Engine:
         self.cuda = self.device.type == "cuda"
         self.compiling, self.window, self.chunk, self.backend = compile, window, chunk, backend
         self.statics = []                                   # what lives across rounds (contract rule 2)
+        self.step_names, self._codes = set(), {}            # every step compile() made, and their code objects
         self.lifetimes = OutputLifetimes(self) if check_lifetimes else None
         new = lambda: torch.zeros((), dtype=torch.long, device=self.device)
         self.L, self.L_host = new(), 0                      # committed rows, on the device and its host mirror
@@ -299,7 +305,8 @@ class Engine:
         """fn as it runs on this engine: itself, or compiled (a CPU gets inductor; a GPU gets CUDA
         graphs through torch.compile's reduce-overhead mode), with a code object of its own (own_code).
         One graph per shape: P, stage, sampling; the verify step's tree size is dynamic."""
-        fn = own_code(fn, name)
+        fn = own_code(fn, name, self._codes)
+        self.step_names.add(name)
         if not self.compiling:
             step = fn
         elif self.backend != "inductor":       # tests: "aot_eager" traces and functionalises, no codegen
@@ -433,8 +440,9 @@ class Recycle(Proposer):
 
     def __init__(self, eng: Engine, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
         self.eng, self.matrix = eng, matrix
-        self.tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size).to(eng.device)
-        self.N, self.P = cfg.recycle_size + 1, 1 + int(self.tpl.depth.max())
+        tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size)       # on the host, then moved
+        self.N, self.P = cfg.recycle_size + 1, 1 + len(tpl.levels)
+        self.tpl = tpl.to(eng.device)
         eng.reserve(self.N, self.P)
         self.propose, self.learn = eng.compile(self.propose_step, "recycle_propose"), eng.compile(self.learn_step, "recycle_learn")
         self.seed_matrix = eng.compile(matrix.update, "matrix_update")
@@ -775,9 +783,10 @@ WARMUP_FORMAT = 4        # bump when what the warm-up computes changes: old cach
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
-                 backend: str = "inductor") -> Engine:
+                 backend: str = "inductor", check_lifetimes: bool = False) -> Engine:
     """Load a target (and a head) and set up the engine. attention: "window" or "full" (default:
-    full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise)."""
+    full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes)."""
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
     path = resolve_checkpoint(ckpt)
@@ -800,7 +809,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     if compile and attention == "window" and str(device).startswith("cuda"):
         raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
     return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk,
-                  backend=backend)
+                  backend=backend, check_lifetimes=check_lifetimes)
 
 
 def tok_context(path: str) -> int:

@@ -1,24 +1,37 @@
-"""The GPU check: what the compiled engine does on a card, in one JSON, for whoever is lent a GPU.
+"""The GPU check: what the engine does on a card, section by section, for whoever is lent a GPU.
 
-    python scripts/gpu_check.py --out gpu_check.json          # a GPU: shapes of Qwen3-8B, bf16
-    python scripts/gpu_check.py --tiny --out tiny.json        # the same code on a CPU, tiny shapes (CI)
+    python scripts/gpu_check.py --out DIR             # a GPU: widths of Qwen3-8B, within 8 minutes on an H200
+    python scripts/gpu_check.py --tiny --out DIR      # the same code on a CPU, tiny shapes (the suite runs it)
+    python scripts/gpu_check.py --fake-cuda           # every step on data-less device tensors (the suite runs it)
 
-Random weights shaped like Qwen3-8B (36 layers, hidden 4096, 32/8 heads, head_dim 128, intermediate
-12288, vocab 151936) and a random EAGLE-3 head shaped like the published Qwen3-8B heads (one layer,
-hidden 4096, draft vocabulary 32000): the costs of real weights without downloading any. It reports
-  - plain decoding (ar), eager and compiled: ms per token, tokens/s, and the fraction of the card's
-    memory bandwidth it uses (weight bytes read per token x tokens/s / peak);
-  - the verify pass at 1, 17, 33 and 61 nodes (compiled), and one draft level;
-  - a whole Graft round at each pruning stage (forced with thresholds of 0 and 2), phase by phase;
-  - transformers' own generate() on the same weights, eager and with its static cache compiled (the
-    peer a user would reach for). transformers is a test requirement: pip install -r requirements.txt.
-With random weights the head's drafts are never accepted: every number here is a cost, not a speedup.
+Each section runs in a process of its own with its own timeout and writes DIR/<section>.json as it
+finishes (a section that dies leaves what it wrote); DIR/summary.json lists them, one line per section
+is printed, and the exit code is 1 if any failed. It installs nothing and needs neither gguf nor a
+model download: random weights shaped like Qwen3-8B (hidden 4096, 32/8 heads, head_dim 128,
+intermediate 12288, vocab 151936) and a random EAGLE-3 head shaped like the published ones (one layer,
+draft vocabulary 32000). With random weights drafts are never accepted: every number is a cost.
+
+  env        torch, CUDA, cuDNN, the device; which SDPA kernel runs for the decode, verify and prefill
+             shapes (folded grouped-query attention, as model.grouped_attention calls it, and what
+             enable_gqa=True with a mask would have picked)
+  placement  every compiled step of every method once on data-less tensors of a non-CPU device
+             (placement_check): a CPU tensor mixed into a step fails it
+  engine     2 layers of Qwen3-8B's widths, float32, eager and compiled: every method and every forced
+             pruning stage, compiled tokens equal eager; then a second pass of everything that must
+             record no new CUDA graph and compile nothing; no cudagraph skips
+  full       the 36-layer shape, bf16, compiled: ms per token and fraction of the card's memory
+             bandwidth, the verify pass at 1, 17, 33 and 61 nodes (one graph: the tree size is dynamic),
+             a Graft round per stage broken down by phase; graphs compiled and their seconds
+  peer       transformers' generate() on the same shape in its own process (cudagraph trees are global
+             to a process), eager and with its static cache compiled, warmed at the timed length
 """
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -27,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import generate as G  # noqa: E402
 from draft import Drafter, Eagle3, HeadConfig  # noqa: E402
-from graft import Config, ContinuationMatrix  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
-from verify import Sampling  # noqa: E402
+from graft import Config, ContinuationMatrix, Graft  # noqa: E402
+from model import ModelArgs, Transformer, cache_rows  # noqa: E402
+from verify import Sampling, Tree  # noqa: E402
 
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
                 intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, qk_norm=True)
@@ -39,29 +52,35 @@ HEAD_TINY = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size
 # nominal HBM bandwidth, bytes/s, by the name torch reports (the measured copy bandwidth is reported too)
 PEAK = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
         "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L40S": 0.864e12, "RTX 4090": 1.008e12}
+# seconds per section on an H200 (they add up to 8 minutes); --tiny on a CPU gets the same
+TIMEOUTS = {"env": 40, "placement": 40, "engine": 150, "full": 180, "peer": 70}
+SECTIONS = tuple(TIMEOUTS)
+CHECKPOINTS = (0, 1, 5)
 
 
-def random_target(a: ModelArgs, device, dtype) -> Transformer:
+# ----------------------------------------------------------------------------- models
+
+def random_target(a: ModelArgs, device, dtype, max_seq_len: int = 1024) -> Transformer:
     with torch.device(device):
         m = Transformer(a).to(dtype)
     with torch.no_grad():
         for p in m.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02)
-    m.path = "random"
+            p.fill_(1.0) if p.dim() == 1 else p.normal_(0, 0.02)
+    m.path, m.max_seq_len = "random", max_seq_len
     return m.eval()
+
+
+def head_args(a: ModelArgs, h: dict) -> HeadConfig:
+    layer = ModelArgs(arch="llama", vocab_size=a.vocab_size, dim=h["dim"], n_layers=1, n_heads=h["n_heads"],
+                      n_kv_heads=h["n_kv_heads"], head_dim=h["head_dim"], intermediate_size=h["intermediate_size"],
+                      norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=a.max_position_embeddings)
+    return HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size, draft_vocab_size=h["draft_vocab"])
 
 
 def random_head(target: Transformer, h: dict, device, dtype) -> Eagle3:
     a = target.args
-    layer = ModelArgs(arch="llama", vocab_size=a.vocab_size, dim=h["dim"], n_layers=1, n_heads=h["n_heads"],
-                      n_kv_heads=h["n_kv_heads"], head_dim=h["head_dim"], intermediate_size=h["intermediate_size"],
-                      norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=a.max_position_embeddings)
     with torch.device(device):
-        head = Eagle3(HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size,
-                                 draft_vocab_size=h["draft_vocab"])).to(dtype)
+        head = Eagle3(head_args(a, h)).to(dtype)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -71,12 +90,99 @@ def random_head(target: Transformer, h: dict, device, dtype) -> Eagle3:
     return head.eval()
 
 
-def engine(model, head, compile: bool, backend: str, args) -> G.Engine:
-    drafter = Drafter(head, model.max_seq_len, top_k=10, depth=8, chunk=args.chunk)
+def engine(model, head, compile: bool, backend: str, chunk: int = 128) -> G.Engine:
+    drafter = Drafter(head, model.max_seq_len, top_k=10, depth=8, chunk=chunk)
     matrix = ContinuationMatrix(model.args.vocab_size, 8, device=model.embed_tokens.weight.device)
     window = not (compile and model.embed_tokens.weight.is_cuda)
-    return G.Engine(model, None, drafter, matrix, compile=compile, window=window, chunk=args.chunk, backend=backend)
+    return G.Engine(model, None, drafter, matrix, compile=compile, window=window, chunk=chunk, backend=backend)
 
+
+def forced(stage, checkpoints=CHECKPOINTS) -> dict:
+    """Thresholds that prune exactly at `stage` (None: never): 0 never prunes, 2 always does."""
+    return {c: (2.0 if stage is not None and c == stage else 0.0) for c in checkpoints}
+
+
+# ----------------------------------------------------------------------------- placement
+
+def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
+    """Every compiled step of every method, run once on tensors of `device` (default: meta, which holds
+    no data, so it runs anywhere; any op that mixes a CPU tensor with it raises, as CUDA would). Steps
+    run one by one, without the round's host syncs (a data-less tensor cannot be read). Returns
+    {"<method>/<step>": "ok" or the error's first line, "missing": steps the engine compiled that this
+    check did not run}. (FakeTensorMode's CUDA tensors would be the closer stand-in, but on a CPU-only
+    build of torch 2.13 indexing and copy_ take a CUDA device guard and fail, and embedding aborts the
+    process.)"""
+    a = ModelArgs(**dict(tiny, max_position_embeddings=4096))
+    with torch.device("meta"):
+        model, head = Transformer(a), Eagle3(head_args(a, HEAD_TINY))
+    model, head = model.to_empty(device=device), head.to_empty(device=device)
+    head.embed_tokens, model.max_seq_len, model.path = model.embed_tokens, 256, "random"
+    out, ran, compiled = {}, set(), set()
+    C = 16
+
+    def run(name, fn):
+        ran.add(name.split("/")[-1])
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    with torch.no_grad():
+        for window in (True, False):
+            drafter = Drafter(head, model.max_seq_len, top_k=4, depth=6, chunk=C)
+            eng = G.Engine(model, None, drafter, ContinuationMatrix(a.vocab_size, 8, device=device), chunk=C,
+                           window=window)
+            mode = "window" if window else "full"
+            for method in G.METHODS:
+                cfg = Config(budget=12, checkpoints=(0, 1, 3), thresholds={0: 0.5, 1: 0.5, 3: 0.5})
+                p = G.make_method(eng, method, cfg)
+                for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
+                    tag = f"{mode}/{method}/{'sampled' if s.temperature else 'greedy'}"
+                    eng.begin(s)
+                    p.start([1, 2, 3])
+                    toks = torch.zeros(C, dtype=torch.long, device=device)
+                    got = {}
+                    run(f"{tag}/prefill", lambda: got.update(out=eng.prefill(toks, 5, p.needs_features)))
+                    eng.L_host = 5
+                    if "out" in got:         # the matrix update and the head's prefill, where the method has them
+                        run(f"{tag}/prompt_chunk", lambda: p.prompt_chunk(toks, *got["out"], 5))
+                        ran.update(x for x, has in (("matrix_update", getattr(p, "seed_matrix", None)),
+                                                    ("head_prefill", isinstance(p, Graft))) if has)
+                    if isinstance(p, G.Plain):
+                        run(f"{tag}/decode", eng.decode)
+                    elif isinstance(p, G.Recycle):
+                        tree = {}
+                        run(f"{tag}/recycle_propose", lambda: tree.update(t=p.propose(eng.root)))
+                        if "t" in tree:
+                            v = {}
+                            run(f"{tag}/verify", lambda: v.update(v=eng.verify(tree["t"], p.P)))
+                            if "v" in v:
+                                run(f"{tag}/recycle_learn", lambda: p.learn(tree["t"], v["v"]))
+                    elif isinstance(p, G.PromptLookup):
+                        run(f"{tag}/verify", lambda: eng.verify(Tree(p.chain[0], p.parents, p.chain[1] > 0), p.P))
+                    else:
+                        d = eng.drafter
+                        run(f"{tag}/extend", lambda: p.extend(p.pend_feats, p.pend_ids, p.pend_n, eng.cols(d.Ld_host + p.P, head=True)))
+                        for i in range(d.depth - 1):
+                            run(f"{tag}/level", lambda: p.level(p.level_index[i], eng.cols(d.Ld_host + (d.depth - 1) * d.top_k, head=True)))
+                        last = {}
+                        for stage, fn in p.assemble.items():
+                            run(f"{tag}/assemble_{stage}", lambda: last.update(t=fn(eng.root)))
+                        if "t" in last:
+                            v = {}
+                            run(f"{tag}/verify", lambda: v.update(v=eng.verify(last["t"], p.P, capture=True)))
+                            if "v" in v:
+                                run(f"{tag}/learn", lambda: p.learn(last["t"], v["v"]))
+            for n in (9, 13, 17, 25, 33, 49, 61):           # every size --budget auto times, and the GPU check's
+                tree, P = G.cost_tree(torch.zeros(n, dtype=torch.long, device=device))
+                run(f"{mode}/cost/verify_{n}", lambda: eng.verify(tree, P, capture=True))
+            compiled |= set(eng.step_names)
+    out["missing"] = sorted(compiled - ran)
+    return out
+
+
+# ----------------------------------------------------------------------------- measuring
 
 def weight_bytes(model) -> int:
     """Bytes a decoding step reads: every weight but the embedding table (one row of it is read)."""
@@ -98,128 +204,244 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * x.element_size() * 10 / (time.perf_counter() - t0)
 
 
-def decode_ms(eng, prompt: list, n: int) -> float:
-    r = G.generate(eng, G.make_method(eng, "ar"), prompt, n, Sampling(), ())
-    return r.times["verify"] / max(r.rounds, 1) * 1000
-
-
-def graft_rounds(eng, prompt: list, n: int, budget: int) -> dict:
-    """A whole Graft round at each stage, forced by thresholds (0: never prune, 2: always), ms per phase."""
-    out = {}
-    for stage in (None, 0, 1, 5):
-        th = {c: (2.0 if stage is not None and c == stage else 0.0) for c in (0, 1, 5)}
-        m = G.make_method(eng, "graft", Config(budget=budget, thresholds=th))
-        G.generate(eng, m, prompt, 4, Sampling(), ())                     # compile / warm
-        r = G.generate(eng, m, prompt, n, Sampling(), ())
-        ms = {k: round(v / r.rounds * 1000, 3) for k, v in r.times.items() if k != "prefill"}
-        out["full" if stage is None else str(stage)] = dict(ms, total=round(sum(ms.values()), 3),
-                                                            overhead=round(1 - ms["verify"] / sum(ms.values()), 4))
+def graph_counts() -> dict:
+    """Graphs dynamo compiled and CUDA graphs recorded so far in this process."""
+    from torch._dynamo.utils import counters
+    out = {"dynamo_graphs": counters["stats"]["unique_graphs"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+    if torch.cuda.is_available():
+        try:
+            from torch._inductor import cudagraph_trees
+            mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+            out["cuda_graphs"] = 0 if mgr is None else int(mgr.new_graph_id().id)   # (consumes one id)
+        except Exception as e:     # noqa: BLE001 - internal API: report, do not fail on it
+            out["cuda_graphs"] = f"unknown ({type(e).__name__})"
     return out
 
 
-def draft_level_ms(eng, prompt: list) -> float:
-    m = G.make_method(eng, "eagle3", Config(budget=60))
-    r = G.generate(eng, m, prompt, 8, Sampling(), ())
-    r = G.generate(eng, m, prompt, 16, Sampling(), ())
-    return r.times["draft"] / max(r.draft_forwards, 1) * 1000
+def sdpa_choice(q, k, v, mask, enable_gqa=False) -> str:
+    from torch.nn.attention import SDPBackend
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)).name
+    except Exception as e:     # noqa: BLE001
+        return f"unknown ({type(e).__name__}: {str(e)[:80]})"
 
 
-def transformers_peer(model, prompt: list, n: int, device, compiled: bool) -> dict:
-    """transformers' generate() on the same weights (greedy, no EOS): ms per new token."""
+# ----------------------------------------------------------------------------- sections
+
+def section_env(args, save):
+    cuda = torch.cuda.is_available() and not args.tiny
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    r = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
+         "device": torch.cuda.get_device_name() if cuda else "cpu", "python": sys.version.split()[0]}
+    a = ModelArgs(**(TINY if args.tiny else QWEN3_8B))
+    H, Hkv, D, S = a.n_heads, a.n_kv_heads, a.head_dim, cache_rows(G.DEFAULT_MAX_SEQ_LEN + G.PREFILL_CHUNK)
+    G_ = H // Hkv
+    k = torch.randn(1, Hkv, S, D, device=dev, dtype=dtype)
+    kinds = {}
+    for name, T in (("decode", 1), ("verify_61", 61), ("prefill_128", 128)):
+        mask = torch.zeros(T, S, device=dev, dtype=dtype)
+        kinds[name] = {"folded": sdpa_choice(torch.randn(1, Hkv, G_ * T, D, device=dev, dtype=dtype), k, k, mask.repeat(G_, 1)),
+                       "enable_gqa": sdpa_choice(torch.randn(1, H, T, D, device=dev, dtype=dtype), k, k, mask, True)}
+    r["sdpa_kernel"] = kinds
+    r["cache_rows"] = S
+    save(r)
+
+
+def section_placement(args, save):
+    got = placement_check()
+    bad = {k: v for k, v in got.items() if k != "missing" and v != "ok"}
+    save({"steps": len(got) - 1, "failed": bad, "missing": got["missing"]})
+    if bad or got["missing"]:
+        raise SystemExit(f"{len(bad)} steps failed, {len(got['missing'])} not run: {list(bad.items())[:3]} {got['missing']}")
+
+
+def section_engine(args, save):
+    """2 layers of Qwen3-8B's widths in float32: compiled tokens equal eager for every method and stage;
+    a second pass records and compiles nothing."""
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, backend = ("cuda", "inductor") if cuda else ("cpu", "aot_eager")
+    a = ModelArgs(**dict(TINY if args.tiny else QWEN3_8B, n_layers=2))
+    torch.manual_seed(0)
+    model = random_target(a, device, torch.float32, max_seq_len=512)
+    head = random_head(model, HEAD_TINY if args.tiny else HEAD_8B, device, torch.float32)
+    eager, comp = engine(model, head, False, backend, args.chunk), engine(model, head, True, backend, args.chunk)
+    prompt = torch.randint(0, a.vocab_size, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+    samplings = {"greedy": Sampling(), "sampled": Sampling(temperature=0.8, top_p=0.9, seed=7)}
+    runs = [(m, None) for m in G.METHODS] + [("graft", s) for s in CHECKPOINTS] + [("prune", s) for s in CHECKPOINTS]
+
+    def method(e, m, stage):
+        cfg = Config(budget=24, thresholds=forced(stage)) if m in G.PRUNING else Config(budget=24)
+        return G.make_method(e, m, cfg)
+
+    made = {(m, s): (method(eager, m, s), method(comp, m, s)) for m, s in runs}
+    r = {"same": {}, "seconds": {}}
+    t0 = time.perf_counter()
+    for (m, s), (pe, pc) in made.items():
+        for sn, samp in samplings.items():
+            name = f"{m}{'' if s is None else f'@stage{s}'}/{sn}"
+            t = time.perf_counter()
+            r["same"][name] = (G.generate(eager, pe, prompt, 12, samp, ()).tokens ==
+                               G.generate(comp, pc, prompt, 12, samp, ()).tokens)
+            r["seconds"][name] = round(time.perf_counter() - t, 2)
+        save(r)
+    r["first_pass_seconds"] = round(time.perf_counter() - t0, 1)
+    before = graph_counts()
+    for (m, s), (_, pc) in made.items():          # another prompt length: nothing new may be built
+        for samp in samplings.values():
+            G.generate(comp, pc, prompt[:97], 12, samp, ())
+    after = graph_counts()
+    r["second_pass_new"] = {k: (after[k] - before[k]) if isinstance(after[k], int) and isinstance(before[k], int)
+                            else after[k] for k in after}
+    r["graphs"] = after
+    save(r)
+    bad = [k for k, v in r["same"].items() if not v]
+    new = {k: v for k, v in r["second_pass_new"].items() if v}
+    if bad or new or after["cudagraph_skips"]:
+        raise SystemExit(f"compiled differs from eager: {bad}; new in the second pass: {new}; "
+                         f"cudagraph skips: {after['cudagraph_skips']}")
+
+
+def section_full(args, save):
+    """The whole shape, bf16 on a GPU (float32 --tiny on a CPU), compiled."""
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype, backend = ("cuda", torch.bfloat16, "inductor") if cuda else ("cpu", torch.float32, "aot_eager")
+    a = ModelArgs(**(TINY if args.tiny else QWEN3_8B))
+    torch.manual_seed(0)
+    model = random_target(a, device, dtype, max_seq_len=1024)
+    head = random_head(model, HEAD_TINY if args.tiny else HEAD_8B, device, dtype)
+    comp = engine(model, head, True, backend, args.chunk)
+    prompt = torch.randint(0, a.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    n = args.tokens
+    r = {"shape": "tiny" if args.tiny else "Qwen3-8B", "dtype": str(dtype).replace("torch.", ""), "tokens": n,
+         "weight_bytes": weight_bytes(model), "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    peak = next((v for k, v in PEAK.items() if k in r["device"]), None)
+    r["peak_bytes_per_s"] = {"nominal": peak, "measured_copy": round(copy_bandwidth(device))}
+    compile_s = {}
+
+    def timed(what, fn):
+        g0, t = graph_counts()["dynamo_graphs"], time.perf_counter()
+        out = fn()
+        compile_s[what] = {"graphs": graph_counts()["dynamo_graphs"] - g0, "seconds": round(time.perf_counter() - t, 1)}
+        return out
+
+    ar = G.make_method(comp, "ar")
+    timed("ar (decode, prefill)", lambda: G.generate(comp, ar, prompt, 8, Sampling(), ()))
+    res = G.generate(comp, ar, prompt, n, Sampling(), ())
+    ms = res.times["verify"] / max(res.rounds, 1) * 1000
+    bw = r["weight_bytes"] / (ms / 1000)
+    r["ar"] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1000 / ms, 1),
+               "bandwidth_fraction": round(bw / peak, 4) if peak else None,
+               "bandwidth_fraction_of_copy": round(bw / r["peak_bytes_per_s"]["measured_copy"], 4)}
+    save(dict(r, compile=compile_s))
+    ctx, cost = timed("verify (one dynamic graph)", lambda: G.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10))
+    r["verify_ms"] = {"context": ctx, **{str(k): v for k, v in cost.items()}, "61_over_1": round(cost[61] / cost[1], 3)}
+    save(dict(r, compile=compile_s))
+    r["graft_round_ms"] = {}
+    for stage in (None, *CHECKPOINTS):
+        m = G.make_method(comp, "graft", Config(budget=60, thresholds=forced(stage)))
+        timed(f"graft stage {stage}", lambda: G.generate(comp, m, prompt, 6, Sampling(), ()))
+        res = G.generate(comp, m, prompt, max(n // 4, 8), Sampling(), ())
+        ms = {k: round(v / res.rounds * 1000, 3) for k, v in res.times.items() if k != "prefill"}
+        r["graft_round_ms"]["full" if stage is None else str(stage)] = dict(
+            ms, total=round(sum(ms.values()), 3), overhead=round(1 - ms["verify"] / sum(ms.values()), 4))
+        save(dict(r, compile=compile_s))
+    r["compile"], r["graphs"] = compile_s, graph_counts()
+    save(r)
+
+
+def section_peer(args, save):
+    """transformers' generate() on the same shape, in this process alone: ms per new token."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    a = model.args
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    a = ModelArgs(**(TINY if args.tiny else QWEN3_8B))
     cfg = Qwen3Config(vocab_size=a.vocab_size, hidden_size=a.dim, num_hidden_layers=a.n_layers,
                       num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim,
                       intermediate_size=a.intermediate_size, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
                       max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=False)
+    torch.manual_seed(0)
     with torch.device(device):
-        hf = Qwen3ForCausalLM(cfg).to(dtype_of(model)).eval()
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
-    hf.load_state_dict(sd, strict=True)
-    kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    if compiled:        # transformers' documented fast path: a static cache and a compiled forward
-        kw["cache_implementation"] = "static"
-        opts = dict(mode="reduce-overhead") if str(device).startswith("cuda") else dict(backend="aot_eager")
-        hf.forward = torch.compile(hf.forward, fullgraph=True, **opts)
-    x = torch.tensor([prompt], device=device)
-    with torch.no_grad():
-        hf.generate(x, **dict(kw, max_new_tokens=8, min_new_tokens=8))          # compile / warm
-        G.sync(device)
-        t0 = time.perf_counter()
-        hf.generate(x, **dict(kw, max_new_tokens=1, min_new_tokens=1))
-        G.sync(device)
-        t1 = time.perf_counter()
-        hf.generate(x, **kw)
-        G.sync(device)
-        t2 = time.perf_counter()
-    del hf
-    # the 1-token run is the prefill: what remains is n-1 decoding steps
-    return {"ms_per_token": round(((t2 - t1) - (t1 - t0)) / (n - 1) * 1000, 3)}
+        hf = Qwen3ForCausalLM(cfg).to(dtype).eval()
+    prompt = torch.randint(0, a.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    n, r = args.tokens, {}
+    for name, compiled in (("eager", False), ("static_compiled", True)):
+        kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        if compiled:       # transformers' documented fast path: a static cache and a compiled forward
+            kw["cache_implementation"] = "static"
+            fwd = torch.compile(hf.forward, fullgraph=True,
+                                **(dict(mode="reduce-overhead") if cuda else dict(backend="aot_eager")))
+
+            def step(*x, **y):      # each forward is a new generation of CUDA graph outputs
+                if cuda:
+                    torch.compiler.cudagraph_mark_step_begin()
+                return fwd(*x, **y)
+            hf.forward = step
+        with torch.no_grad():
+            hf.generate(prompt, **kw)                      # warm at the timed length
+            G.sync(device)
+            t0 = time.perf_counter()
+            hf.generate(prompt, **dict(kw, max_new_tokens=1, min_new_tokens=1))
+            G.sync(device)
+            t1 = time.perf_counter()
+            hf.generate(prompt, **kw)
+            G.sync(device)
+            t2 = time.perf_counter()
+        # the 1-token run is the prefill: what remains is n-1 decoding steps
+        r[name] = {"ms_per_token": round(((t2 - t1) - (t1 - t0)) / (n - 1) * 1000, 3)}
+        save(r)
 
 
-def dtype_of(model):
-    return model.embed_tokens.weight.dtype
+RUN = {"env": section_env, "placement": section_placement, "engine": section_engine, "full": section_full,
+       "peer": section_peer}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (what CI runs)")
-    p.add_argument("--out", default="gpu_check.json")
-    p.add_argument("--tokens", type=int, default=256, help="tokens decoded per timing")
+    p.add_argument("--out", default="gpu_check", help="folder for one JSON per section and summary.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (what the suite runs)")
+    p.add_argument("--fake-cuda", action="store_true", help="only the placement section: every step on data-less "
+                   "tensors of a non-CPU device")
+    p.add_argument("--sections", default=None, help=f"comma-separated, from {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per timing")
     p.add_argument("--chunk", type=int, default=128)
-    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate()")
+    p.add_argument("--section", default=None, help=argparse.SUPPRESS)       # a child process: run one section
     args = p.parse_args(argv)
-    t_start = time.time()
-    cuda = torch.cuda.is_available() and not args.tiny
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    backend = "inductor" if cuda else "aot_eager"          # CPU: trace and functionalise only (fast)
-    a = ModelArgs(**(TINY if args.tiny else QWEN3_8B))
-    n = args.tokens
-    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).replace("torch.", ""),
-              "shapes": "tiny" if args.tiny else "Qwen3-8B", "torch": torch.__version__, "tokens": n}
-    torch.manual_seed(0)
-    model = random_target(a, device, dtype)
-    model.max_seq_len = 1024
-    head = random_head(model, HEAD_TINY if args.tiny else HEAD_8B, device, dtype)
-    prompt = torch.randint(0, a.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    wb = weight_bytes(model)
-    peak = next((v for k, v in PEAK.items() if k in report["device"]), None)
-    report["weight_bytes"] = wb
-    report["peak_bytes_per_s"] = {"nominal": peak, "measured_copy": round(copy_bandwidth(device))}
-
-    def ar(eng):
-        decode_ms(eng, prompt, 8)                                  # compile / warm
-        ms = decode_ms(eng, prompt, n)
-        bw = wb / (ms / 1000)
-        return {"ms_per_token": round(ms, 3), "tokens_per_s": round(1000 / ms, 1),
-                "bandwidth_fraction": round(bw / peak, 4) if peak else None,
-                "bandwidth_fraction_of_copy": round(bw / report["peak_bytes_per_s"]["measured_copy"], 4)}
-
-    eager = engine(model, head, False, backend, args)
-    report["ar"] = {"eager": ar(eager)}
-    comp = engine(model, head, True, backend, args)
-    t0 = time.perf_counter()
-    report["ar"]["compiled"] = ar(comp)
-    ctx, cost = G.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10)
-    report["verify_ms"] = {"context": ctx, **{str(k): v for k, v in cost.items()}}
-    report["verify_ms"]["61_over_1"] = round(cost[61] / cost[1], 3)
-    report["draft_level_ms"] = round(draft_level_ms(comp, prompt), 3)
-    report["graft_round_ms"] = graft_rounds(comp, prompt, n, budget=60)
-    report["engine_seconds_incl_compile"] = round(time.perf_counter() - t0, 1)
-    if not args.no_peer:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        path = out / f"{args.section}.json"
+        RUN[args.section](args, lambda r: path.write_text(json.dumps(r, indent=1) + "\n"))
+        return 0
+    names = ["placement"] if args.fake_cuda else [s.strip() for s in (args.sections or ",".join(SECTIONS)).split(",")]
+    unknown = [s for s in names if s not in RUN]
+    if unknown:
+        print(f"error: unknown section(s) {unknown}: choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    summary, t_all = {}, time.time()
+    for s in names:
+        (out / f"{s}.json").unlink(missing_ok=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--section", s, "--out", str(out), "--tokens", str(args.tokens),
+               "--chunk", str(args.chunk)] + (["--tiny"] if args.tiny else [])
+        t = time.time()
         try:
-            report["transformers"] = {"eager": transformers_peer(model, prompt, n, device, False),
-                                      "static_compiled": transformers_peer(model, prompt, n, device, True)}
-            ours = report["ar"]["compiled"]["ms_per_token"]
-            for k, v in report["transformers"].items():
-                v["ours_compiled_speedup"] = round(v["ms_per_token"] / ours, 3)
-        except ImportError:
-            report["transformers"] = "not installed (pip install -r requirements.txt)"
-    report["wall_seconds"] = round(time.time() - t_start, 1)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
-    return report
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUTS[s])
+            ok, why = got.returncode == 0, (got.stderr.strip().splitlines() or [""])[-1][:300]
+        except subprocess.TimeoutExpired:
+            ok, why = False, f"timed out after {TIMEOUTS[s]} s"
+        f = out / f"{s}.json"
+        summary[s] = {"ok": ok, "seconds": round(time.time() - t, 1), "why": None if ok else why,
+                      "result": json.loads(f.read_text()) if f.is_file() else None}
+        print(f"{s:<10} {'ok    ' if ok else 'FAILED'} {summary[s]['seconds']:>6.1f}s  {'' if ok else why}", flush=True)
+    summary["wall_seconds"] = round(time.time() - t_all, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0 if all(v["ok"] for k, v in summary.items() if k != "wall_seconds") else 1
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except Exception:      # noqa: BLE001 - a child's traceback, for the parent's one line
+        traceback.print_exc()
+        sys.exit(1)
