@@ -97,12 +97,16 @@ def test_gpu_check_fake_cuda_runs():
 @pytest.mark.parametrize("name", list(G.METHODS))
 def test_expired_outputs_are_never_read(pair, plain, name, s):
     """Outputs poisoned as a CUDA graph's next replay would overwrite them: every method, both
-    attention modes, still emits plain decoding's tokens."""
+    attention modes, still emits plain decoding's tokens, and drafts exactly what it drafts unpoisoned
+    (a poisoned read into the head's input would only show in what gets accepted)."""
     for attention in ("window", "full"):
-        eng = engine(pair, check_lifetimes=True, attention=attention)
-        m = method(eng, name)
+        eng, same = engine(pair, check_lifetimes=True, attention=attention), engine(pair, attention=attention)
+        m, m2 = method(eng, name), method(same, name)
         for ids in prompts(2, 300, seed=11) + [[1] + list(range(40, 80))]:      # (the last: 3 prefill chunks)
-            assert G.generate(eng, m, ids, 30, s, ()).tokens == reference(plain, ids, 30, s), (name, attention, ids)
+            got, want = G.generate(eng, m, ids, 30, s, ()), G.generate(same, m2, ids, 30, s, ())
+            assert got.tokens == reference(plain, ids, 30, s), (name, attention, ids)
+            assert (got.rounds, got.accepted, got.draft_forwards, got.stages) == \
+                   (want.rounds, want.accepted, want.draft_forwards, want.stages)
 
 
 def test_the_poison_is_real(pair):
