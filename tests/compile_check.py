@@ -10,7 +10,10 @@ reads them (those tests run last).
                 dynamo's recompile limit), and records what the eager engine's records (Youden's
                 thresholds, hit rates, the matrix)
   demo          the demo pair, aot_eager, graft, greedy and sampled
-  gpu_check     scripts/gpu_check.py --tiny: the GPU check's code end to end on the CPU
+  gpu_check     scripts/gpu_check.py --tiny: the GPU check's code end to end on the CPU, every section
+  lifetimes     every method compiled (aot_eager) with every step output poisoned as it expires: lossless
+  one_verify_graph  the verify passes --budget auto times share one graph per path length
+  statics       every tensor a compiled step reads on every call is declared static
   inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
@@ -41,19 +44,34 @@ def same(eager, comp, method, s, prompts, cfg=CFG, n=24) -> bool:
                G.generate(comp, G.make_method(comp, method, cfg), ids, n, s, ()).tokens for ids in prompts)
 
 
-def tiny_pair(backend: str, tmp: Path):
+def tiny_files(tmp: Path) -> Path:
     from conftest import make_tiny_model
     from test_lossless import random_head
     target = tmp / "t"
     if not target.exists():
         make_tiny_model(target, "llama31", num_hidden_layers=2)
         random_head(target, tmp / "h", draft_vocab=100)
+    return target
+
+
+def tiny_pair(backend: str, tmp: Path):
+    target = tiny_files(tmp)
     kw = dict(max_seq_len=128, top_k=4, depth=4, chunk=16)
     pair = (G.build_engine(str(target), str(tmp / "h"), **kw),
             G.build_engine(str(target), str(tmp / "h"), compile=True, backend=backend, **kw))
     for e in pair:
         e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}       # every stage fires on this head
     return pair
+
+
+PROMPTS_LONG = PROMPTS + [[1] + list(range(40, 80))]          # (the last: 3 prefill chunks of 16)
+
+
+def tiny_engine(tmp: Path, **kw):
+    """An engine on the tiny pair (tiny_pair builds it first), its thresholds making every stage fire."""
+    e = G.build_engine(str(tiny_files(tmp)), str(tmp / "h"), max_seq_len=128, top_k=4, depth=4, chunk=16, **kw)
+    e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}
+    return e
 
 
 def run(section, fn, result):
@@ -63,7 +81,7 @@ def run(section, fn, result):
         result[section] = {"error": traceback.format_exc()[-3000:]}
 
 
-def main(out: str):
+def main(out: str, only=()):
     result, tmp = {}, Path(tempfile.mkdtemp())
     save = lambda: Path(out).write_text(json.dumps(result))
 
@@ -117,18 +135,70 @@ def main(out: str):
 
     def gpu_check():
         import subprocess
-        report = tmp / "gpu_check.json"
+        out = tmp / "gpu_check"
+        t0 = time.time()
         got = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "gpu_check.py"), "--tiny", "--tokens", "16",
-                              "--out", str(report)], capture_output=True, text=True, timeout=1200)
-        if got.returncode:
-            return {"error": got.stderr[-3000:]}
-        return json.loads(report.read_text())
+                              "--out", str(out)], capture_output=True, text=True, timeout=1200)
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        return {"returncode": got.returncode, "stdout": got.stdout[-3000:], "stderr": got.stderr[-3000:],
+                "summary": summary, "seconds": round(time.time() - t0, 1)}
 
-    for section, fn in (("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
+    def lifetimes():
+        """Every method compiled (aot_eager) with each step output poisoned as it expires."""
+        eager, _ = tiny_pair("aot_eager", tmp)
+        comp = tiny_engine(tmp, compile=True, backend="aot_eager", check_lifetimes=True, attention="full")
+        return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS_LONG), "sampled": same(eager, comp, m, SAMPLED, PROMPTS_LONG)}
+                for m in G.METHODS}
+
+    def one_verify_graph():
+        """--budget auto times a verify pass per budget: one graph serves them all (the size is dynamic)."""
+        _, comp = tiny_pair("aot_eager", tmp)
+        G.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
+        before = counters["stats"]["unique_graphs"]
+        G.pass_cost(comp, [b + 1 for b in G.AUTO_BUDGETS], context=40, repeats=1, capture=True)
+        return {"new_graphs": counters["stats"]["unique_graphs"] - before}
+
+    def statics():
+        """Every tensor a compiled step reads on every call (the same object each time) is declared
+        static (or is a parameter or buffer): on a GPU anything else is copied in on every replay."""
+        calls = {}
+
+        def backend(gm, example_inputs):
+            key = len(calls)
+            calls[key] = []
+
+            def run(*args):
+                calls[key].append([a for a in args if torch.is_tensor(a)])
+                return gm(*args)
+            return run
+        out = {}
+        for attention in ("window", "full"):
+            eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention)
+            for m in G.METHODS:
+                p = G.make_method(eng, m, CFG)
+                for ids in PROMPTS_LONG:
+                    G.generate(eng, p, ids, 12, GREEDY, ())
+            known = {id(t) for t in eng.statics}
+            known |= {id(t) for mod in (eng.model, eng.drafter.head) for t in list(mod.parameters()) + list(mod.buffers())}
+            bad = set()
+            for key, seen in calls.items():
+                if len(seen) < 2:
+                    continue
+                for i, t in enumerate(seen[0]):
+                    if all(i < len(c) and c[i] is t for c in seen) and id(t) not in known:
+                        bad.add(f"{tuple(t.shape)} {t.dtype}")
+            out[attention] = sorted(bad)
+            calls.clear()
+        return out
+
+    for section, fn in (("lifetimes", lifetimes), ("one_verify_graph", one_verify_graph), ("statics", statics),
+                        ("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
                         ("gpu_check", gpu_check), ("inductor", inductor)):
+        if only and section not in only:
+            continue
         run(section, fn, result)
         save()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ())     # [sections]: for debugging

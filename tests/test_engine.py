@@ -56,13 +56,47 @@ def test_compiled_with_inductor_equals_eager():
 
 
 def test_compiled_gpu_check_runs_tiny():
-    """scripts/gpu_check.py --tiny: the GPU check's own code end to end, every field of its report."""
+    """scripts/gpu_check.py --tiny: the GPU check's own code end to end, every section in its own
+    process, every field of its report."""
     r = compile_result("gpu_check")
-    assert set(r["ar"]) == {"eager", "compiled"} and r["ar"]["compiled"]["tokens_per_s"] > 0
-    assert set(r["verify_ms"]) >= {"1", "17", "33", "61", "61_over_1"} and r["draft_level_ms"] > 0
-    assert set(r["graft_round_ms"]) == {"full", "0", "1", "5"}
-    assert all(set(v) >= {"draft", "assemble", "verify", "update", "overhead"} for v in r["graft_round_ms"].values())
-    assert set(r["transformers"]) == {"eager", "static_compiled"}
+    assert r["returncode"] == 0, r["stdout"] + r["stderr"]
+    s = r["summary"]
+    assert [k for k in s if k != "wall_seconds"] == ["env", "placement", "engine", "full", "peer"]
+    assert all(v["ok"] for k, v in s.items() if k != "wall_seconds")
+    env, full = s["env"]["result"], s["full"]["result"]
+    assert set(env["sdpa_kernel"]) == {"decode", "verify_61", "prefill_128"} and env["cache_rows"] % 16 == 0
+    assert s["placement"]["result"]["failed"] == {} and s["placement"]["result"]["missing"] == []
+    eng = s["engine"]["result"]
+    assert all(eng["same"].values()) and len(eng["same"]) == len(G.METHODS) + 2 + 3
+    assert eng["second_pass_new"]["dynamo_graphs"] == 0 and eng["graphs"]["cudagraph_skips"] == 0
+    assert full["ar"]["tokens_per_s"] > 0 and set(full["verify_ms"]) >= {"1", "17", "33", "61", "61_over_1"}
+    assert set(full["graft_round_ms"]) == {"full", "0", "1", "5"}
+    assert all(set(v) >= {"draft", "assemble", "verify", "update", "overhead"} for v in full["graft_round_ms"].values())
+    assert all(c["graphs"] >= 0 for c in full["compile"].values())
+    assert set(s["peer"]["result"]) == {"eager", "static_compiled"}
+
+
+@pytest.mark.parametrize("s", ["greedy", "sampled"])
+@pytest.mark.parametrize("method", list(G.METHODS))
+def test_compiled_outputs_are_never_read_after_they_expire(method, s):
+    """Every method compiled (aot_eager), each step output poisoned as soon as a CUDA graph's next
+    generation or replay would overwrite it: still the eager engine's tokens (three prompts, one of
+    three prefill chunks)."""
+    assert compile_result("lifetimes")[method][s]
+
+
+def test_compiled_verify_serves_every_budget():
+    """--budget auto times a verify pass at every budget of AUTO_BUDGETS: the tree size is dynamic, so
+    they share the graph of their path length (budget 8's 9-node trees hold paths of 9, the rest 10):
+    one graph more after the first, not one per budget."""
+    assert compile_result("one_verify_graph") == {"new_graphs": 1}
+
+
+def test_compiled_steps_read_only_static_state():
+    """Every tensor a compiled step reads on every call (the same object each time: RoPE tables, the
+    column indices, the token hash, templates, caches) is declared static or is a parameter or buffer;
+    on a GPU anything else is copied into the graph on every replay."""
+    assert compile_result("statics") == {"window": [], "full": []}
 
 
 # ----------------------------------------------------------------------------- prefill in chunks
