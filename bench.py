@@ -41,7 +41,8 @@ class Row:
     tot: dict = dataclasses.field(default_factory=dict)    # summed Result counters
     stages: dict = dataclasses.field(default_factory=dict)
     times: dict = dataclasses.field(default_factory=dict)  # seconds per phase
-    mismatches: int = 0
+    mismatches: int = 0                 # outputs that differ from ar's (not near-ties)
+    near_ties: int = 0                  # bf16/fp16 only: differences at a near-tie of the target's own scores
 
     def add(self, res: G.Result):
         self.tps.append(res.tokens_per_s)
@@ -73,11 +74,56 @@ class Row:
                 "overhead": round(1 - round_ms.get("verify", 0.0) / total, 4) if total else None,
                 "prefill_ms": round(self.times.get("prefill", 0.0) / max(len(self.tps), 1) * 1000, 3),
                 "tokens": t.get("tokens", 0), "seconds": round(t.get("seconds", 0.0), 3),
-                "lossless": self.mismatches == 0}
+                "lossless": self.mismatches == 0 if not self.near_ties or self.mismatches else "near-tie",
+                "near_ties": self.near_ties}
 
 
 def first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# A bf16 mismatch is a near-tie when the two tokens are the target's best two at that position and
+# their scores differ by at most this many units in the last place of the logits' magnitude: a 1-row
+# and a 61-row product round differently, and across a model's layers that moves logits by a few ulps.
+NEAR_TIE_ULPS = 4
+
+
+@torch.no_grad()
+def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling, eps: float | None = None) -> dict:
+    """Why `got` (a method's tokens) differs from `base` (ar's) after the prompt `ids`: at the first
+    differing position, the target's own scores (a prefill of the context in the engine's dtype:
+    logits, or warped logits plus the position's noise when sampling) are computed; the mismatch is
+    a "near-tie" when the two tokens are its top two and their gap is at most NEAR_TIE_ULPS x eps x
+    the logits' magnitude (eps: the dtype's machine epsilon by default), else "differs". float32 runs
+    never call this: there every mismatch is a real difference. Returns {"kind", "position", "gap",
+    "tolerance"} (gap and tolerance in score units)."""
+    from verify import position_noise, warp
+    pos = first_difference(got, base)
+    if pos >= min(len(got), len(base)):           # one is a prefix of the other: a stop that differs
+        return {"kind": "differs", "position": pos, "gap": None, "tolerance": None}
+    ctx = ids + base[:pos]
+    keep = {}
+
+    class Last(G.Proposer):
+        def prompt_chunk(self, chunk, logits, feats, n):
+            keep["row"] = logits[n - 1].float().clone()
+    eng.begin(sampling)
+    G.prefill(eng, Last(), ctx)
+    logits = keep["row"]                                                   # (V,) the scores of position len(ctx)
+    if sampling.greedy:
+        score, scale = logits.double(), 1.0
+    else:
+        score = warp(logits[None], sampling)[0].double() + position_noise(
+            torch.tensor(sampling.seed, device=logits.device), torch.tensor([len(ctx)], device=logits.device),
+            logits.numel())[0]
+        scale = 1.0 / sampling.temperature
+    top = torch.topk(score, 2)
+    a, b = base[pos], got[pos]
+    eps = torch.finfo(eng.dtype).eps if eps is None else eps
+    tol = NEAR_TIE_ULPS * eps * float(logits.abs().max()) * scale
+    gap = abs(float(score[a] - score[b]))
+    tie = set(top.indices.tolist()) == {a, b} and gap <= tol
+    return {"kind": "near-tie" if tie else "differs", "position": pos, "gap": round(gap, 6), "tolerance": round(tol, 6)}
 
 
 def bar(done: int, total: int, t0: float, what: str):
@@ -294,13 +340,18 @@ def main(argv=None) -> dict:
                         acc[(x, m, b)].add(res)
                         base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
-                        if not same:
-                            acc[(x, m, b)].mismatches += 1
-                            pos = first_difference(res.tokens, base)
+                        if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
+                            why = ({"kind": "differs", "position": first_difference(res.tokens, base)}
+                                   if eng.dtype == torch.float32 else
+                                   classify_mismatch(engines[x], ids, base, res.tokens, sampling))
+                            acc[(x, m, b)].mismatches += why["kind"] == "differs"
+                            acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
-                                               "position": pos})
-                            sys.stderr.write(f"\nMISMATCH dataset={d} execution={x} method={m} budget={b} prompt={i} "
-                                             f"first differing position={pos}\n")
+                                               **why})
+                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={d} "
+                                             f"execution={x} method={m} budget={b} prompt={i} first differing "
+                                             f"position={why['position']}" +
+                                             (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else "") + "\n")
                         if jsonl:      # each finished run at once: an interrupted bench keeps what it did
                             jsonl.write(json.dumps({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
                                                     "same_as_ar": same, "tokens": len(res.tokens),
@@ -356,8 +407,12 @@ def main(argv=None) -> dict:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if a.plot:
         plot(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
-    if mismatches:
-        log(f"{len(mismatches)} outputs differ from ar: NOT lossless")
+    real = [m for m in mismatches if m["kind"] == "differs"]
+    if len(real) < len(mismatches):
+        log(f"{len(mismatches) - len(real)} outputs differ from ar at a near-tie of the target's own {dtype} scores "
+            f"(rounding, not the method: rerun in float32 for the exact check)")
+    if real:
+        log(f"{len(real)} outputs differ from ar: NOT lossless")
     print(json.dumps(report, separators=(",", ":")))
     if interrupted:
         raise KeyboardInterrupt
@@ -372,7 +427,7 @@ def cli(argv=None):
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-    if report["meta"]["mismatches"]:
+    if any(m["kind"] == "differs" for m in report["meta"]["mismatches"]):
         sys.exit(1)
 
 
