@@ -84,9 +84,9 @@ def test_a_template_left_on_the_cpu_is_caught(monkeypatch):
     assert any(k.endswith("/graft/greedy/assemble_0") for k in bad)
 
 
-def test_gpu_check_fake_cuda_runs():
+def test_gpu_check_fake_cuda_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--fake-cuda", "--out",
-                        str(ROOT / ".pytest_gpu_check")], capture_output=True, text=True, timeout=300)
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("placement  ok")
 
