@@ -45,7 +45,8 @@ class Row:
 
     def add(self, res: G.Result):
         self.tps.append(res.tokens_per_s)
-        for k in ("rounds", "committed", "draft_forwards", "verified", "from_retrieval", "accepted", "seconds", "syncs"):
+        for k in ("rounds", "committed", "draft_forwards", "verified", "padded", "from_retrieval", "accepted", "seconds",
+                  "syncs"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
         self.tot["tokens"] = self.tot.get("tokens", 0) + len(res.tokens)
         for phase, s in res.times.items():
@@ -65,7 +66,8 @@ class Row:
                 "tokens_per_s": round(mean, 2) if mean else None,
                 "speedup": round(mean / ar_tps, 4) if mean and ar_tps else None,
                 "draft_forwards_per_round": round(t.get("draft_forwards", 0) / r, 4),
-                "verified_per_round": round(t.get("verified", 0) / r, 4),
+                "verified_per_round": round(t.get("verified", 0) / r, 4),      # real nodes, padding excluded
+                "padded_per_round": round(t.get("padded", 0) / r, 4),          # the size the passes ran at
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
                 "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in G.NEEDS_HEAD else {},
                 "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
@@ -91,10 +93,10 @@ def bar(done: int, total: int, t0: float, what: str):
 def table(rows: list, sweep: bool, executions: bool = False) -> str:
     cols = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
         "prompts", "skipped", "mat", "tokens_per_s", "speedup", "draft_forwards_per_round", "verified_per_round",
-        "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
+        "padded_per_round", "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
     head = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
-        "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "retrieval share",
-        "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
+        "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "padded/round",
+        "retrieval share", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
     phases = ("draft", "assemble", "verify", "update")
     fmt = lambda c, v: ("-" if v is None else
                         " + ".join(f"{v.get(p, 0.0):.2f}" for p in phases) if c == "round_ms" else

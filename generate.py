@@ -428,7 +428,8 @@ class Result:
     rounds: int = 0
     committed: int = 0                   # tokens returned by decode rounds (bonus included)
     draft_forwards: int = 0
-    verified: int = 0                    # candidate nodes verified (root and padding excluded)
+    verified: int = 0                    # real candidate nodes verified (root and padding excluded)
+    padded: int = 0                      # candidate slots the passes ran at (the tree's size N - 1, padding included)
     from_retrieval: int = 0              # accepted tokens that were retrieved nodes
     accepted: int = 0                    # accepted candidate tokens (bonus excluded)
     syncs: int = 0                       # host syncs in decode rounds
@@ -447,7 +448,7 @@ class Result:
         r = max(self.rounds, 1)
         return {"mat": round(self.mat, 4), "rounds": self.rounds, "draft_forwards": self.draft_forwards,
                 "draft_forwards_per_round": round(self.draft_forwards / r, 4),
-                "verified_per_round": round(self.verified / r, 4),
+                "verified_per_round": round(self.verified / r, 4), "padded_per_round": round(self.padded / r, 4),
                 "retrieval_share": round(self.from_retrieval / max(self.accepted, 1), 4),
                 "syncs_per_round": round(self.syncs / r, 4),
                 "round_ms": {k: round(v / r * 1000, 4) for k, v in self.times.items() if k != "prefill"},
@@ -516,7 +517,8 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
         A = len(v.accepted)
         eng.L_host += A + 1
         res.rounds += 1
-        res.verified += method.N - 1
+        res.verified += v.nodes
+        res.padded += method.N - 1
         res.draft_forwards += v.draft_forwards
         res.syncs += v.syncs
         res.stages[v.stage] = res.stages.get(v.stage, 0) + 1
@@ -1141,7 +1143,8 @@ def main(argv=None):
     line = f"[{method}, {how}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s"
     if method != "ar":
         line += (f", MAT {st['mat']:.2f}, {st['draft_forwards_per_round']:.2f} draft forwards/round, "
-                 f"{st['verified_per_round']:.1f} verified/round, retrieval share {st['retrieval_share']:.2f}")
+                 f"{st['verified_per_round']:.1f} nodes verified/round (padded to {st['padded_per_round']:.0f}), "
+                 f"retrieval share {st['retrieval_share']:.2f}")
     print(line, file=err)
     out = {"method": method, "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
            "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), "compiled": eng.compiling,

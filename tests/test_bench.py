@@ -13,7 +13,7 @@ from conftest import SHARED, needs_shared
 from test_lossless import random_head
 
 KEYS = {"dataset", "method", "budget", "prompts", "skipped", "mat", "tokens_per_s", "speedup",
-        "draft_forwards_per_round", "verified_per_round", "retrieval_share", "stages", "lossless"}
+        "draft_forwards_per_round", "verified_per_round", "padded_per_round", "retrieval_share", "stages", "lossless"}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_budget_sweep_and_skipping(tiny):
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("eagle3", 8), ("eagle3", 20)]
     assert all(r["lossless"] and r["prompts"] == 2 and r["skipped"] == 1 for r in rows)
     assert [r["verified_per_round"] for r in rows] == [0, 8, 20]     # the dense tree fills the budget
+    assert [r["padded_per_round"] for r in rows] == [0, 8, 20]
     # the cost of a target pass is measured at 1 node and at each budget's tree size (root included)
     assert sorted(saved["meta"]["pass_ms"]["eager"], key=int) == ["1", "9", "21"]
     assert all(ms > 0 for ms in saved["meta"]["pass_ms"]["eager"].values())
