@@ -341,6 +341,9 @@ def main(argv=None) -> dict:
                                  "thresholds": {str(k): round(t, 4) for k, t in c["thresholds"].items()}}
                              for m, c in per.items()} for n, per in eng.calibrations.items()},
         "expected_tokens_per_s_by_budget": {m: {str(b): r for b, r in c.items()} for m, c in eng.budget_curve.items()},
+        # the verify timings' relative spread (graft.robust_costs): budgets within TIE_SPREADS of them of the
+        # best went to the smaller
+        "cost_spread": eng.cost_spread,
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,

@@ -34,8 +34,9 @@ import torch
 
 from data import STORIES, read_prompts, read_text, stories_head_dir
 from draft import Drafter, load_head
-from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, accepted_by,
-                   build_template, cache_dir, calibrate, choose_budget, load_state, save_state, stage_tree, with_root)
+from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, TIE_SPREADS, Config, ContinuationMatrix, Graft,
+                   accepted_by, build_template, cache_dir, calibrate, choose_budget, load_state, monotone, robust_costs,
+                   save_state, stage_tree, time_passes, with_root)
 from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
 from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Verified, chain, choose, commit, decode_one_token,
                     token_hash, verify)
@@ -189,6 +190,7 @@ class Engine:
         self.budget = None                                  # what the warm-up chose (--budget auto)
         self.calibration = "throughput"                     # the warm-up's: which calibration the methods use,
         self.calibrations, self.budget_curve = {}, {}       # both of them per method, and rate by budget
+        self.cost_spread = None                             # the warm-up's timing spread (graft.robust_costs)
         if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
@@ -544,35 +546,41 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
 
 
 @torch.no_grad()
-def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False) -> tuple:
+def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
+              timer=time.perf_counter, stats: dict | None = None) -> tuple:
     """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
     the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
     verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
     which is what sets the best budget there. (A chain; the cost does not depend on the tree's
-    shape.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    shape.) Measured robustly (graft.time_passes, robust_costs, monotone): `repeats` samples of each
+    N, interleaved, each after an untimed pass; the fastest sample of each N; then the non-decreasing
+    fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when given, receives
+    "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a fraction). Returns
+    (context used, {N: ms}): the context shrinks when the cache leaves no room."""
     dev, m = eng.device, eng.model
     context = max(1, min(context, m.max_seq_len - 1))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
-    out = {}
     eng.begin(Sampling())
     prefill(eng, Plain(eng), ids[:context].tolist())         # once: every pass below is undone after it
-    for n in sizes:
-        tree = chain(ids[context:context + n])
-        for i in range(repeats + 3):                 # 3 untimed passes first
-            if i == 3:
-                sync(dev)
-                t0 = time.perf_counter()
-            if eng.compiling and eng.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
-            if n == 1 and not capture:
-                eng.decode(tree.tokens[0])
-            else:
-                eng.verify(tree, n, capture)
-            eng.L.fill_(context)                     # undo what the pass committed
-        sync(dev)
-        out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
-    return context, out
+    trees = {n: chain(ids[context:context + n]) for n in sizes}
+
+    def one(n):                                      # one pass over n nodes
+        tree = trees[n]
+        if eng.compiling and eng.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        if n == 1 and not capture:
+            eng.decode(tree.tokens[0])
+        else:
+            eng.verify(tree, n, capture)
+        eng.L.fill_(context)                     # undo what the pass committed
+
+    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
+    fastest, spread = robust_costs(samples)
+    if stats is not None:
+        stats.update(samples=samples, spread=spread)
+    fit = monotone(fastest)
+    return context, {n: round(fit[n] * 1000, 3) for n in sizes}
 
 
 def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
@@ -710,6 +718,8 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
         if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
+            spread = got["meta"].get("cost_spread")
+            engine.cost_spread = float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None
             use(*cal)
             log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {engine.thresholds}")
             return
@@ -747,10 +757,13 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     calibrations, curve = {}, {}
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in m.records], checkpoints)
-        options = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
+        options, spread = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
+        engine.cost_spread = spread
+        log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
+            f"go to the smaller")
         calibrations = {"throughput": {}, "youden": {}}
         for method, opts in options.items():
-            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else ())
+            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread)
             calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
                                                   "rate": round(rate, 3)}
             calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
@@ -766,7 +779,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
         save_state(path, engine.matrix, engine.thresholds,
-                   {"hit_rates": list(engine.hit_rates), "generations": ran,
+                   {"hit_rates": list(engine.hit_rates), "generations": ran, "cost_spread": engine.cost_spread,
                     "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
                                          for m, c in per.items()} for n, per in calibrations.items()},
                     "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
@@ -811,21 +824,30 @@ def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, cali
     return cfg
 
 
+def usable_records(records: list, depth: int) -> list:
+    """The warm-up rounds the calibration can score: those followed by more than `depth` generated
+    tokens (the last rounds of a generation see too little of what the target went on to say)."""
+    return [r for r in records if len(r["truth"]) > depth]
+
+
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> dict:
-    """{method: {budget: (rounds, cost)}} as graft.choose_budget reads them, for eagle3, prune and
-    graft. rounds: each warm-up round's confidences and, per stage, the tokens its tree would have
-    accepted (graft.stage_tree, matched against what the target generated); cost: seconds per round
-    per stage, from this engine's own steps: draft forwards (timed in the warm-up), each stage's
-    assembly, the verify pass at B + 1 nodes (pass_cost), and the update."""
+def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> tuple:
+    """({method: {budget: (rounds, cost)}}, spread): the options as graft.choose_budget reads them,
+    for eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
+    tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
+    would have accepted (graft.stage_tree, matched against what the target generated); cost: seconds
+    per round per stage, from this engine's own steps: draft forwards (timed in the warm-up), each
+    stage's assembly, the verify pass at B + 1 nodes (pass_cost: fastest of interleaved samples,
+    monotone in B), and the update."""
     d = eng.drafter
     k, D = d.top_k, d.depth
     forwards = sum(r.draft_forwards for r in results)
     t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
     n_rounds = max(sum(r.rounds for r in results), 1)
     t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
-    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True)
-    usable = [r for r in records if len(r["truth"]) > D]      # the last rounds of a generation see too little
+    timing = {}
+    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, stats=timing)
+    usable = usable_records(records, D)
     memo = {}
 
     def acc(i, s, K, R):          # a tree that two methods share (full depth, no retrieval) is matched once
@@ -843,22 +865,15 @@ def calibration_options(eng: Engine, cfg: Config, records: list, results: list, 
             cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
             rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
             out[method][b] = (rounds, cost)
-    return out
+    return out, timing["spread"]
 
 
 def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
-    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates."""
+    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates: the
+    fastest of `repeats` samples, the stages interleaved, each after an untimed call (as pass_cost)."""
     g = Graft(eng, cfg, copy.deepcopy(eng.matrix), eng.hit_rates)
-    out = {}
-    for s, fn in g.assemble.items():
-        for i in range(repeats + 2):
-            if i == 2:
-                sync(eng.device)
-                t0 = time.perf_counter()
-            fn(eng.root)
-        sync(eng.device)
-        out[s] = (time.perf_counter() - t0) / repeats
-    return out
+    samples = time_passes(lambda s: g.assemble[s](eng.root), list(g.assemble), repeats, sync=lambda: sync(eng.device))
+    return robust_costs(samples)[0]
 
 
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
