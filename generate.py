@@ -619,20 +619,27 @@ def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: li
 
 def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model), the dtype, device and cache length they ran with,
-    and every setting that shaped the warm-up."""
+    model in the same folder is a different model), the cache length, everything that changes what
+    the calibration measured (dtype, device and which one, torch's version and thread count, eager or
+    compiled and how, attention over a window or the whole cache), and every setting that shaped the
+    warm-up."""
     def stamp(path):
         files = ([path] if os.path.isfile(path) else
                  [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
         return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
-    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, str(engine.dtype), str(engine.device),
-                      m.max_seq_len, *settings], default=str)
+    dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")
+    execution = (("compiled", engine.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
+                 else "eager")
+    timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
+              "window" if engine.window else "full"]
+    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, m.max_seq_len, timing, *settings],
+                     default=str, sort_keys=True)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 4        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 5        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
@@ -700,9 +707,8 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
-    execution = ("compiled", engine.backend, engine.window) if engine.compiling else ("eager", engine.window)
     path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
-                          engine.matrix.k, (d.top_k, d.depth) if d else None, execution)
+                          engine.matrix.k, (d.top_k, d.depth) if d else None)
     engine.calibration, engine.budget = calibration, cfg.budget
 
     def use(calibrations: dict, curve: dict):

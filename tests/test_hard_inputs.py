@@ -460,6 +460,27 @@ def test_warmup_cache_key_includes_cache_length(engine_with_head, tmp_path, monk
     assert G.state_path_for(a, "same") != G.state_path_for(b, "same")
 
 
+@pytest.mark.parametrize("change", ["threads", "torch", "attention", "compiled"])
+def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monkeypatch, change):
+    """A calibration timed at one thread count (torch version, attention, execution) is not loaded
+    under another: its costs were measured on a different engine."""
+    eng = engine_with_head()
+    before = G.state_path_for(eng, "same")
+    threads = torch.get_num_threads()
+    try:
+        if change == "threads":
+            torch.set_num_threads(threads + 1)
+        elif change == "torch":
+            monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+        elif change == "attention":
+            eng.window = not eng.window
+        else:
+            eng.compiling = True
+        assert G.state_path_for(eng, "same") != before
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_warmup_cache_write_failure_only_warns(engine_with_head, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
