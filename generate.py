@@ -697,9 +697,11 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)
     that maximise the expected tokens/s on this machine (graft.throughput); "youden" maximises Youden's
     J per checkpoint at cfg.budget. `calibration` selects which one the engine uses by default
-    (engine.calibration; method_config reads it). Cached per (target, head), device, dtype, execution
-    and settings. A prompt too long for the cache is skipped, never truncated; a warm-up in which no
-    generation ran calibrates nothing (the thresholds never prune) and is not cached. Sets
+    (engine.calibration; method_config reads it). Cached per (target, head) and all that changes the
+    measured costs or the warm-up (state_path_for). A prompt too long for the cache is skipped, never
+    truncated; a warm-up in which no generation ran, or none left a round long enough to score
+    (usable_records), calibrates nothing (the thresholds never prune, with a warning) and is not
+    cached. Sets
     engine.calibrations, engine.budget_curve, engine.hit_rates, and graft's choice in
     engine.thresholds and engine.budget."""
     log = log or (lambda s: None)
@@ -754,11 +756,16 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     rates = engine.matrix.hit_rates()
     engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
     calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in m.records) for c in checkpoints))
-    if not calibrated:
+    short = calibrated and d is not None and not usable_records(m.records, d.depth)
+    if not calibrated or short:
         engine.thresholds = {c: 0.0 for c in checkpoints}
-        log(f"warning: warm-up ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
-            f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
-            f"is off (pass --thresholds to set it), and nothing is cached")
+        engine.calibrations, engine.budget_curve, engine.cost_spread = {}, {}, None
+        why = (f"ran {ran} of {len(prompts)} generations but left no round long enough to score (each needs "
+               f"more than --depth {d.depth} tokens generated after it: every expected rate would be 0)" if short else
+               f"ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
+               f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped)")
+        log(f"warning: warm-up {why}: nothing calibrated, so pruning is off (pass --thresholds to set it), "
+            f"the budget stays {cfg.budget}, and nothing is cached")
         return
     calibrations, curve = {}, {}
     if d:
