@@ -225,12 +225,14 @@ def main(argv=None) -> dict:
     eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                          compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
-    if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
+    if a.warmup > 0 and any(G.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                   calibration=a.calibration, auto_budget=a.auto_budget)
         if a.auto_budget and eng.calibrations:
             budgets = [None]           # each method at the budget its calibration picked
+    elif a.auto_budget and any(m in G.CALIBRATED for m in methods):
+        log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled")

@@ -822,6 +822,13 @@ CALIBRATED = {"eagle3": "eagle3", "prune": "prune", "graft": "graft", "graft-fix
               "graft-tail": "graft"}       # method -> whose calibration it uses
 
 
+def needs_warmup(method: str, auto_budget: bool) -> bool:
+    """Whether a method needs the warm-up: for the continuation matrix (graft, recycle, the
+    ablations), its thresholds (prune, graft), or, under --budget auto, its budget (every method that
+    has one: those with a head)."""
+    return method in NEEDS_MATRIX | PRUNING or (auto_budget and method in CALIBRATED)
+
+
 def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, calibration: str | None = None) -> Config:
     """cfg with what the warm-up calibrated for `method` (CALIBRATED): its thresholds unless cfg gives
     some (--thresholds), and with auto_budget its budget. calibration: "throughput" or "youden"
@@ -1132,6 +1139,8 @@ def main(argv=None):
             print(f"demo: {os.path.relpath(STDLIB_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
     draft = a.draft or known_head(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
+    if method in NEEDS_HEAD and not draft:      # before anything loads or warms up
+        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
                        a.draft_top_k, a.depth, compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
@@ -1141,11 +1150,13 @@ def main(argv=None):
         raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                          f"--max-seq-len ({eng.model.max_seq_len})")
     cfg = config_from_args(a)
-    if method in NEEDS_MATRIX | {"prune"} and a.warmup > 0:
+    if needs_warmup(method, a.auto_budget) and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
                 log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
         cfg = method_config(eng, method, cfg, a.auto_budget)
+    elif a.auto_budget and method in CALIBRATED:
+        print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     m = make_method(eng, method, cfg)
     base = make_method(eng, "ar") if a.compare and method != "ar" else None
@@ -1174,7 +1185,8 @@ def main(argv=None):
                  f"{st['verified_per_round']:.1f} nodes verified/round (padded to {st['padded_per_round']:.0f}), "
                  f"retrieval share {st['retrieval_share']:.2f}")
     print(line, file=err)
-    out = {"method": method, "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
+    out = {"method": method, "budget": cfg.budget if method in NEEDS_HEAD else None,   # None: the method has none
+           "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
            "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), "compiled": eng.compiling,
            "attention": "window" if eng.window else "full", "compile_seconds": round(eng.compile_seconds, 2), **st}
     if base is not None:

@@ -166,6 +166,13 @@ def test_plot_draws_speedup_against_mat(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_budget_auto_reaches_eagle3(tiny):
+    """--methods ar,eagle3 --budget auto: the warm-up runs for eagle3 alone and it runs at its budget."""
+    _, saved = run_bench(tiny, "--methods", "ar,eagle3", "--max-new-tokens", "8", "--warmup", "1")
+    eagle3 = saved["meta"]["calibrations"]["throughput"]["eagle3"]["budget"]
+    assert [(r["method"], r["budget"]) for r in saved["rows"]] == [("ar", None), ("eagle3", eagle3)]
+
+
 def test_plot_without_matplotlib_is_one_line_error(tiny, monkeypatch, capsys):
     import builtins
     real = builtins.__import__
