@@ -295,6 +295,7 @@ CPU_COMPILE = {}
 
 class Plain(Proposer):
     """ar: the root alone, one token a round through decode_one_token."""
+    source = None                       # --show-tree: no candidates
 
     def __init__(self, eng: Engine):
         self.eng = eng
@@ -312,6 +313,7 @@ class Plain(Proposer):
 
 class Recycle(Proposer):
     """Token Recycling: a static retrieval tree from the continuation matrix, no draft head."""
+    source = "matrix"                   # --show-tree: every node retrieved
 
     def __init__(self, eng: Engine, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
         self.eng, self.matrix = eng, matrix
@@ -350,6 +352,7 @@ class Recycle(Proposer):
 class PromptLookup(Proposer):
     """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
     committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over the context."""
+    source = "copied"                   # --show-tree: the nodes are copied from the context
 
     def __init__(self, eng: Engine, cfg: Config):
         self.eng, self.ngram, self.n_tokens = eng, cfg.pld_ngram, cfg.pld_tokens
@@ -584,24 +587,32 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: 
 
 
 def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
-                 bonus: int, decode) -> str:
-    """One round's tree for --show-tree: each node's token, where it came from (the draft head or the
-    continuation matrix), the accepted path marked with *, the stage that pruned the round."""
+                 bonus: int, decode, source: str | None = "draft") -> str:
+    """One round's tree for --show-tree: each node's token, where it came from, the accepted path
+    marked with *, the stage that pruned the round. source: what proposed the nodes the matrix did
+    not: "draft" (the head; the stage is shown), "copied" (prompt lookup: copied from the context),
+    "matrix" (recycle: every node retrieved), or None (plain decoding: the root alone)."""
     kids = {i: [] for i in range(len(tokens))}
     for i in range(1, len(tokens)):
         if valid[i]:
             kids[parents[i]].append(i)
     real = [i for i in range(1, len(tokens)) if valid[i]]
     n_ret = sum(retrieved[i] for i in real)
-    how = "drafted to full depth" if stage is None else f"pruned at checkpoint {stage}"
-    lines = [f"round {n}: {how}; {len(real)} nodes verified ({len(real) - n_ret} drafted, {n_ret} retrieved); "
-             f"accepted {len(path) - 1} (*), bonus {decode([bonus])!r}"]
+    if source is None:
+        head = "plain decoding, the root alone"
+    else:
+        kinds = {"draft": f"{len(real) - n_ret} drafted, {n_ret} retrieved", "copied": f"{len(real) - n_ret} copied",
+                 "matrix": f"{n_ret} retrieved"}[source]
+        head = f"{len(real)} nodes verified ({kinds}); accepted {len(path) - 1} (*)"
+        if source == "draft":
+            head = ("drafted to full depth" if stage is None else f"pruned at checkpoint {stage}") + "; " + head
+    lines = [f"round {n}: {head}, bonus {decode([bonus])!r}"]
     on = set(path)
     width = 28
 
     def line(prefix, i):
         text = f"{prefix}{'*' if i in on else ' '} {decode([tokens[i]])!r}"
-        src = "root" if i == 0 else "matrix" if retrieved[i] else "draft"
+        src = "root" if i == 0 else "matrix" if retrieved[i] else source
         return f"{text:<{width}} {src}"
 
     def walk(i, indent):
@@ -1172,8 +1183,9 @@ def main(argv=None):
         t = method.last_tree
         host = torch.stack([t.tokens, t.parents, t.valid.long(),
                             t.retrieved.long() if t.retrieved is not None else t.valid.long() * 0]).tolist()
-        print(render_round(rounds[0], *host, [int(x) for x in v.path[:len(v.accepted) + 1].tolist()], v.stage,
-                           v.bonus_id, eng.tokenizer.decode), file=err)
+        path = [0] if v.path is None else [int(x) for x in v.path[:len(v.accepted) + 1].tolist()]   # ar: no path
+        print(render_round(rounds[0], *host, path, v.stage, v.bonus_id, eng.tokenizer.decode,
+                           source=getattr(method, "source", "draft")), file=err)
 
     res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,
                    on_round=show if a.show_tree else None)

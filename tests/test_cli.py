@@ -232,3 +232,12 @@ def test_budget_auto_calibrates_eagle3(pair, monkeypatch, capsys):
                   "--no-cache", "--max-new-tokens", "4", "--prompt", "Hello"])
     assert "warm-up: eagle3: expected tokens/s by budget: 12: 1.0 -> budget 12" in capsys.readouterr().err
     assert out["budget"] == 12 and out["padded_per_round"] == 12
+
+
+def test_show_tree_for_plain_decoding(pair, capsys):
+    import generate as G
+    out = G.main(["--ckpt", str(pair[0]), "--method", "ar", "--show-tree", "--max-new-tokens", "3", "--prompt", "Hi"])
+    err = capsys.readouterr().err
+    heads = [l for l in err.splitlines() if l.startswith("round ")]
+    assert len(heads) == len(out["tokens"]) - 1                        # the prefill gives the first token
+    assert all(l.startswith(f"round {i + 1}: plain decoding, the root alone, bonus ") for i, l in enumerate(heads))

@@ -702,6 +702,17 @@ def test_render_round_exact():
         "   └─* 't40'                 matrix")
 
 
+def test_render_round_labels_prompt_lookup_nodes_as_copied():
+    from generate import render_round
+    got = render_round(3, tokens=[100, 10, 20, 0], parents=[-1, 0, 1, -1], valid=[1, 1, 1, 0], retrieved=[0, 0, 0, 0],
+                       path=[0, 1], stage=None, bonus=55, decode=lambda ids: f"t{ids[0]}", source="copied")
+    assert got == (
+        "round 3: 2 nodes verified (2 copied); accepted 1 (*), bonus 't55'\n"
+        "* 't100'                     root\n"
+        "└─* 't10'                    copied\n"
+        "   └─  't20'                 copied")
+
+
 # ----------------------------------------------------------------------------- cached calibrations
 
 def good_meta():
