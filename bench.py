@@ -109,12 +109,8 @@ def table(rows: list, sweep: bool, executions: bool = False) -> str:
 def plot(rows: list, path: str, title: str):
     """The paper's Figure 1 for this run: speedup over ar against MAT, one point per (method, budget),
     a line through each method's budgets, one panel per dataset and execution."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise GraftError("--plot needs matplotlib: pip install matplotlib") from None
+    plot_formats()
+    import matplotlib.pyplot as plt
     panels = sorted({(r["dataset"], r["execution"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, (d, x) in zip(axes[0], panels):
@@ -177,9 +173,42 @@ def runs_path(json_out: str) -> str:
     return (root if ext == ".json" else json_out) + ".jsonl"
 
 
+def check_output(flag: str, path: str | None, suffixes=None):
+    """An output file must be writable before the benchmark runs, not after: its folder exists and is
+    writable, it is not a folder, and (--plot) its format is one matplotlib writes. GraftError if not."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GraftError(f"{flag} {path}: is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise GraftError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise GraftError(f"{flag} {path}: the folder {folder} is not writable")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffixes is not None and ext not in suffixes:
+        raise GraftError(f"{flag} {path}: not a format matplotlib writes (use one of {', '.join(sorted(suffixes))})")
+
+
+def plot_formats() -> set:
+    """The file formats --plot can write (matplotlib's); GraftError when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise GraftError("--plot needs matplotlib: pip install matplotlib") from None
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     t_start = time.time()
+    check_output("--json-out", a.json_out)            # before anything runs: a bad path fails at once
+    if a.json_out:
+        check_output("--json-out", runs_path(a.json_out))
+    if a.plot:
+        check_output("--plot", a.plot, plot_formats())
     if a.ckpt is None:          # like generate.py: the default demo pair
         if G.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
             a.ckpt = G.demo_model()
@@ -245,12 +274,12 @@ def main(argv=None) -> dict:
     for x, e in engines.items():
         runs[(x, "ar", None)] = G.make_method(e, "ar")
         for m in methods[1:]:
-            for b in budgets:
+            for b in budgets if m in G.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
                 for c in calibrations if m in G.PRUNING else calibrations[:1]:
                     cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
                     cfg = G.method_config(e, m, cfg, auto_budget=b is None, calibration=c)
                     own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
-                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else b)
+                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else None)
                     runs[key] = G.make_method(e, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     # before anything is timed: compile every graph (compiled engines), and one short generation per

@@ -166,6 +166,25 @@ def test_plot_draws_speedup_against_mat(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("flag,name", [("--plot", "x.png"), ("--json-out", "x.json")])
+def test_output_into_a_missing_folder_fails_before_anything_runs(tiny, monkeypatch, capsys, flag, name):
+    monkeypatch.setattr(bench.G, "build_engine", lambda *a, **k: pytest.fail("the benchmark ran"))
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--draft", str(head), "--datasets", str(prompts),
+                   flag, str(d / "no-such-folder" / name)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {flag} {d / 'no-such-folder' / name}: the folder {d / 'no-such-folder'} does not exist"]
+
+
+def test_budget_sweep_runs_a_method_without_a_budget_once(tiny):
+    """pld ignores the budget: one run and one row (one point on the plot), not one per budget."""
+    _, saved = run_bench(tiny, "--methods", "ar,eagle3,pld", "--budgets", "4,8", "--max-new-tokens", "8")
+    assert [(r["method"], r["budget"]) for r in saved["rows"]] == [("ar", None), ("eagle3", 4), ("eagle3", 8),
+                                                                   ("pld", None)]
+
+
 def test_budget_auto_reaches_eagle3(tiny):
     """--methods ar,eagle3 --budget auto: the warm-up runs for eagle3 alone and it runs at its budget."""
     _, saved = run_bench(tiny, "--methods", "ar,eagle3", "--max-new-tokens", "8", "--warmup", "1")
