@@ -46,7 +46,8 @@ class Row:
 
     def add(self, res: G.Result):
         self.tps.append(res.tokens_per_s)
-        for k in ("rounds", "committed", "draft_forwards", "verified", "from_retrieval", "accepted", "seconds", "syncs"):
+        for k in ("rounds", "committed", "draft_forwards", "verified", "padded", "from_retrieval", "accepted", "seconds",
+                  "syncs"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
         self.tot["tokens"] = self.tot.get("tokens", 0) + len(res.tokens)
         for phase, s in res.times.items():
@@ -66,7 +67,8 @@ class Row:
                 "tokens_per_s": round(mean, 2) if mean else None,
                 "speedup": round(mean / ar_tps, 4) if mean and ar_tps else None,
                 "draft_forwards_per_round": round(t.get("draft_forwards", 0) / r, 4),
-                "verified_per_round": round(t.get("verified", 0) / r, 4),
+                "verified_per_round": round(t.get("verified", 0) / r, 4),      # real nodes, padding excluded
+                "padded_per_round": round(t.get("padded", 0) / r, 4),          # the size the passes ran at
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
                 "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in G.NEEDS_HEAD else {},
                 "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
@@ -137,10 +139,10 @@ def bar(done: int, total: int, t0: float, what: str):
 def table(rows: list, sweep: bool, executions: bool = False) -> str:
     cols = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
         "prompts", "skipped", "mat", "tokens_per_s", "speedup", "draft_forwards_per_round", "verified_per_round",
-        "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
+        "padded_per_round", "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
     head = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
-        "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "retrieval share",
-        "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
+        "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "padded/round",
+        "retrieval share", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
     phases = ("draft", "assemble", "verify", "update")
     fmt = lambda c, v: ("-" if v is None else
                         " + ".join(f"{v.get(p, 0.0):.2f}" for p in phases) if c == "round_ms" else
@@ -153,12 +155,8 @@ def table(rows: list, sweep: bool, executions: bool = False) -> str:
 def plot(rows: list, path: str, title: str):
     """The paper's Figure 1 for this run: speedup over ar against MAT, one point per (method, budget),
     a line through each method's budgets, one panel per dataset and execution."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise GraftError("--plot needs matplotlib: pip install matplotlib") from None
+    plot_formats()
+    import matplotlib.pyplot as plt
     panels = sorted({(r["dataset"], r["execution"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, (d, x) in zip(axes[0], panels):
@@ -221,9 +219,42 @@ def runs_path(json_out: str) -> str:
     return (root if ext == ".json" else json_out) + ".jsonl"
 
 
+def check_output(flag: str, path: str | None, suffixes=None):
+    """An output file must be writable before the benchmark runs, not after: its folder exists and is
+    writable, it is not a folder, and (--plot) its format is one matplotlib writes. GraftError if not."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GraftError(f"{flag} {path}: is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise GraftError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise GraftError(f"{flag} {path}: the folder {folder} is not writable")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffixes is not None and ext not in suffixes:
+        raise GraftError(f"{flag} {path}: not a format matplotlib writes (use one of {', '.join(sorted(suffixes))})")
+
+
+def plot_formats() -> set:
+    """The file formats --plot can write (matplotlib's); GraftError when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise GraftError("--plot needs matplotlib: pip install matplotlib") from None
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     t_start = time.time()
+    check_output("--json-out", a.json_out)            # before anything runs: a bad path fails at once
+    if a.json_out:
+        check_output("--json-out", runs_path(a.json_out))
+    if a.plot:
+        check_output("--plot", a.plot, plot_formats())
     if a.ckpt is None:          # like generate.py: the default demo pair
         if G.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
             a.ckpt = G.demo_model()
@@ -269,12 +300,14 @@ def main(argv=None) -> dict:
     eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                          compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
-    if a.warmup > 0 and any(m in G.NEEDS_MATRIX | {"prune"} for m in methods):
+    if a.warmup > 0 and any(G.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                   calibration=a.calibration, auto_budget=a.auto_budget)
         if a.auto_budget and eng.calibrations:
             budgets = [None]           # each method at the budget its calibration picked
+    elif a.auto_budget and any(m in G.CALIBRATED for m in methods):
+        log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled")
@@ -287,12 +320,12 @@ def main(argv=None) -> dict:
     for x, e in engines.items():
         runs[(x, "ar", None)] = G.make_method(e, "ar")
         for m in methods[1:]:
-            for b in budgets:
+            for b in budgets if m in G.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
                 for c in calibrations if m in G.PRUNING else calibrations[:1]:
                     cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
                     cfg = G.method_config(e, m, cfg, auto_budget=b is None, calibration=c)
                     own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
-                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else b)
+                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else None)
                     runs[key] = G.make_method(e, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     # before anything is timed: compile every graph (compiled engines), and one short generation per
@@ -390,6 +423,9 @@ def main(argv=None) -> dict:
                                  "thresholds": {str(k): round(t, 4) for k, t in c["thresholds"].items()}}
                              for m, c in per.items()} for n, per in eng.calibrations.items()},
         "expected_tokens_per_s_by_budget": {m: {str(b): r for b, r in c.items()} for m, c in eng.budget_curve.items()},
+        # the verify timings' relative spread (graft.robust_costs): budgets within TIE_SPREADS of them of the
+        # best went to the smaller
+        "cost_spread": eng.cost_spread,
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
         "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,

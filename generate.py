@@ -35,8 +35,9 @@ import torch
 
 from data import STORIES, read_prompts, read_text, stories_head_dir
 from draft import Drafter, load_head
-from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, accepted_by,
-                   build_template, cache_dir, calibrate, choose_budget, load_state, save_state, stage_tree, with_root)
+from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, TIE_SPREADS, Config, ContinuationMatrix, Graft,
+                   accepted_by, build_template, cache_dir, calibrate, choose_budget, load_state, monotone, robust_costs,
+                   save_state, stage_tree, time_passes, with_root)
 from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
 from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit,
                     decode_one_token, token_hash, verify)
@@ -286,6 +287,7 @@ class Engine:
         self.budget = None                                  # what the warm-up chose (--budget auto)
         self.calibration = "throughput"                     # the warm-up's: which calibration the methods use,
         self.calibrations, self.budget_curve = {}, {}       # both of them per method, and rate by budget
+        self.cost_spread = None                             # the warm-up's timing spread (graft.robust_costs)
         if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
@@ -418,6 +420,7 @@ CPU_COMPILE = {}
 
 class Plain(Proposer):
     """ar: the root alone, one token a round through decode_one_token."""
+    source = None                       # --show-tree: no candidates
 
     def __init__(self, eng: Engine):
         self.eng = eng
@@ -437,6 +440,7 @@ class Plain(Proposer):
 
 class Recycle(Proposer):
     """Token Recycling: a static retrieval tree from the continuation matrix, no draft head."""
+    source = "matrix"                   # --show-tree: every node retrieved
 
     def __init__(self, eng: Engine, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
         self.eng, self.matrix = eng, matrix
@@ -477,6 +481,7 @@ class Recycle(Proposer):
 class PromptLookup(Proposer):
     """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
     committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over the context."""
+    source = "copied"                   # --show-tree: the nodes are copied from the context
 
     def __init__(self, eng: Engine, cfg: Config):
         self.eng, self.ngram, self.n_tokens = eng, cfg.pld_ngram, cfg.pld_tokens
@@ -568,7 +573,8 @@ class Result:
     rounds: int = 0
     committed: int = 0                   # tokens returned by decode rounds (bonus included)
     draft_forwards: int = 0
-    verified: int = 0                    # candidate nodes verified (root and padding excluded)
+    verified: int = 0                    # real candidate nodes verified (root and padding excluded)
+    padded: int = 0                      # candidate slots the passes ran at (the tree's size N - 1, padding included)
     from_retrieval: int = 0              # accepted tokens that were retrieved nodes
     accepted: int = 0                    # accepted candidate tokens (bonus excluded)
     syncs: int = 0                       # host syncs in decode rounds
@@ -587,7 +593,7 @@ class Result:
         r = max(self.rounds, 1)
         return {"mat": round(self.mat, 4), "rounds": self.rounds, "draft_forwards": self.draft_forwards,
                 "draft_forwards_per_round": round(self.draft_forwards / r, 4),
-                "verified_per_round": round(self.verified / r, 4),
+                "verified_per_round": round(self.verified / r, 4), "padded_per_round": round(self.padded / r, 4),
                 "retrieval_share": round(self.from_retrieval / max(self.accepted, 1), 4),
                 "syncs_per_round": round(self.syncs / r, 4),
                 "round_ms": {k: round(v / r * 1000, 4) for k, v in self.times.items() if k != "prefill"},
@@ -657,7 +663,8 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
         A = len(v.accepted)
         eng.L_host += A + 1
         res.rounds += 1
-        res.verified += method.N - 1
+        res.verified += v.nodes
+        res.padded += method.N - 1
         res.draft_forwards += v.draft_forwards
         res.syncs += v.syncs
         res.stages[v.stage] = res.stages.get(v.stage, 0) + 1
@@ -683,34 +690,41 @@ def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: in
 
 
 @torch.no_grad()
-def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False) -> tuple:
+def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
+              timer=time.perf_counter, stats: dict | None = None) -> tuple:
     """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
     the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
     verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
-    which is what sets the best budget there. (cost_tree: every size shares one verify graph.) Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    which is what sets the best budget there. (cost_tree: every size shares one verify graph.)
+    Measured robustly (graft.time_passes, robust_costs, monotone): `repeats` samples of each N,
+    interleaved, each after an untimed pass; the fastest sample of each N; then the non-decreasing
+    fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when given, receives
+    "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a fraction). Returns
+    (context used, {N: ms}): the context shrinks when the cache leaves no room."""
     dev, m = eng.device, eng.model
     context = max(1, min(context, m.max_seq_len - 1))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
-    out = {}
     eng.begin(Sampling())
     prefill(eng, Plain(eng), ids[:context].tolist())         # once: every pass below is undone after it
-    for n in sizes:
-        tree, P = cost_tree(ids[context:context + n])
-        for i in range(repeats + 3):                 # 3 untimed passes first
-            if i == 3:
-                sync(dev)
-                t0 = time.perf_counter()
-            eng.mark_step()
-            if n == 1 and not capture:
-                eng.root.copy_(tree.tokens[0])
-                eng.decode()
-            else:
-                eng.verify(tree, P, capture)
-            eng.L.fill_(context)                     # undo what the pass committed
-        sync(dev)
-        out[n] = round((time.perf_counter() - t0) / repeats * 1000, 3)
-    return context, out
+    trees = {n: cost_tree(ids[context:context + n]) for n in sizes}
+
+    def one(n):                                      # one pass over n nodes
+        tree, P = trees[n]
+        eng.mark_step()
+        if n == 1 and not capture:
+            eng.root.copy_(tree.tokens[0])
+            eng.decode()
+        else:
+            eng.verify(tree, P, capture)
+        eng.L.fill_(context)                     # undo what the pass committed
+
+    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
+    fastest, spread = robust_costs(samples)
+    if stats is not None:
+        stats.update(samples=samples, spread=spread)
+    fit = monotone(fastest)
+    return context, {n: round(fit[n] * 1000, 3) for n in sizes}
 
 
 # The longest path of the trees pass_cost times: a Graft round's (1 + max(draft depth 8, template depth
@@ -730,24 +744,32 @@ def cost_tree(tokens: torch.Tensor) -> tuple:
 
 
 def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
-                 bonus: int, decode) -> str:
-    """One round's tree for --show-tree: each node's token, where it came from (the draft head or the
-    continuation matrix), the accepted path marked with *, the stage that pruned the round."""
+                 bonus: int, decode, source: str | None = "draft") -> str:
+    """One round's tree for --show-tree: each node's token, where it came from, the accepted path
+    marked with *, the stage that pruned the round. source: what proposed the nodes the matrix did
+    not: "draft" (the head; the stage is shown), "copied" (prompt lookup: copied from the context),
+    "matrix" (recycle: every node retrieved), or None (plain decoding: the root alone)."""
     kids = {i: [] for i in range(len(tokens))}
     for i in range(1, len(tokens)):
         if valid[i]:
             kids[parents[i]].append(i)
     real = [i for i in range(1, len(tokens)) if valid[i]]
     n_ret = sum(retrieved[i] for i in real)
-    how = "drafted to full depth" if stage is None else f"pruned at checkpoint {stage}"
-    lines = [f"round {n}: {how}; {len(real)} nodes verified ({len(real) - n_ret} drafted, {n_ret} retrieved); "
-             f"accepted {len(path) - 1} (*), bonus {decode([bonus])!r}"]
+    if source is None:
+        head = "plain decoding, the root alone"
+    else:
+        kinds = {"draft": f"{len(real) - n_ret} drafted, {n_ret} retrieved", "copied": f"{len(real) - n_ret} copied",
+                 "matrix": f"{n_ret} retrieved"}[source]
+        head = f"{len(real)} nodes verified ({kinds}); accepted {len(path) - 1} (*)"
+        if source == "draft":
+            head = ("drafted to full depth" if stage is None else f"pruned at checkpoint {stage}") + "; " + head
+    lines = [f"round {n}: {head}, bonus {decode([bonus])!r}"]
     on = set(path)
     width = 28
 
     def line(prefix, i):
         text = f"{prefix}{'*' if i in on else ' '} {decode([tokens[i]])!r}"
-        src = "root" if i == 0 else "matrix" if retrieved[i] else "draft"
+        src = "root" if i == 0 else "matrix" if retrieved[i] else source
         return f"{text:<{width}} {src}"
 
     def walk(i, indent):
@@ -765,20 +787,27 @@ def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: li
 
 def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model), the dtype, device and cache length they ran with,
-    and every setting that shaped the warm-up."""
+    model in the same folder is a different model), the cache length, everything that changes what
+    the calibration measured (dtype, device and which one, torch's version and thread count, eager or
+    compiled and how, attention over a window or the whole cache), and every setting that shaped the
+    warm-up."""
     def stamp(path):
         files = ([path] if os.path.isfile(path) else
                  [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
         return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
-    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, str(engine.dtype), str(engine.device),
-                      m.max_seq_len, *settings], default=str)
+    dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")
+    execution = (("compiled", engine.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
+                 else "eager")
+    timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
+              "window" if engine.window else "full"]
+    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, m.max_seq_len, timing, *settings],
+                     default=str, sort_keys=True)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 4        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 5        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
@@ -837,9 +866,11 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)
     that maximise the expected tokens/s on this machine (graft.throughput); "youden" maximises Youden's
     J per checkpoint at cfg.budget. `calibration` selects which one the engine uses by default
-    (engine.calibration; method_config reads it). Cached per (target, head), device, dtype, execution
-    and settings. A prompt too long for the cache is skipped, never truncated; a warm-up in which no
-    generation ran calibrates nothing (the thresholds never prune) and is not cached. Sets
+    (engine.calibration; method_config reads it). Cached per (target, head) and all that changes the
+    measured costs or the warm-up (state_path_for). A prompt too long for the cache is skipped, never
+    truncated; a warm-up in which no generation ran, or none left a round long enough to score
+    (usable_records), calibrates nothing (the thresholds never prune, with a warning) and is not
+    cached. Sets
     engine.calibrations, engine.budget_curve, engine.hit_rates, and graft's choice in
     engine.thresholds and engine.budget."""
     log = log or (lambda s: None)
@@ -847,9 +878,8 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
-    execution = ("compiled", engine.backend, engine.window) if engine.compiling else ("eager", engine.window)
     path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
-                          engine.matrix.k, (d.top_k, d.depth) if d else None, execution)
+                          engine.matrix.k, (d.top_k, d.depth) if d else None)
     engine.calibration, engine.budget = calibration, cfg.budget
 
     def use(calibrations: dict, curve: dict):
@@ -865,6 +895,8 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
         if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
             engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
+            spread = got["meta"].get("cost_spread")
+            engine.cost_spread = float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None
             use(*cal)
             log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {engine.thresholds}")
             return
@@ -893,19 +925,27 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     rates = engine.matrix.hit_rates()
     engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
     calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in m.records) for c in checkpoints))
-    if not calibrated:
+    short = calibrated and d is not None and not usable_records(m.records, d.depth)
+    if not calibrated or short:
         engine.thresholds = {c: 0.0 for c in checkpoints}
-        log(f"warning: warm-up ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
-            f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped): nothing calibrated, so pruning "
-            f"is off (pass --thresholds to set it), and nothing is cached")
+        engine.calibrations, engine.budget_curve, engine.cost_spread = {}, {}, None
+        why = (f"ran {ran} of {len(prompts)} generations but left no round long enough to score (each needs "
+               f"more than --depth {d.depth} tokens generated after it: every expected rate would be 0)" if short else
+               f"ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
+               f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped)")
+        log(f"warning: warm-up {why}: nothing calibrated, so pruning is off (pass --thresholds to set it), "
+            f"the budget stays {cfg.budget}, and nothing is cached")
         return
     calibrations, curve = {}, {}
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in m.records], checkpoints)
-        options = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
+        options, spread = calibration_options(engine, cfg, m.records, results, budgets or (cfg.budget,))
+        engine.cost_spread = spread
+        log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
+            f"go to the smaller")
         calibrations = {"throughput": {}, "youden": {}}
         for method, opts in options.items():
-            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else ())
+            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread)
             calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
                                                   "rate": round(rate, 3)}
             calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
@@ -921,7 +961,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         f"{[round(a, 3) for a in engine.hit_rates]}")
     if use_cache:
         save_state(path, engine.matrix, engine.thresholds,
-                   {"hit_rates": list(engine.hit_rates), "generations": ran,
+                   {"hit_rates": list(engine.hit_rates), "generations": ran, "cost_spread": engine.cost_spread,
                     "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
                                          for m, c in per.items()} for n, per in calibrations.items()},
                     "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
@@ -951,6 +991,13 @@ CALIBRATED = {"eagle3": "eagle3", "prune": "prune", "graft": "graft", "graft-fix
               "graft-tail": "graft"}       # method -> whose calibration it uses
 
 
+def needs_warmup(method: str, auto_budget: bool) -> bool:
+    """Whether a method needs the warm-up: for the continuation matrix (graft, recycle, the
+    ablations), its thresholds (prune, graft), or, under --budget auto, its budget (every method that
+    has one: those with a head)."""
+    return method in NEEDS_MATRIX | PRUNING or (auto_budget and method in CALIBRATED)
+
+
 def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, calibration: str | None = None) -> Config:
     """cfg with what the warm-up calibrated for `method` (CALIBRATED): its thresholds unless cfg gives
     some (--thresholds), and with auto_budget its budget. calibration: "throughput" or "youden"
@@ -966,21 +1013,30 @@ def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, cali
     return cfg
 
 
+def usable_records(records: list, depth: int) -> list:
+    """The warm-up rounds the calibration can score: those followed by more than `depth` generated
+    tokens (the last rounds of a generation see too little of what the target went on to say)."""
+    return [r for r in records if len(r["truth"]) > depth]
+
+
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> dict:
-    """{method: {budget: (rounds, cost)}} as graft.choose_budget reads them, for eagle3, prune and
-    graft. rounds: each warm-up round's confidences and, per stage, the tokens its tree would have
-    accepted (graft.stage_tree, matched against what the target generated); cost: seconds per round
-    per stage, from this engine's own steps: draft forwards (timed in the warm-up), each stage's
-    assembly, the verify pass at B + 1 nodes (pass_cost), and the update."""
+def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> tuple:
+    """({method: {budget: (rounds, cost)}}, spread): the options as graft.choose_budget reads them,
+    for eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
+    tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
+    would have accepted (graft.stage_tree, matched against what the target generated); cost: seconds
+    per round per stage, from this engine's own steps: draft forwards (timed in the warm-up), each
+    stage's assembly, the verify pass at B + 1 nodes (pass_cost: fastest of interleaved samples,
+    monotone in B), and the update."""
     d = eng.drafter
     k, D = d.top_k, d.depth
     forwards = sum(r.draft_forwards for r in results)
     t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
     n_rounds = max(sum(r.rounds for r in results), 1)
     t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
-    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True)
-    usable = [r for r in records if len(r["truth"]) > D]      # the last rounds of a generation see too little
+    timing = {}
+    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, stats=timing)
+    usable = usable_records(records, D)
     memo = {}
 
     def acc(i, s, K, R):          # a tree that two methods share (full depth, no retrieval) is matched once
@@ -998,23 +1054,18 @@ def calibration_options(eng: Engine, cfg: Config, records: list, results: list, 
             cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
             rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
             out[method][b] = (rounds, cost)
-    return out
+    return out, timing["spread"]
 
 
 def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
-    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates."""
+    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates: the
+    fastest of `repeats` samples, the stages interleaved, each after an untimed call (as pass_cost)."""
     g = Graft(eng, cfg, copy.deepcopy(eng.matrix), eng.hit_rates)
-    out = {}
-    for s, fn in g.assemble.items():
-        for i in range(repeats + 2):
-            if i == 2:
-                sync(eng.device)
-                t0 = time.perf_counter()
-            eng.mark_step()
-            fn(eng.root)
-        sync(eng.device)
-        out[s] = (time.perf_counter() - t0) / repeats
-    return out
+    def one(s):
+        eng.mark_step()
+        g.assemble[s](eng.root)
+    samples = time_passes(one, list(g.assemble), repeats, sync=lambda: sync(eng.device))
+    return robust_costs(samples)[0]
 
 
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
@@ -1260,6 +1311,8 @@ def main(argv=None):
             print(f"demo: {os.path.relpath(STDLIB_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
     draft = a.draft or known_head(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
+    if method in NEEDS_HEAD and not draft:      # before anything loads or warms up
+        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
                        a.draft_top_k, a.depth, compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
@@ -1269,11 +1322,13 @@ def main(argv=None):
         raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                          f"--max-seq-len ({eng.model.max_seq_len})")
     cfg = config_from_args(a)
-    if method in NEEDS_MATRIX | {"prune"} and a.warmup > 0:
+    if needs_warmup(method, a.auto_budget) and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
                 log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
         cfg = method_config(eng, method, cfg, a.auto_budget)
+    elif a.auto_budget and method in CALIBRATED:
+        print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     m = make_method(eng, method, cfg)
     base = make_method(eng, "ar") if a.compare and method != "ar" else None
@@ -1289,8 +1344,9 @@ def main(argv=None):
         t = method.last_tree
         host = torch.stack([t.tokens, t.parents, t.valid.long(),
                             t.retrieved.long() if t.retrieved is not None else t.valid.long() * 0]).tolist()
-        print(render_round(rounds[0], *host, [int(x) for x in v.path[:len(v.accepted) + 1].tolist()], v.stage,
-                           v.bonus_id, eng.tokenizer.decode), file=err)
+        path = [0] if v.path is None else [int(x) for x in v.path[:len(v.accepted) + 1].tolist()]   # ar: no path
+        print(render_round(rounds[0], *host, path, v.stage, v.bonus_id, eng.tokenizer.decode,
+                           source=getattr(method, "source", "draft")), file=err)
 
     res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,
                    on_round=show if a.show_tree else None)
@@ -1299,9 +1355,11 @@ def main(argv=None):
     line = f"[{method}, {how}] {len(res.tokens)} tokens in {res.seconds:.2f}s = {res.tokens_per_s:.1f} tokens/s"
     if method != "ar":
         line += (f", MAT {st['mat']:.2f}, {st['draft_forwards_per_round']:.2f} draft forwards/round, "
-                 f"{st['verified_per_round']:.1f} verified/round, retrieval share {st['retrieval_share']:.2f}")
+                 f"{st['verified_per_round']:.1f} nodes verified/round (padded to {st['padded_per_round']:.0f}), "
+                 f"retrieval share {st['retrieval_share']:.2f}")
     print(line, file=err)
-    out = {"method": method, "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
+    out = {"method": method, "budget": cfg.budget if method in NEEDS_HEAD else None,   # None: the method has none
+           "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
            "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), "compiled": eng.compiling,
            "attention": "window" if eng.window else "full", "compile_seconds": round(eng.compile_seconds, 2), **st}
     if base is not None:

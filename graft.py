@@ -14,7 +14,9 @@ import heapq
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
@@ -293,17 +295,79 @@ def _rates(conf, tok, secs, grids) -> torch.Tensor:
     return t.sum(-1) / c.sum(-1).clamp_min(1e-12)
 
 
-def choose_budget(options: dict, checkpoints=CHECKPOINTS) -> tuple:
+# Near-equal budgets: expected rates within this many spreads (robust_costs) of the best. Each
+# budget's verify cost is off by about one spread, either way, so the difference of two is off by up
+# to about twice that; three leaves room (simulated: far fewer flips than two, at a cost of three
+# spreads of throughput at most, about 1% on a quiet machine).
+TIE_SPREADS = 3
+
+
+def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0) -> tuple:
     """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
     candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
-    the best (a tie goes to the smaller budget) and the whole curve, for the log and the report."""
-    best, curve = None, {}
+    the smallest budget whose expected rate (tokens/s) is within TIE_SPREADS * spread of the best
+    one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0: exact
+    ties only), and the whole curve, for the log and the report. Budgets that close are what the
+    timing's noise tells apart, so they go to the smaller one, the same way every time."""
+    fits, curve = {}, {}
     for b in sorted(options):
-        taus, rate = throughput_thresholds(*options[b], checkpoints)
-        curve[b] = rate
-        if best is None or rate > best[2] * (1 + 1e-12):
-            best = (b, taus, rate)
-    return (*best, curve)
+        fits[b] = throughput_thresholds(*options[b], checkpoints)
+        curve[b] = fits[b][1]
+    top = max(curve.values())
+    b = next(b for b in sorted(curve) if curve[b] >= top * (1 - max(TIE_SPREADS * spread, 1e-12)))
+    return (b, *fits[b], curve)
+
+
+# Measuring costs [ours]. On a shared machine one timing of a pass can be off by half (seen: a 9-node
+# verify at 43.1 and 26.9 ms, a 13-node one at 18.9 and 33.5), so the calibration never averages a
+# run of one size: time_passes interleaves the sizes (a drift of the machine's speed hits each alike)
+# and times each call right after an untimed one of the same size; robust_costs takes each size's
+# fastest sample (interference only ever adds time: the fastest is the pass without it) and, as the
+# measurement's spread, how far the second fastest lies above it; monotone then fits what physics
+# says, a bigger tree never costs less; choose_budget prefers the smaller of budgets within that spread.
+
+def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
+    """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
+    robin over the sizes, every other sweep in reverse order; each timed call comes right after an
+    untimed call of the same n (warm caches, no first-call costs). timer: seconds (a clock, injected
+    in tests); sync: waits for the device before the clock is read. Returns {n: [seconds, ...]}."""
+    samples = {n: [] for n in sizes}
+    order = list(sizes)
+    for r in range(repeats):
+        for n in order if r % 2 == 0 else order[::-1]:
+            run(n)                   # untimed
+            sync()
+            t0 = timer()
+            run(n)
+            sync()
+            samples[n].append(timer() - t0)
+    return samples
+
+
+def robust_costs(samples: dict) -> tuple:
+    """({n: fastest of samples[n]}, spread). spread, a fraction: how well those minima are pinned, the
+    median over the sizes of (second fastest - fastest) / fastest; 0 with fewer than two samples a
+    size. samples: {n: [seconds, ...]} (time_passes); the costs are in the samples' units."""
+    low = {n: sorted(xs)[:2] for n, xs in samples.items()}
+    costs = {n: xs[0] for n, xs in low.items()}
+    gaps = [(xs[1] - xs[0]) / xs[0] for xs in low.values() if len(xs) == 2 and xs[0] > 0]
+    if not gaps or len(gaps) < len(low):
+        return costs, 0.0
+    return costs, statistics.median(gaps)
+
+
+def monotone(costs: dict) -> dict:
+    """The non-decreasing fit of {n: cost} over n (isotonic regression, pool adjacent violators): the
+    closest costs in least squares under which a bigger n never costs less. Same keys and units."""
+    blocks = []                                        # [sum, count] of pooled neighbours, by n
+    for n in sorted(costs):
+        blocks.append([costs[n], 1, [n]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c, ns = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+            blocks[-1][2] += ns
+    return {n: s / c for s, c, ns in blocks for n in ns}
 
 
 # ----------------------------------------------------------------------------- hybrid trees

@@ -190,6 +190,7 @@ class Verified:
     accepted: list | None = None    # after commit(): the accepted tokens, the bonus as an int,
     bonus_id: int | None = None     # and which accepted tokens came from retrieval (0/1 each)
     from_retrieval: list | None = None
+    nodes: int = 0                  # after commit(): real candidate nodes verified (root and padding excluded)
     stage: int | None = None        # the checkpoint that pruned the round, if any
     draft_forwards: int = 0
     syncs: int = 1                  # host syncs the round made (commit's, and one per checkpoint reached)
@@ -242,18 +243,20 @@ def decode_one_token(model, token: torch.Tensor, L: torch.Tensor, cols: torch.Te
 
 def commit(v: Verified, tree: Tree) -> Verified:
     """The one host sync of a round: the accepted length, the bonus, whether the logits were finite,
-    and the path's tokens and sources, in one transfer. Errors: GraftError when the pass was not
-    finite (a NaN would make the argmax pick token 0, again and again)."""
-    parts = [v.A.view(1), v.bonus.view(1), v.finite.view(1).long(), tree.tokens.index_select(0, v.path)]
+    the real candidates the tree held (v.nodes), and the path's tokens and sources, in one transfer.
+    Errors: GraftError when the pass was not finite (a NaN would make the argmax pick token 0, again
+    and again)."""
+    parts = [v.A.view(1), v.bonus.view(1), v.finite.view(1).long(), tree.valid.sum().view(1) - 1,
+             tree.tokens.index_select(0, v.path)]
     if tree.retrieved is not None:
         parts.append(tree.retrieved.index_select(0, v.path).long())
     got = torch.cat(parts).tolist()
     if not got[2]:
         raise GraftError("the target's logits are not finite (NaN or inf) in this pass: the model overflows "
                          "in this dtype or its weights are broken")
-    A, P = got[0], v.path.numel()
-    v.accepted, v.bonus_id = got[4:4 + A], got[1]
-    v.from_retrieval = got[4 + P:4 + P + A] if tree.retrieved is not None else [0] * A
+    A, P, H = got[0], v.path.numel(), 5          # H: the 4 values above and the root, then the accepted
+    v.accepted, v.bonus_id, v.nodes = got[H:H + A], got[1], got[3]
+    v.from_retrieval = got[H + P:H + P + A] if tree.retrieved is not None else [0] * A
     return v
 
 

@@ -13,7 +13,7 @@ from conftest import SHARED, needs_shared
 from test_lossless import random_head
 
 KEYS = {"dataset", "method", "budget", "prompts", "skipped", "mat", "tokens_per_s", "speedup",
-        "draft_forwards_per_round", "verified_per_round", "retrieval_share", "stages", "lossless"}
+        "draft_forwards_per_round", "verified_per_round", "padded_per_round", "retrieval_share", "stages", "lossless"}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_budget_sweep_and_skipping(tiny):
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("eagle3", 8), ("eagle3", 20)]
     assert all(r["lossless"] and r["prompts"] == 2 and r["skipped"] == 1 for r in rows)
     assert [r["verified_per_round"] for r in rows] == [0, 8, 20]     # the dense tree fills the budget
+    assert [r["padded_per_round"] for r in rows] == [0, 8, 20]
     # the cost of a target pass is measured at 1 node and at each budget's tree size (root included)
     assert sorted(saved["meta"]["pass_ms"]["eager"], key=int) == ["1", "9", "21"]
     assert all(ms > 0 for ms in saved["meta"]["pass_ms"]["eager"].values())
@@ -165,6 +166,32 @@ def test_plot_draws_speedup_against_mat(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("flag,name", [("--plot", "x.png"), ("--json-out", "x.json")])
+def test_output_into_a_missing_folder_fails_before_anything_runs(tiny, monkeypatch, capsys, flag, name):
+    monkeypatch.setattr(bench.G, "build_engine", lambda *a, **k: pytest.fail("the benchmark ran"))
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--draft", str(head), "--datasets", str(prompts),
+                   flag, str(d / "no-such-folder" / name)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {flag} {d / 'no-such-folder' / name}: the folder {d / 'no-such-folder'} does not exist"]
+
+
+def test_budget_sweep_runs_a_method_without_a_budget_once(tiny):
+    """pld ignores the budget: one run and one row (one point on the plot), not one per budget."""
+    _, saved = run_bench(tiny, "--methods", "ar,eagle3,pld", "--budgets", "4,8", "--max-new-tokens", "8")
+    assert [(r["method"], r["budget"]) for r in saved["rows"]] == [("ar", None), ("eagle3", 4), ("eagle3", 8),
+                                                                   ("pld", None)]
+
+
+def test_budget_auto_reaches_eagle3(tiny):
+    """--methods ar,eagle3 --budget auto: the warm-up runs for eagle3 alone and it runs at its budget."""
+    _, saved = run_bench(tiny, "--methods", "ar,eagle3", "--max-new-tokens", "8", "--warmup", "1")
+    eagle3 = saved["meta"]["calibrations"]["throughput"]["eagle3"]["budget"]
+    assert [(r["method"], r["budget"]) for r in saved["rows"]] == [("ar", None), ("eagle3", eagle3)]
+
+
 def test_plot_without_matplotlib_is_one_line_error(tiny, monkeypatch, capsys):
     import builtins
     real = builtins.__import__
@@ -197,9 +224,12 @@ def test_both_calibrations_and_auto_budget(tiny):
         assert r["budget"] == want
     curve = meta["expected_tokens_per_s_by_budget"]
     assert set(curve) == {"eagle3", "prune", "graft"}
-    for m in curve:           # the chosen budget is the curve's best
-        best = max(curve[m].items(), key=lambda kv: kv[1])
-        assert int(best[0]) == thr[m]["budget"] and thr[m]["expected_tokens_per_s"] == pytest.approx(best[1], rel=1e-2)
+    tie = 1 - bench.G.TIE_SPREADS * meta["cost_spread"]
+    for m in curve:           # the chosen budget: the smallest within the timing's spread of the curve's best
+        best = max(curve[m].values())
+        chosen = min((int(b) for b, r in curve[m].items() if r >= best * tie))
+        assert chosen == thr[m]["budget"]
+        assert thr[m]["expected_tokens_per_s"] == pytest.approx(curve[m][str(chosen)], rel=1e-2)
 
 
 def test_one_calibration_name_only(tiny, capsys):

@@ -208,3 +208,36 @@ def test_ar_json_success(runs):
     assert 1 <= len(rec["tokens"]) <= 6 and all(isinstance(t, int) and 0 <= t < VOCAB for t in rec["tokens"])
     assert isinstance(rec["text"], str)
     assert rec["seconds"] >= 0 and rec["tokens_per_s"] >= 0
+
+
+# ----------------------------------------------------------------------------- in process: budget, --show-tree
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The tiny model above and a random EAGLE-3 head for it."""
+    from test_lossless import random_head
+    tmp = tmp_path_factory.mktemp("pair")
+    target = write_tiny_model(tmp / "tiny")
+    return target, random_head(target, tmp / "head")
+
+
+def test_budget_auto_calibrates_eagle3(pair, monkeypatch, capsys):
+    """--method eagle3 --budget auto (the default): the warm-up runs and eagle3 verifies the budget it
+    chose (here forced to 12), not the CPU default of 16."""
+    import generate as G
+    monkeypatch.setenv("GRAFT_CACHE", str(pair[0].parent / "cache"))
+    monkeypatch.setattr(G, "choose_budget", lambda options, checkpoints, spread=0.0:
+                        (12, {c: 0.0 for c in checkpoints}, 1.0, {12: 1.0}))
+    out = G.main(["--ckpt", str(pair[0]), "--draft", str(pair[1]), "--method", "eagle3", "--warmup", "1",
+                  "--no-cache", "--max-new-tokens", "4", "--prompt", "Hello"])
+    assert "warm-up: eagle3: expected tokens/s by budget: 12: 1.0 -> budget 12" in capsys.readouterr().err
+    assert out["budget"] == 12 and out["padded_per_round"] == 12
+
+
+def test_show_tree_for_plain_decoding(pair, capsys):
+    import generate as G
+    out = G.main(["--ckpt", str(pair[0]), "--method", "ar", "--show-tree", "--max-new-tokens", "3", "--prompt", "Hi"])
+    err = capsys.readouterr().err
+    heads = [l for l in err.splitlines() if l.startswith("round ")]
+    assert len(heads) == len(out["tokens"]) - 1                        # the prefill gives the first token
+    assert all(l.startswith(f"round {i + 1}: plain decoding, the root alone, bonus ") for i, l in enumerate(heads))

@@ -161,3 +161,33 @@ def test_padding_never_reaches_the_matrix():
     cm.update(tokens, logits, torch.tensor([True, False, False]))
     assert torch.equal(cm.M[[7, 9]], before[[7, 9]]) and not cm.written[7] and not cm.written[9]
     assert torch.equal(cm.M[4], logits[0].topk(3).indices.int())
+
+
+# ----------------------------------------------------------------------------- what a round reports
+
+def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt):
+    """A tree of 3 real candidates padded to 16 slots: 3 verified a round, 16 the pass ran at."""
+    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
+
+    class Three(G.PromptLookup):            # prompt lookup that always "finds" the same 3 tokens
+        def lookup(self):
+            return [5, 6, 7]
+    res = G.generate(eng, Three(eng, G.Config(pld_tokens=16)), [1, 9, 13], 6, GREEDY, ())
+    st = res.stats()
+    assert res.rounds > 0 and st["verified_per_round"] == 3 and st["padded_per_round"] == 16
+
+
+def test_pass_cost_reads_the_given_clock_and_fits_monotone_costs(tiny_ckpt):
+    """A clock on which the 13-node pass looks cheaper than the 9-node one: pass_cost takes each N's
+    fastest sample and pools the two (a bigger tree never costs less)."""
+    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
+    ms = {1: [5, 6], 9: [30, 31], 13: [20, 21]}         # per timed pass, in the order time_passes runs them
+    order = [1, 9, 13, 13, 9, 1]
+    seen = {n: 0 for n in ms}
+    ticks = []
+    for n in order:
+        ticks += [0.0, ms[n][seen[n]] / 1000]
+        seen[n] += 1
+    now = iter(ticks)
+    _, cost = G.pass_cost(eng, [1, 9, 13], repeats=2, timer=lambda: next(now))
+    assert cost == {1: 5.0, 9: 25.0, 13: 25.0}

@@ -460,19 +460,53 @@ def test_warmup_cache_key_includes_cache_length(engine_with_head, tmp_path, monk
     assert G.state_path_for(a, "same") != G.state_path_for(b, "same")
 
 
+@pytest.mark.parametrize("change", ["threads", "torch", "attention", "compiled"])
+def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monkeypatch, change):
+    """A calibration timed at one thread count (torch version, attention, execution) is not loaded
+    under another: its costs were measured on a different engine."""
+    eng = engine_with_head()
+    before = G.state_path_for(eng, "same")
+    threads = torch.get_num_threads()
+    try:
+        if change == "threads":
+            torch.set_num_threads(threads + 1)
+        elif change == "torch":
+            monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+        elif change == "attention":
+            eng.window = not eng.window
+        else:
+            eng.compiling = True
+        assert G.state_path_for(eng, "same") != before
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_warmup_whose_rounds_were_all_too_short_calibrates_nothing(engine_with_head, tmp_path, monkeypatch):
+    """4 tokens a generation: no round is followed by the --depth (8) tokens its score needs, so every
+    expected rate would be 0.0; that is nothing calibrated (warned, pruning off, the budget as given),
+    never a cached budget 8."""
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
+    logs = []
+    eng = engine_with_head()
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=4, log=logs.append, auto_budget=True)
+    assert "left no round long enough to score" in logs[-1] and "nothing is cached" in logs[-1]
+    assert eng.thresholds == {0: 0.0, 1: 0.0, 5: 0.0} and eng.budget == 16 and eng.calibrations == {}
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+
+
 def test_warmup_cache_write_failure_only_warns(engine_with_head, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
     monkeypatch.setenv("GRAFT_CACHE", str(blocker / "cache"))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
     assert "warning: could not save warm-up state" in capsys.readouterr().err
 
     def read_only(*a, **k):                          # what torch.save raised on a read-only folder
         raise RuntimeError("File cannot be opened.")
     monkeypatch.setattr("safetensors.torch.save_file", read_only)
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "ro"))
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
     assert "RuntimeError" in capsys.readouterr().err
     assert not list((tmp_path / "ro").iterdir())     # no half-written file left behind
 
@@ -483,7 +517,7 @@ def test_warmup_cache_is_written_atomically(engine_with_head, tmp_path, monkeypa
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real(a, b)))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=8)
+    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
     (src, dst), = replaced
     assert src.endswith(".tmp") and dst.endswith(".safetensors") and os.path.isfile(dst) and not os.path.exists(src)
 
@@ -492,7 +526,7 @@ def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_p
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     eng = engine_with_head()
     cfg = G.Config(budget=16)
-    G.warm_up(eng, cfg, rounds=1, max_new_tokens=8)
+    G.warm_up(eng, cfg, rounds=1, max_new_tokens=16)
     path, = (tmp_path / "cache").iterdir()
     from safetensors import safe_open
     with safe_open(str(path), "pt") as fh:
@@ -503,7 +537,7 @@ def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_p
     fresh = graft.ContinuationMatrix(eng.model.args.vocab_size)
     assert graft.load_state(str(path), fresh) is None
     logs = []
-    G.warm_up(eng, cfg, rounds=1, max_new_tokens=8, log=logs.append)
+    G.warm_up(eng, cfg, rounds=1, max_new_tokens=16, log=logs.append)
     assert "1 of 1 generations ran" in logs[-1]
     assert graft.load_state(str(path), fresh) is not None        # recomputed and rewritten
 
