@@ -1434,7 +1434,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         """The ids of `text`; with add_special_tokens, the tokenizer's BOS (and whatever else its
         post-processor adds), but never a second BOS in front of a text that starts with the BOS token
-        (transformers and llama.cpp would give two)."""
+        (transformers and llama.cpp would give two). Text that is not valid Unicode (a lone surrogate, as
+        Python makes of bytes that are not UTF-8) is a GraftError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GraftError(f"the text is not valid Unicode: {e.reason} at character {e.start} "
+                             f"({text[e.start]!r})") from None
         if self.spm is not None:
             ids = self.spm.encode(text)
             if add_special_tokens and self.spm.bos is not None and ids[:1] != [self.spm.bos]:

@@ -217,3 +217,12 @@ def test_legacy_must_be_a_bool(spm_models, tmp_path):
     with pytest.raises(M.GraftError) as e:
         checkpoint(spm_models, tmp_path, "llama", legacy="no")
     assert "legacy must be true or false" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_text_that_is_not_unicode_is_one_line_error(spm_models, tmp_path, tiny_ckpt):
+    """A lone surrogate (what Python makes of bytes that are not UTF-8 in argv) is refused in one line,
+    not a traceback from sentencepiece or tokenizers."""
+    for tok in (checkpoint(spm_models, tmp_path, "llama"), M.load_tokenizer(str(tiny_ckpt("llama2")))):
+        with pytest.raises(M.GraftError) as e:
+            tok.encode("a\udcff b")
+        assert "not valid Unicode" in str(e.value) and "\n" not in str(e.value)
