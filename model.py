@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -960,7 +961,7 @@ def _spm_merges(tokens: list, scores: list, types: list, path: str) -> list:
     return [(tokens[a], tokens[b]) for _, a, b in out]
 
 
-def gguf_tokenizer(meta: dict, path: str):
+def gguf_tokenizer(meta: dict, path: str, model=None):
     """A tokenizers.Tokenizer rebuilt from GGUF tokenizer metadata to tokenize as llama.cpp does
     (src/llama-vocab.cpp); transformers is not needed.
 
@@ -970,7 +971,8 @@ def gguf_tokenizer(meta: dict, path: str):
     tokenizer.ggml.add_space_prefix is false. Control and unknown tokens (token_type 3, 2) are special
     (matched whole, skipped when decoding), user-defined ones (4) are matched whole. BOS/EOS are added
     as tokenizer.ggml.add_bos_token/add_eos_token say, with llama.cpp's defaults (BOS for SentencePiece
-    and Llama-3 BPE)."""
+    and Llama-3 BPE). `model`, a tokenizers model, replaces the SentencePiece merges (a unigram
+    tokenizer.model's Unigram)."""
     from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers, processors
     tokens, kind = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.model")
@@ -1006,8 +1008,8 @@ def gguf_tokenizer(meta: dict, path: str):
                 raise GraftError(f"{path}: a SentencePiece GGUF needs one tokenizer.ggml.scores value per token")
             unk = meta.get("tokenizer.ggml.unknown_token_id")
             unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
-            tk = HFTokenizer(models.BPE(vocab, _spm_merges(tokens, scores, types, path), unk_token=unk,
-                                        byte_fallback=True, fuse_unk=True))
+            tk = HFTokenizer(model if model is not None else models.BPE(
+                vocab, _spm_merges(tokens, scores, types, path), unk_token=unk, byte_fallback=True, fuse_unk=True))
             # llama.cpp's SentencePiece path writes spaces as "▁" and puts one in front of the text and after
             # each special token (its tokenizer.ggml.remove_extra_whitespaces is not applied there either)
             prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
@@ -1076,19 +1078,35 @@ def _proto(buf: bytes):
         yield key >> 3, v
 
 
+def _spm_load(file: str):
+    """The sentencepiece library's processor for the SentencePiece model `file`, which it reads and checks.
+    Errors: GraftError, one line (no sentencepiece package, not a SentencePiece model, a damaged one)."""
+    try:
+        import sentencepiece
+    except ImportError:
+        raise GraftError(f"{file}: reading a SentencePiece tokenizer.model needs the sentencepiece package "
+                         f"(pip install sentencepiece)") from None
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=file)
+    except Exception as e:     # not a SentencePiece model, or a damaged one
+        raise GraftError(f"cannot read {file} as a SentencePiece model: {str(e).splitlines()[0][:200]}") from None
+
+
 def sentencepiece_tokenizer(file: str):
-    """A tokenizers.Tokenizer that encodes as the SentencePiece model `file` (tokenizer.model: Llama-2,
-    Vicuna) does, BOS first. The sentencepiece library reads and checks the file; its pieces, scores and
-    types, and the settings that change what is encoded, are read from the model's protobuf
-    (sentencepiece_model.proto: TrainerSpec model_type, byte_fallback; NormalizerSpec name,
-    precompiled_charsmap, add_dummy_prefix, remove_extra_whitespaces). BPE models become BPE merges
-    ranked by score (as for GGUF's SentencePiece vocabularies), unigram models a Unigram model.
+    """A tokenizers.Tokenizer with the vocabulary of the SentencePiece model `file` (tokenizer.model:
+    Llama-2, Vicuna), for decoding and the vocabulary; Tokenizer encodes with sentencepiece itself
+    (SentencePieceEncoder). Its pieces, scores and types, and the settings that change what is encoded,
+    are read from the model's protobuf (sentencepiece_model.proto: TrainerSpec model_type, byte_fallback;
+    NormalizerSpec name, precompiled_charsmap, add_dummy_prefix, remove_extra_whitespaces). BPE models
+    become BPE merges ranked by score (as for GGUF's SentencePiece vocabularies), unigram models a Unigram
+    model. Its own encode (BOS first) equals sentencepiece's on plain text, but not around user-defined
+    symbols (matched before the dummy prefix is added, where sentencepiece matches them inside the
+    normalized text) nor where the `tokenizers` Precompiled normalizer departs from sentencepiece's.
     Errors: GraftError, one line."""
     import struct
-    import sentencepiece
-    from tokenizers import Regex, Tokenizer as HFTokenizer, models, normalizers
+    from tokenizers import Regex, models, normalizers
+    sp = _spm_load(file)
     try:
-        sp = sentencepiece.SentencePieceProcessor(model_file=file)
         pieces, trainer, norm = [], {}, {}
         for f, v in _proto(sp.serialized_model_proto()):
             if f == 1:
@@ -1098,7 +1116,7 @@ def sentencepiece_tokenizer(file: str):
                 trainer = dict(_proto(v))
             elif f == 3:
                 norm = dict(_proto(v))
-    except Exception as e:     # not a SentencePiece model, or a damaged one
+    except Exception as e:     # a protobuf this reader does not follow
         raise GraftError(f"cannot read {file} as a SentencePiece model: {str(e).splitlines()[0][:200]}") from None
     kind = trainer.get(3, 1)                                 # ModelType: UNIGRAM = 1, BPE = 2
     if kind not in (1, 2):
@@ -1111,9 +1129,9 @@ def sentencepiece_tokenizer(file: str):
     for key, i in (("bos", sp.bos_id()), ("eos", sp.eos_id())):
         if i >= 0:
             meta[f"tokenizer.ggml.{key}_token_id"] = i
-    tk = gguf_tokenizer(meta, file)
-    if kind == 1:                                            # unigram: scores are log-probabilities
-        tk.model = models.Unigram(list(zip(tokens, scores)), sp.unk_id(), bool(trainer.get(35, 0)))
+    # unigram: scores are log-probabilities, no merge order (scores may tie)
+    unigram = models.Unigram(list(zip(tokens, scores)), sp.unk_id(), bool(trainer.get(35, 0))) if kind == 1 else None
+    tk = gguf_tokenizer(meta, file, unigram)
     steps = []
     name = norm.get(1, b"identity").decode()
     if name != "identity" and norm.get(2):
@@ -1122,6 +1140,57 @@ def sentencepiece_tokenizer(file: str):
         steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
     tk.normalizer = normalizers.Sequence(steps + [normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")])
     return tk
+
+
+class SentencePieceEncoder:
+    """Text to ids for a checkpoint's SentencePiece tokenizer.model, through the sentencepiece library
+    itself: its normalizer (nmt_nfkc, identity, ...), dummy prefix, whitespace handling, user-defined
+    symbols (matched inside the normalized text, so `x<tool>y` is `▁ x <tool> y`) and byte fallback are
+    sentencepiece's own. What transformers' Llama tokenizer adds on top (transformers 4.x
+    LlamaTokenizer, the sentencepiece-backed one; 5.x keeps its `_tokenize` as SentencePieceBackend's):
+    the model's control and unknown pieces written in the text (<s>, </s>, <unk>, control_symbols) are
+    those tokens, longest first, and the text between them is encoded part by part. `legacy`
+    (tokenizer_config.json) says how a part after such a token starts. True (transformers' legacy
+    behaviour, and llama.cpp's): as a text of its own, dummy prefix included (`Hi</s>there` gives
+    `▁there`; `Hi</s> there` what sentencepiece gives for ` there`). False: with no dummy prefix
+    (`there`), a leading space kept as one `▁` (`▁there`): the model with NormalizerSpec
+    add_dummy_prefix false encodes "<unk>" + part and the pieces of "<unk>" are cut off, as transformers
+    does. The start of the text is encoded as sentencepiece encodes it either way, so text without such
+    tokens gives sentencepiece's own ids whatever `legacy` says. Errors: GraftError, one line."""
+
+    def __init__(self, file: str, legacy: bool = True):
+        import sentencepiece
+        self.file, self.legacy, self.sp = file, legacy, _spm_load(file)
+        sp = self.sp
+        self.bos = sp.bos_id() if sp.bos_id() >= 0 else None
+        self.special = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True)) + ")")
+        # protobuf merges a repeated message field into the first: this second normalizer_spec (field 3) holds
+        # only add_dummy_prefix (its field 3) = false, so this is the same model without the dummy prefix
+        self.no_prefix = sentencepiece.SentencePieceProcessor(model_proto=sp.serialized_model_proto() + b"\x1a\x02\x18\x00")
+        self.unk = sp.id_to_piece(sp.unk_id())
+        self.unk_ids = self.no_prefix.encode(self.unk)
+
+    def encode(self, text: str) -> list:
+        """The ids of `text`, no BOS or EOS added."""
+        parts = self.split.split(text)          # text, special token, text, ...: odd places are special tokens
+        ids = []
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids.append(self.special[part])
+            elif not part:
+                continue
+            elif self.legacy or k == 0:
+                ids += self.sp.encode(part)
+            elif part.startswith((" ", "▁")):
+                got = self.no_prefix.encode(self.unk + part)
+                if got[:len(self.unk_ids)] != self.unk_ids:
+                    raise GraftError(f"{self.file}: cannot encode {_short(part)} after a special token with legacy "
+                                     f"false: the pieces of {self.unk} merge with the text that follows")
+                ids += got[len(self.unk_ids):]
+            else:
+                ids += self.no_prefix.encode(part)
+        return ids
 
 
 def is_vicuna(path: str) -> bool:
@@ -1295,22 +1364,32 @@ def render_chat(template: str, messages: list, add_generation_prompt: bool = Tru
 
 
 class Tokenizer:
-    """tokenizer.json through `tokenizers`; special tokens and the chat template from tokenizer_config.json."""
+    """tokenizer.json through `tokenizers`, or a SentencePiece tokenizer.model through sentencepiece
+    (SentencePieceEncoder, with tokenizer_config.json's `legacy`; decoding through `tokenizers`); special
+    tokens and the chat template from tokenizer_config.json."""
+    spm = None                             # the SentencePieceEncoder of a tokenizer.model
 
     def __init__(self, path: str, model_args: ModelArgs | None = None):
         from tokenizers import Tokenizer as HFTokenizer
         f, spm_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+        cf = os.path.join(path, "tokenizer_config.json")
+        cfg = Fields(read_json(cf) if os.path.isfile(cf) else {}, "tokenizer_config.json")
         if os.path.isfile(f):
             try:
                 self.tk = HFTokenizer.from_file(f)
             except Exception as e:     # the Rust side reports bad JSON and bad models alike as Exception
                 raise GraftError(f"malformed tokenizer.json in {path}: {str(e).splitlines()[0][:200]}") from None
         elif os.path.isfile(spm_file):     # Llama-2 era checkpoints (Vicuna) ship only SentencePiece's model
+            # transformers 4.x reads a missing `legacy` as true (the behaviour Llama-2-era checkpoints were
+            # made with), 5.x as false; a checkpoint that does not say keeps the legacy behaviour
+            legacy = cfg.obj.get("legacy")
+            if legacy is not None and not isinstance(legacy, bool):
+                raise GraftError(f"malformed tokenizer_config.json in {path}: legacy must be true or false, "
+                                 f"not {_short(legacy)}")
             self.tk = sentencepiece_tokenizer(spm_file)
+            self.spm = SentencePieceEncoder(spm_file, legacy is not False)
         else:
             raise GraftError(f"no tokenizer.json or tokenizer.model in {path}")
-        cf = os.path.join(path, "tokenizer_config.json")
-        cfg = Fields(read_json(cf) if os.path.isfile(cf) else {}, "tokenizer_config.json")
         self.chat_template = pick_chat_template(cfg.obj.get("chat_template"), "tokenizer_config.json")
         jt = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(jt):
@@ -1384,7 +1463,25 @@ class Tokenizer:
         return self
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
-        ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+        """The ids of `text`; with add_special_tokens, the tokenizer's BOS (and whatever else its
+        post-processor adds), but never a second BOS in front of a text that starts with the BOS token
+        (transformers and llama.cpp would give two). Text that is not valid Unicode (a lone surrogate, as
+        Python makes of bytes that are not UTF-8) is a GraftError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GraftError(f"the text is not valid Unicode: {e.reason} at character {e.start} "
+                             f"({text[e.start]!r})") from None
+        if self.spm is not None:
+            ids = self.spm.encode(text)
+            if add_special_tokens and self.spm.bos is not None and ids[:1] != [self.spm.bos]:
+                ids = [self.spm.bos] + ids
+        else:
+            ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+            if add_special_tokens and len(ids) > 1 and ids[0] == ids[1]:
+                plain = self.tk.encode(text, add_special_tokens=False).ids
+                if plain[:1] == ids[:1] and ids[1:1 + len(plain)] == plain:   # the added first token is the text's
+                    ids = ids[1:]
         if add_special_tokens and not ids and self.bos_id is not None:
             ids = [self.bos_id]  # an empty prompt is just BOS (generation "from BOS")
         return ids

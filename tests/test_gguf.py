@@ -410,12 +410,18 @@ TEXTS = ["", "Hello world", "  leading and  double  spaces ", "tabs\tand\nnew\n\
          "Once upon a time, there was a little girl named Lily.", "it's don't we'll THEY'RE", "<s>inline special</s>"]
 
 
+def once(ids: list) -> list:
+    """A reference's ids without the second BOS it puts in front of a text that starts with BOS
+    (Tokenizer.encode never adds BOS twice)."""
+    return ids[1:] if ids[:2] == [1, 1] else ids
+
+
 def test_bpe_tokenizer_from_metadata_encodes_like_tokenizer_json(tiny):
     from tokenizers import Tokenizer as TK
     src, path = tiny("llama")
     ours, ref = M.load_tokenizer(str(path)), TK.from_file(str(src / "tokenizer.json"))
     for t in TEXTS:
-        assert ours.encode(t) == ref.encode(t).ids, repr(t)
+        assert ours.encode(t) == once(ref.encode(t).ids), repr(t)
         assert ours.encode(t, add_special_tokens=False) == ref.encode(t, add_special_tokens=False).ids, repr(t)
     assert ours.decode(ours.encode("Once upon a time")) == "Once upon a time"
     assert (ours.bos_id, ours.eos_ids, ours.bos_token, ours.eos_token) == (1, [2], "<s>", "</s>")
@@ -459,7 +465,7 @@ def test_sentencepiece_tokenizer_from_metadata_encodes_like_tokenizer_json(tmp_p
     assert meta[K.Tokenizer.LIST] == sorted(ref.get_vocab(), key=ref.get_vocab().get)
     ours = M.load_tokenizer(str(write_gguf(tmp_path / "spm.gguf", arch, meta, {})))
     for t in TEXTS:
-        assert ours.encode(t) == ref.encode(t).ids, repr(t)
+        assert ours.encode(t) == once(ref.encode(t).ids), repr(t)
     assert ours.encode("Once upon a time") == [1, 403, 407, 261, 378]
     assert ours.encode("😀", add_special_tokens=False)[-4:] == [3 + b for b in "😀".encode()]  # <0xF0>...
     assert ours.decode(ours.encode("naïve café 😀")) == "naïve café 😀"   # byte fallback round trip
