@@ -80,54 +80,6 @@ class Row:
                 "near_ties": self.near_ties}
 
 
-def first_difference(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-# A bf16 mismatch is a near-tie when the two tokens are the target's best two at that position and
-# their scores differ by at most this many units in the last place of the logits' magnitude: a 1-row
-# and a 61-row product round differently, and across a model's layers that moves logits by a few ulps.
-NEAR_TIE_ULPS = 4
-
-
-@torch.no_grad()
-def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling, eps: float | None = None) -> dict:
-    """Why `got` (a method's tokens) differs from `base` (ar's) after the prompt `ids`: at the first
-    differing position, the target's own scores (a prefill of the context in the engine's dtype:
-    logits, or warped logits plus the position's noise when sampling) are computed; the mismatch is
-    a "near-tie" when the two tokens are its top two and their gap is at most NEAR_TIE_ULPS x eps x
-    the logits' magnitude (eps: the dtype's machine epsilon by default), else "differs". float32 runs
-    never call this: there every mismatch is a real difference. Returns {"kind", "position", "gap",
-    "tolerance"} (gap and tolerance in score units)."""
-    from verify import position_noise, warp
-    pos = first_difference(got, base)
-    if pos >= min(len(got), len(base)):           # one is a prefix of the other: a stop that differs
-        return {"kind": "differs", "position": pos, "gap": None, "tolerance": None}
-    ctx = ids + base[:pos]
-    keep = {}
-
-    class Last(G.Proposer):
-        def prompt_chunk(self, chunk, logits, feats, n):
-            keep["row"] = logits[n - 1].float().clone()
-    eng.begin(sampling)
-    G.prefill(eng, Last(), ctx)
-    logits = keep["row"]                                                   # (V,) the scores of position len(ctx)
-    if sampling.greedy:
-        score, scale = logits.double(), 1.0
-    else:
-        score = warp(logits[None], sampling)[0].double() + position_noise(
-            torch.tensor(sampling.seed, device=logits.device), torch.tensor([len(ctx)], device=logits.device),
-            logits.numel())[0]
-        scale = 1.0 / sampling.temperature
-    top = torch.topk(score, 2)
-    a, b = base[pos], got[pos]
-    eps = torch.finfo(eng.dtype).eps if eps is None else eps
-    tol = NEAR_TIE_ULPS * eps * float(logits.abs().max()) * scale
-    gap = abs(float(score[a] - score[b]))
-    tie = set(top.indices.tolist()) == {a, b} and gap <= tol
-    return {"kind": "near-tie" if tie else "differs", "position": pos, "gap": round(gap, 6), "tolerance": round(tol, 6)}
-
-
 def bar(done: int, total: int, t0: float, what: str):
     w, el = 30, time.time() - t0
     n = int(w * done / max(total, 1))
@@ -374,9 +326,9 @@ def main(argv=None) -> dict:
                         base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
                         if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
-                            why = ({"kind": "differs", "position": first_difference(res.tokens, base)}
+                            why = ({"kind": "differs", "position": G.first_difference(res.tokens, base)}
                                    if eng.dtype == torch.float32 else
-                                   classify_mismatch(engines[x], ids, base, res.tokens, sampling))
+                                   G.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
                             acc[(x, m, b)].mismatches += why["kind"] == "differs"
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,

@@ -89,7 +89,10 @@ def test_default_command_runs_under_a_minute(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert time.time() - t0 < 60
     rec = json.loads(p.stdout.strip().splitlines()[-1])
-    assert rec["method"] == "graft" and rec["lossless"] is True and rec["speedup"] > 0
+    # float32: exact; bfloat16 (SmolLM2 where the CPU computes it natively): exact, or a difference the
+    # target's own scores call a near-tie (a 1-row and an N-row pass round differently)
+    assert rec["method"] == "graft" and rec["speedup"] > 0
+    assert rec["lossless"] is True or (demo == "smollm2" and G.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
     assert "speedup" in p.stderr and "(eager against eager)" in p.stderr
     assert ("SmolLM2-135M-Instruct" if demo == "smollm2" else "stdlib-qwen3") in p.stderr
     assert p.stdout.startswith(rec["text"])            # streamed text, then the JSON line
