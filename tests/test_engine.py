@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 
-import generate as G
+import cli as CLI
+import engine as E
+import graft as GR
+import verify as V
 from conftest import ROOT, compile_result
 from test_lossless import random_head
 from verify import Sampling
@@ -24,7 +27,7 @@ SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
 # ----------------------------------------------------------------------------- compiled against eager
 
 @pytest.mark.parametrize("s", ["greedy", "sampled"])
-@pytest.mark.parametrize("method", list(G.METHODS))
+@pytest.mark.parametrize("method", list(E.METHODS))
 def test_compiled_equals_eager_every_method(method, s):
     """A tiny random Llama and head, compiled (aot_eager) and eager: the same tokens, two prompts."""
     assert compile_result("every_method")[method][s]
@@ -67,7 +70,7 @@ def test_compiled_gpu_check_runs_tiny():
     assert set(env["sdpa_kernel"]) == {"decode", "verify_61", "prefill_128"} and env["cache_rows"] % 16 == 0
     assert s["placement"]["result"]["failed"] == {} and s["placement"]["result"]["missing"] == []
     eng = s["engine"]["result"]
-    assert all(eng["same"].values()) and len(eng["same"]) == len(G.METHODS) + 2 + 3
+    assert all(eng["same"].values()) and len(eng["same"]) == len(E.METHODS) + 2 + 3
     assert eng["second_pass_new"]["dynamo_graphs"] == 0 and eng["graphs"]["cudagraph_skips"] == 0
     assert full["ar"]["tokens_per_s"] > 0 and set(full["verify_ms"]) >= {"1", "17", "33", "61", "61_over_1"}
     assert set(full["graft_round_ms"]) == {"full", "0", "1", "5"}
@@ -77,7 +80,7 @@ def test_compiled_gpu_check_runs_tiny():
 
 
 @pytest.mark.parametrize("s", ["greedy", "sampled"])
-@pytest.mark.parametrize("method", list(G.METHODS))
+@pytest.mark.parametrize("method", list(E.METHODS))
 def test_compiled_outputs_are_never_read_after_they_expire(method, s):
     """Every method compiled (aot_eager), each step output poisoned as soon as a CUDA graph's next
     generation or replay would overwrite it: still the eager engine's tokens (three prompts, one of
@@ -102,18 +105,18 @@ def test_compiled_steps_read_only_static_state():
 # ----------------------------------------------------------------------------- prefill in chunks
 
 def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt):
-    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16)
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16)
     ids = torch.randint(3, 300, (53,), generator=torch.Generator().manual_seed(0)).tolist()
     full = eng.model(torch.tensor([ids]), torch.arange(53))[0]              # causal, no cache
     eng.begin(GREEDY)
     chunks = []
 
-    class Keep(G.Proposer):
+    class Keep(V.Proposer):
         needs_features = True
 
         def prompt_chunk(self, ids, logits, feats, n):
             chunks.append(logits[:n])
-    root = G.prefill(eng, Keep(), ids)
+    root = E.prefill(eng, Keep(), ids)
     got = torch.cat(chunks)
     assert got.shape == full.shape and torch.allclose(got, full, atol=1e-4, rtol=1e-4)
     assert root == int(full[-1].argmax()) and eng.L_host == int(eng.L) == 53
@@ -125,10 +128,10 @@ def test_long_prompt_prefills_in_bounded_memory(tmp_path):
     from conftest import make_tiny_model
     ck = make_tiny_model(tmp_path / "long", "llama2", num_hidden_layers=2, max_position_embeddings=32768)
     code = (f"import sys, resource, torch; sys.path.insert(0, {str(ROOT)!r}); torch.set_num_threads(1)\n"
-            "import generate as G\n"
-            f"eng = G.build_engine({str(ck)!r}, max_seq_len=32768)\n"
+            "import cli as CLI, engine as E, verify as V\n"
+            f"eng = CLI.build_engine({str(ck)!r}, max_seq_len=32768)\n"
             "ids = torch.randint(3, 300, (16384,), generator=torch.Generator().manual_seed(0)).tolist()\n"
-            "r = G.generate(eng, G.make_method(eng, 'ar'), ids, 4, G.Sampling(), ())\n"
+            "r = E.generate(eng, E.make_method(eng, 'ar'), ids, 4, V.Sampling(), ())\n"
             "print(len(r.tokens), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -145,9 +148,9 @@ def test_window_and_full_attention_agree(tiny_ckpt, tmp_path):
     ids = [1, 5, 9, 13, 22, 40, 3]
     out = {}
     for att in ("window", "full"):
-        eng = G.build_engine(str(target), str(head), max_seq_len=96, attention=att, chunk=8)
+        eng = CLI.build_engine(str(target), str(head), max_seq_len=96, attention=att, chunk=8)
         eng.thresholds = {0: 0.2, 1: 0.05, 5: 0.0}
-        out[att] = [G.generate(eng, G.make_method(eng, m, G.Config(budget=12)), ids, 30, SAMPLED, ()).tokens
+        out[att] = [E.generate(eng, E.make_method(eng, m, GR.Config(budget=12)), ids, 30, SAMPLED, ()).tokens
                     for m in ("ar", "graft")]
     assert out["window"] == out["full"]
 
@@ -167,12 +170,12 @@ def test_padding_never_reaches_the_matrix():
 
 def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt):
     """A tree of 3 real candidates padded to 16 slots: 3 verified a round, 16 the pass ran at."""
-    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
 
-    class Three(G.PromptLookup):            # prompt lookup that always "finds" the same 3 tokens
+    class Three(E.PromptLookup):            # prompt lookup that always "finds" the same 3 tokens
         def lookup(self):
             return [5, 6, 7]
-    res = G.generate(eng, Three(eng, G.Config(pld_tokens=16)), [1, 9, 13], 6, GREEDY, ())
+    res = E.generate(eng, Three(eng, GR.Config(pld_tokens=16)), [1, 9, 13], 6, GREEDY, ())
     st = res.stats()
     assert res.rounds > 0 and st["verified_per_round"] == 3 and st["padded_per_round"] == 16
 
@@ -180,7 +183,7 @@ def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt):
 def test_pass_cost_reads_the_given_clock_and_fits_monotone_costs(tiny_ckpt):
     """A clock on which the 13-node pass looks cheaper than the 9-node one: pass_cost takes each N's
     fastest sample and pools the two (a bigger tree never costs less)."""
-    eng = G.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
     ms = {1: [5, 6], 9: [30, 31], 13: [20, 21]}         # per timed pass, in the order time_passes runs them
     order = [1, 9, 13, 13, 9, 1]
     seen = {n: 0 for n in ms}
@@ -189,5 +192,5 @@ def test_pass_cost_reads_the_given_clock_and_fits_monotone_costs(tiny_ckpt):
         ticks += [0.0, ms[n][seen[n]] / 1000]
         seen[n] += 1
     now = iter(ticks)
-    _, cost = G.pass_cost(eng, [1, 9, 13], repeats=2, timer=lambda: next(now))
+    _, cost = E.pass_cost(eng, [1, 9, 13], repeats=2, timer=lambda: next(now))
     assert cost == {1: 5.0, 9: 25.0, 13: 25.0}

@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
-import generate as G
+import calibrate as CAL
+import cli as CLI
 import model as M
 from conftest import SHARED, STORIES, STORIES_IDS64, STORIES_TEXT, needs_shared, reference_greedy
 
@@ -593,13 +594,13 @@ def test_build_engine_and_warmup_key_stamp_the_file(tiny, tmp_path):
     _, path = tiny("qwen3")
     f = tmp_path / "m.gguf"
     shutil.copy(path, f)
-    eng = G.build_engine(str(f), max_seq_len=64)
+    eng = CLI.build_engine(str(f), max_seq_len=64)
     assert eng.model.args.arch == "qwen3" and eng.tokenizer.encode("a b")[0] == 1
-    key = G.state_path_for(eng, "x")
-    assert G.state_path_for(eng, "x") == key
+    key = CAL.state_path_for(eng, "x")
+    assert CAL.state_path_for(eng, "x") == key
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))       # same file, touched: a new model
-    assert G.state_path_for(eng, "x") != key
+    assert CAL.state_path_for(eng, "x") != key
 
 
 # ----------------------------------------------------------------------------- bad files

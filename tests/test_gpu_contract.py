@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import generate as G
+import cli as CLI
+import engine as E
+import graft as GR
+import verify as V
 import graft
 import model as M
 from conftest import ROOT
@@ -44,14 +47,14 @@ def pair(tiny_ckpt, tmp_path_factory):
 
 
 def engine(pair, **kw):
-    eng = G.build_engine(*pair, max_seq_len=256, top_k=4, depth=5, chunk=16, **kw)
+    eng = CLI.build_engine(*pair, max_seq_len=256, top_k=4, depth=5, chunk=16, **kw)
     eng.thresholds = dict(THRESHOLDS)
     return eng
 
 
 def method(eng, name):
-    cfg = G.Config(**CFG, thresholds=dict(THRESHOLDS) if name in G.PRUNING else None)
-    return G.make_method(eng, name, cfg)
+    cfg = GR.Config(**CFG, thresholds=dict(THRESHOLDS) if name in E.PRUNING else None)
+    return E.make_method(eng, name, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def plain(pair):
 
 
 def reference(plain, ids, n, s):
-    return G.generate(plain, method(plain, "ar"), ids, n, s, ()).tokens
+    return E.generate(plain, method(plain, "ar"), ids, n, s, ()).tokens
 
 
 # ----------------------------------------------------------------------------- placement
@@ -94,7 +97,7 @@ def test_gpu_check_fake_cuda_runs(tmp_path):
 # ----------------------------------------------------------------------------- output lifetimes
 
 @pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("name", list(G.METHODS))
+@pytest.mark.parametrize("name", list(E.METHODS))
 def test_expired_outputs_are_never_read(pair, plain, name, s):
     """Outputs poisoned as a CUDA graph's next replay would overwrite them: every method, both
     attention modes, still emits plain decoding's tokens, and drafts exactly what it drafts unpoisoned
@@ -103,7 +106,7 @@ def test_expired_outputs_are_never_read(pair, plain, name, s):
         eng, same = engine(pair, check_lifetimes=True, attention=attention), engine(pair, attention=attention)
         m, m2 = method(eng, name), method(same, name)
         for ids in prompts(2, 300, seed=11) + [[1] + list(range(40, 80))]:      # (the last: 3 prefill chunks)
-            got, want = G.generate(eng, m, ids, 30, s, ()), G.generate(same, m2, ids, 30, s, ())
+            got, want = E.generate(eng, m, ids, 30, s, ()), E.generate(same, m2, ids, 30, s, ())
             assert got.tokens == reference(plain, ids, 30, s), (name, attention, ids)
             assert (got.rounds, got.accepted, got.draft_forwards, got.stages) == \
                    (want.rounds, want.accepted, want.draft_forwards, want.stages)
@@ -114,7 +117,7 @@ def test_the_poison_is_real(pair):
     eng = engine(pair, check_lifetimes=True)
     m = method(eng, "ar")
     eng.begin(GREEDY)
-    G.prefill(eng, m, [1, 5, 7])
+    E.prefill(eng, m, [1, 5, 7])
     eng.mark_step()
     nxt, finite = eng.decode()
     kept = nxt.clone()
@@ -129,7 +132,7 @@ def test_prefill_marks_a_generation_per_chunk(pair, monkeypatch):
     eng = engine(pair)
     marks = []
     monkeypatch.setattr(eng, "mark_step", lambda: marks.append(eng.L_host))
-    res = G.generate(eng, method(eng, "graft"), [1] + list(range(10, 50)), 12, GREEDY, ())      # 41 tokens: 3 chunks
+    res = E.generate(eng, method(eng, "graft"), [1] + list(range(10, 50)), 12, GREEDY, ())      # 41 tokens: 3 chunks
     assert len(marks) == 3 + res.rounds and marks[:3] == [0, 16, 32]
 
 
@@ -185,33 +188,33 @@ def transfers(monkeypatch):
     return t
 
 
-@pytest.mark.parametrize("name", list(G.METHODS))
+@pytest.mark.parametrize("name", list(E.METHODS))
 def test_host_syncs_per_round_are_the_documented_ones(pair, transfers, name):
     """One host sync a round (commit's transfer) plus one per checkpoint reached, plus the prefill's
     one: counted, not trusted from what the round reports."""
     eng = engine(pair)
     m = method(eng, name)
     ids = prompts(1, 300, seed=12)[0]
-    G.generate(eng, m, ids, 8, GREEDY, ())                           # set up and warmed outside the count
+    E.generate(eng, m, ids, 8, GREEDY, ())                           # set up and warmed outside the count
     rounds = []
     with transfers:
-        res = G.generate(eng, m, ids, 30, GREEDY, (), on_round=lambda meth, v: rounds.append(v))
-    thresholds = m.thresholds if isinstance(m, G.Graft) else {}
+        res = E.generate(eng, m, ids, 30, GREEDY, (), on_round=lambda meth, v: rounds.append(v))
+    thresholds = m.thresholds if isinstance(m, GR.Graft) else {}
     reached = [len(thresholds) if v.stage is None else list(thresholds).index(v.stage) + 1 for v in rounds]
     assert [v.syncs for v in rounds] == [1 + r for r in reached]
     assert transfers.syncs == 1 + sum(1 + r for r in reached) == 1 + res.syncs
 
 
-@pytest.mark.parametrize("name", list(G.METHODS))
+@pytest.mark.parametrize("name", list(E.METHODS))
 def test_no_host_data_enters_a_round(pair, transfers, name):
     """A tensor built from host values for the device inside a round is a blocking copy on a GPU:
     none but the prompt's one copy (pld's chain goes through a pinned buffer, asynchronously)."""
     eng = engine(pair)
     m = method(eng, name)
     ids = prompts(1, 300, seed=13)[0]
-    G.generate(eng, m, ids, 8, GREEDY, ())
+    E.generate(eng, m, ids, 8, GREEDY, ())
     with transfers:
-        res = G.generate(eng, m, ids, 30, GREEDY, ())
+        res = E.generate(eng, m, ids, 30, GREEDY, ())
     assert transfers.to_device == 1 and res.rounds > 5
 
 
@@ -228,7 +231,7 @@ def test_nonfinite_unwritten_rows_change_no_token(pair, plain, attention, name):
         for t in eng.model.cache.tensors() + eng.drafter.head.cache.tensors():
             t.fill_(float("nan"))
             t[..., ::3, :] = float("inf")
-        assert G.generate(eng, m, ids, 24, GREEDY, ()).tokens == reference(plain, ids, 24, GREEDY)
+        assert E.generate(eng, m, ids, 24, GREEDY, ()).tokens == reference(plain, ids, 24, GREEDY)
 
 
 def test_padding_rows_write_zeros(pair):
@@ -257,7 +260,7 @@ def test_padding_logits_do_not_stop_verification(pair):
         m.embed_tokens.weight[0] = float("nan")                      # the padding token
     try:
         eng.begin(GREEDY)
-        G.prefill(eng, method(eng, "ar"), [1, 5, 9, 7])
+        E.prefill(eng, method(eng, "ar"), [1, 5, 9, 7])
         tree = Tree(torch.tensor([7, 3, 4, 0, 0]), torch.tensor([-1, 0, 0, -1, -1]),
                     torch.tensor([True, True, True, False, False]))
         v = eng.verify(tree, 2)
@@ -279,7 +282,7 @@ def test_masked_grouped_attention_never_expands_kv(pair, monkeypatch):
         return sdpa(*a, **kw)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     eng = engine(pair)
-    G.generate(eng, method(eng, "graft"), [1, 5, 9, 7], 12, GREEDY, ())
+    E.generate(eng, method(eng, "graft"), [1, 5, 9, 7], 12, GREEDY, ())
     assert calls and not any(mask and gqa for mask, gqa, _, _ in calls)
     assert all(hq == hkv for mask, _, hq, hkv in calls if mask)          # folded: query heads = KV heads
     g = torch.Generator().manual_seed(0)
@@ -296,7 +299,7 @@ def test_every_step_has_its_own_code_object(pair):
     codes = lambda f: f.func.__code__ if hasattr(f, "func") else f.__func__.__code__ if hasattr(f, "__func__") else f.__code__
     steps = [eng._decode, eng._verify, eng._prefill, eng._head_prefill, a.extend, a.level, a.learn, *a.assemble.values()]
     assert len({id(codes(s)) for s in steps}) == len(steps)
-    assert codes(eng._verify) is not G.verify.__code__
+    assert codes(eng._verify) is not V.verify.__code__
     assert codes(a.extend) is codes(b.extend) and codes(a.assemble[0]) is codes(b.assemble[0])
 
 

@@ -14,8 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import graft as G  # noqa: E402
-from graft import ContinuationMatrix, build_template, graft_trees, youden_threshold  # noqa: E402
+import calibrate as CAL  # noqa: E402
+import engine as E  # noqa: E402
+import graft as GR  # noqa: E402
+from calibrate import youden_threshold  # noqa: E402
+from graft import ContinuationMatrix, build_template, graft_trees  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -164,7 +167,7 @@ def test_build_template_depth_cap():
     assert tpl.parents.tolist() == [-1, -1, 0, 0, 1, 1]
     assert tpl.ranks.tolist() == [0, 1, 0, 1, 0, 1]
     assert int(tpl.depth.max()) == 2
-    deep = build_template(G.PRIOR_HIT_RATES, 80, max_depth=3)
+    deep = build_template(GR.PRIOR_HIT_RATES, 80, max_depth=3)
     assert int(deep.depth.max()) == 3 and deep.size == 80
 
 
@@ -178,7 +181,7 @@ def path_score(tpl, j, rates):
 
 @pytest.mark.parametrize("n", [1, 20, 36, 52, 80])
 def test_build_template_structure(n):
-    rates = G.PRIOR_HIT_RATES
+    rates = GR.PRIOR_HIT_RATES
     tpl = build_template(rates, n)
     P, R, Dp = tpl.parents, tpl.ranks, tpl.depth
     assert tpl.size == n
@@ -195,7 +198,7 @@ def test_build_template_structure(n):
     # it is the best prefix-closed set: no unchosen child of a chosen node (or of the root) beats the worst
     worst = min(scores)
     for p in [-1] + list(range(n)):
-        if p >= 0 and int(Dp[p]) >= G.MAX_TEMPLATE_DEPTH:
+        if p >= 0 and int(Dp[p]) >= GR.MAX_TEMPLATE_DEPTH:
             continue
         base = 1.0 if p < 0 else scores[p]
         for r, a in enumerate(rates):
@@ -211,7 +214,7 @@ def test_build_template_structure(n):
 
 
 def test_build_template_prior_52_resembles_paper():
-    tpl = build_template(G.PRIOR_HIT_RATES, 52)
+    tpl = build_template(GR.PRIOR_HIT_RATES, 52)
     w = tpl.widths()
     # the paper's 52-node template: 8, 10, 8, 6, 5, 4, 4, 4, 3 (9 levels, root width 8)
     assert sum(w) == 52
@@ -246,7 +249,7 @@ def test_retrieve_random_matches_definition():
     V, k = 30, 8
     cm = ContinuationMatrix(V, k)
     cm.update(torch.arange(V), torch.randn(V, V, generator=g), torch.ones(V, dtype=torch.bool))
-    tpl = build_template(G.PRIOR_HIT_RATES, 52)
+    tpl = build_template(GR.PRIOR_HIT_RATES, 52)
     out = cm.retrieve(T(11), tpl)
     assert out.dtype == torch.long and out.shape == (52,)
     for j in range(52):
@@ -310,7 +313,7 @@ def test_calibrate_positive_means_accepted_past_level():
                ({0: 0.2, 1: 0.1}, 1),
                ({0: 0.8, 1: 0.6}, 2),
                ({0: 0.3, 1: 0.05}, 0)]
-    taus = G.calibrate(records, checkpoints=(0, 1, 5))
+    taus = CAL.calibrate(records, checkpoints=(0, 1, 5))
     # c=0: positives {0.9, 0.8} (accepted 5 and 2 > 1), negatives {0.2, 0.3}
     assert taus[0] == pytest.approx(0.55)
     # c=1: only accepted 5 > 2 is positive: 0.7 vs 0.6 (accepted == 2 is a negative) -> 0.65
@@ -320,9 +323,9 @@ def test_calibrate_positive_means_accepted_past_level():
 
 
 def test_scaled_keep():
-    assert G.scaled_keep(60) == G.KEEP == (8, 24, 40)
-    assert G.scaled_keep(30) == (4, 12, 20)
-    assert G.scaled_keep(2) == (1, 1, 1)
+    assert GR.scaled_keep(60) == GR.KEEP == (8, 24, 40)
+    assert GR.scaled_keep(30) == (4, 12, 20)
+    assert GR.scaled_keep(2) == (1, 1, 1)
 
 
 # ----------------------------------------------------------------------------- graft_trees
@@ -486,9 +489,9 @@ def test_graft_tail_anchor_is_deepest_draft_node():
     d = FakeDrafter(scores=T([-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6], torch.float32),
                     tokens=T([10, 11, 12, 13, 14, 15, 16, 17]), parents=T([-1, -1, 0, 0, 1, 1, 2, 2]),
                     top_k=2, depth=3)
-    cfg = G.Config(budget=5, top_k=2, depth=3, prune=False, ablation="tail")
+    cfg = GR.Config(budget=5, top_k=2, depth=3, prune=False, ablation="tail")
     cm = ContinuationMatrix(64, 8)
-    g = G.Graft(FakeEngine(d), cfg, cm)
+    g = GR.Graft(FakeEngine(d), cfg, cm)
     a = g.stages[None][1]                           # retrieved nodes on top of the dense tree
     tree = g.assemble_stage(None, T(30))
     # budget 5 keeps slots 0, 1, 2, 3, 6: leaves 1 (depth 1), 3 (depth 2), 6 (depth 3, best path)
@@ -514,9 +517,9 @@ def test_every_stage_has_a_keep_size_and_n_nodes():
         off += n
     d = FakeDrafter(T(scores, torch.float32), T(tokens), T(parents), k, 8)
     for retrieve in (True, False):
-        cfg = G.Config(budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6), retrieve=retrieve)
+        cfg = GR.Config(budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6), retrieve=retrieve)
         assert len(cfg.keep_sizes()) == 4
-        g = G.Graft(FakeEngine(d), cfg, ContinuationMatrix(64, 8) if retrieve else None)
+        g = GR.Graft(FakeEngine(d), cfg, ContinuationMatrix(64, 8) if retrieve else None)
         assert set(g.stages) == {None, 0, 1, 5, 6} and g.N == 21
         for stage, (K, R) in g.stages.items():
             tree = g.assemble_stage(stage, T(30))
@@ -535,15 +538,15 @@ def test_throughput_is_tokens_over_seconds():
     rounds = rounds_of([(0.9, 5, 0), (0.3, 1, 1)])
     cost = {None: 10.0, 0: 2.0}
     # tau 0.5: round 1 full (6 tokens, 10 s), round 2 pruned (2 tokens, 2 s)
-    assert G.throughput(rounds, {0: 0.5}, cost, (0,)) == pytest.approx(8 / 12)
-    assert G.throughput(rounds, {0: 0.0}, cost, (0,)) == pytest.approx(8 / 20)
-    assert G.throughput(rounds, {0: 1.1}, cost, (0,)) == pytest.approx(3 / 4)
+    assert CAL.throughput(rounds, {0: 0.5}, cost, (0,)) == pytest.approx(8 / 12)
+    assert CAL.throughput(rounds, {0: 0.0}, cost, (0,)) == pytest.approx(8 / 20)
+    assert CAL.throughput(rounds, {0: 1.1}, cost, (0,)) == pytest.approx(3 / 4)
 
 
 def test_throughput_picks_the_known_best_threshold():
     # pruning a confident round loses all its tokens; pruning an unconfident one loses nothing
     rounds = rounds_of([(0.9, 5, 0), (0.8, 5, 0), (0.3, 1, 1), (0.2, 1, 1)])
-    taus, rate = G.throughput_thresholds(rounds, {None: 10.0, 0: 4.0}, (0,))
+    taus, rate = CAL.throughput_thresholds(rounds, {None: 10.0, 0: 4.0}, (0,))
     assert taus == {0: pytest.approx(0.55)} and rate == pytest.approx(16 / 28)
 
 
@@ -551,10 +554,10 @@ def test_throughput_and_youden_disagree():
     """Youden's J separates positives (accepted past level 1) from negatives at 0.55; throughput prunes
     round 2 too: it accepts only 2 tokens dense, and a pruned round costs a fifth of a dense one."""
     rows = [(0.9, 8, 0), (0.6, 2, 1), (0.5, 1, 1), (0.4, 1, 1)]
-    assert G.youden_threshold([r[0] for r in rows], [r[1] > 1 for r in rows]) == pytest.approx(0.55)
-    taus, rate = G.throughput_thresholds(rounds_of(rows), {None: 10.0, 0: 2.0}, (0,))
+    assert CAL.youden_threshold([r[0] for r in rows], [r[1] > 1 for r in rows]) == pytest.approx(0.55)
+    taus, rate = CAL.throughput_thresholds(rounds_of(rows), {None: 10.0, 0: 2.0}, (0,))
     assert taus == {0: pytest.approx(0.75)} and rate == pytest.approx(15 / 16)
-    assert G.throughput(rounds_of(rows), {0: 0.55}, {None: 10.0, 0: 2.0}, (0,)) == pytest.approx(16 / 24)
+    assert CAL.throughput(rounds_of(rows), {0: 0.55}, {None: 10.0, 0: 2.0}, (0,)) == pytest.approx(16 / 24)
 
 
 def test_throughput_two_checkpoints_coordinate_ascent():
@@ -562,10 +565,10 @@ def test_throughput_two_checkpoints_coordinate_ascent():
     rounds = [({0: 0.9, 1: 0.8}, {None: 6, 0: 0, 1: 5}), ({0: 0.9, 1: 0.2}, {None: 2, 0: 0, 1: 2}),
               ({0: 0.1, 1: 0.1}, {None: 0, 0: 0, 1: 0})]
     cost = {None: 8.0, 0: 1.0, 1: 2.0}
-    taus, rate = G.throughput_thresholds(rounds, cost, (0, 1))
+    taus, rate = CAL.throughput_thresholds(rounds, cost, (0, 1))
     # best: prune round 3 at 0 (1 s), round 2 at 1 (2 s), round 1 at 1 too (5 of 6 tokens for 2 s not 8)
-    assert G.stage_of({0: 0.1, 1: 0.1}, taus, (0, 1)) == 0
-    assert G.stage_of({0: 0.9, 1: 0.2}, taus, (0, 1)) == 1 and G.stage_of({0: 0.9, 1: 0.8}, taus, (0, 1)) == 1
+    assert CAL.stage_of({0: 0.1, 1: 0.1}, taus, (0, 1)) == 0
+    assert CAL.stage_of({0: 0.9, 1: 0.2}, taus, (0, 1)) == 1 and CAL.stage_of({0: 0.9, 1: 0.8}, taus, (0, 1)) == 1
     assert rate == pytest.approx((6 + 3 + 1) / (2 + 2 + 1))
 
 
@@ -574,11 +577,11 @@ def test_choose_budget_picks_the_known_best():
     rounds16 = rounds_of([(0.9, 3, 1), (0.2, 1, 1)])
     rounds32 = rounds_of([(0.9, 4, 1), (0.2, 2, 1)])
     options = {16: (rounds16, {None: 10.0, 0: 6.0}), 32: (rounds32, {None: 16.0, 0: 12.0})}
-    b, taus, rate, curve = G.choose_budget(options, (0,))
+    b, taus, rate, curve = CAL.choose_budget(options, (0,))
     # 16: best is tau 0.55 -> (4 + 2) / (10 + 6) = 0.375; 32: (5 + 3) / 32 = 0.25 or (5+2)/28 = 0.25
     assert b == 16 and rate == pytest.approx(6 / 16) and curve == {16: pytest.approx(6 / 16), 32: pytest.approx(0.25)}
     options[32] = (rounds32, {None: 11.0, 0: 7.0})      # cheaper verification: 32 wins
-    assert G.choose_budget(options, (0,))[0] == 32
+    assert CAL.choose_budget(options, (0,))[0] == 32
 
 
 # ----------------------------------------------------------------------------- measuring costs
@@ -612,7 +615,7 @@ def noisy_samples(seed: int, hit: int, factors: list) -> dict:
         slow = rng.choice(factors) if timed and calls[n] // 2 in bad[n] else 1.0
         now[0] += PASS_MS[n] * (1 + rng.uniform(0, 0.02)) * slow / 1000
         calls[n] += 1
-    return G.time_passes(run, sorted(PASS_MS), 8, timer=lambda: now[0])
+    return E.time_passes(run, sorted(PASS_MS), 8, timer=lambda: now[0])
 
 
 @pytest.mark.parametrize("hit,factors", [(4, [1.49, 1.81, 2.39]),                  # the issue's
@@ -621,13 +624,13 @@ def test_noisy_timings_give_the_same_budget_and_thresholds_every_time(hit, facto
     choices, by_mean, no_ties = set(), set(), set()
     for seed in range(20):
         samples = noisy_samples(seed, hit, factors)
-        fastest, spread = G.robust_costs(samples)
-        ms = {n: 1000 * c for n, c in G.monotone(fastest).items()}
-        b, taus, _, _ = G.choose_budget(budget_options(ms), (0,), spread)
+        fastest, spread = E.robust_costs(samples)
+        ms = {n: 1000 * c for n, c in E.monotone(fastest).items()}
+        b, taus, _, _ = CAL.choose_budget(budget_options(ms), (0,), spread)
         choices.add((b, round(taus[0], 6)))
-        no_ties.add(G.choose_budget(budget_options(ms), (0,))[0])
+        no_ties.add(CAL.choose_budget(budget_options(ms), (0,))[0])
         mean = {n: 1000 * sum(xs) / len(xs) for n, xs in samples.items()}       # what averaging would pick
-        by_mean.add(G.choose_budget(budget_options(mean), (0,))[0])
+        by_mean.add(CAL.choose_budget(budget_options(mean), (0,))[0])
     assert choices == {(8, 0.85)}
     assert len(by_mean) > 1 and len(no_ties) > 1       # the noise is that bad: averages, or no tie rule, flip
 
@@ -638,57 +641,57 @@ def test_time_passes_interleaves_sizes_after_an_untimed_call():
     def run(n):
         calls.append(n)
         now[0] += n
-    samples = G.time_passes(run, [1, 9, 13], 2, timer=lambda: now[0])
+    samples = E.time_passes(run, [1, 9, 13], 2, timer=lambda: now[0])
     assert calls == [1, 1, 9, 9, 13, 13, 13, 13, 9, 9, 1, 1]                 # untimed, timed; reversed sweep
     assert samples == {1: [1.0, 1.0], 9: [9.0, 9.0], 13: [13.0, 13.0]}
 
 
 def test_robust_costs_fastest_sample_and_spread():
-    costs, spread = G.robust_costs({9: [43.1, 26.9, 20.0, 20.2], 13: [18.9, 33.5, 19.0, 40.0]})
+    costs, spread = E.robust_costs({9: [43.1, 26.9, 20.0, 20.2], 13: [18.9, 33.5, 19.0, 40.0]})
     assert costs == {9: 20.0, 13: 18.9}
     assert spread == pytest.approx((0.2 / 20.0 + 0.1 / 18.9) / 2)              # median of the two sizes' gaps
 
 
 def test_monotone_fit_never_lets_a_bigger_tree_cost_less():
-    assert G.monotone({1: 4.0, 9: 20.0, 13: 18.9, 17: 26.0}) == {1: 4.0, 9: pytest.approx(19.45),
+    assert E.monotone({1: 4.0, 9: 20.0, 13: 18.9, 17: 26.0}) == {1: 4.0, 9: pytest.approx(19.45),
                                                                   13: pytest.approx(19.45), 17: 26.0}
-    assert G.monotone({1: 3.0, 9: 2.0, 13: 1.0}) == {1: 2.0, 9: 2.0, 13: 2.0}
+    assert E.monotone({1: 3.0, 9: 2.0, 13: 1.0}) == {1: 2.0, 9: 2.0, 13: 2.0}
 
 
 def test_choose_budget_prefers_the_smaller_within_the_spread():
     """12's expected rate beats 8's by 0.5%: with a 0.2% spread (3 spreads: 0.6%) that is a tie."""
     options = budget_options(PASS_MS, {8: (3, 2), 12: (3.24, 2.16)})
-    b, _, _, curve = G.choose_budget(options, (0,))
+    b, _, _, curve = CAL.choose_budget(options, (0,))
     assert b == 12 and curve[12] == pytest.approx(curve[8] * 1.005, rel=1e-3)
-    assert G.choose_budget(options, (0,), spread=0.002)[0] == 8
-    assert G.choose_budget(options, (0,), spread=0.001)[0] == 12
+    assert CAL.choose_budget(options, (0,), spread=0.002)[0] == 8
+    assert CAL.choose_budget(options, (0,), spread=0.001)[0] == 12
 
 
 def test_accepted_by_follows_the_true_continuation():
     from verify import Tree
     #  root 0 -> 1 (5) -> 3 (7) -> 4 (9);  0 -> 2 (6)
     tree = Tree(T([100, 5, 6, 7, 9]), T([-1, 0, 0, 1, 3]), T([True] * 5, torch.bool))
-    assert G.accepted_by(tree, [5, 7, 9, 4]) == 3
-    assert G.accepted_by(tree, [5, 7, 8]) == 2
-    assert G.accepted_by(tree, [6, 7]) == 1
-    assert G.accepted_by(tree, [4]) == 0
-    assert G.accepted_by(Tree(tree.tokens, tree.parents, T([True, True, True, False, True], torch.bool)), [5, 7, 9]) == 1
+    assert CAL.accepted_by(tree, [5, 7, 9, 4]) == 3
+    assert CAL.accepted_by(tree, [5, 7, 8]) == 2
+    assert CAL.accepted_by(tree, [6, 7]) == 1
+    assert CAL.accepted_by(tree, [4]) == 0
+    assert CAL.accepted_by(Tree(tree.tokens, tree.parents, T([True, True, True, False, True], torch.bool)), [5, 7, 9]) == 1
 
 
 def test_stage_tree_keeps_only_levels_drafted_by_the_stage():
     k = 2   # slots: level 1 = 0, 1; level 2 = 2..5
     rec = {"scores": T([-0.1, -0.2, -0.15, -3.0, -4.0, -5.0], torch.float32), "tokens": T([10, 11, 12, 13, 14, 15]),
            "parents": T([-1, -1, 0, 0, 1, 1]), "root": 99, "retrieved": T([20, 21, 22, 23])}
-    full = G.stage_tree(rec, None, 3, 0, (0.5, 0.25), k)
+    full = CAL.stage_tree(rec, None, 3, 0, (0.5, 0.25), k)
     assert full.tokens.tolist() == [99, 10, 11, 12]            # slot 2 (-0.15) beats slot 1's children
-    early = G.stage_tree(rec, 0, 2, 2, (0.5, 0.25), k)        # stage 0: level 1 only, then 2 retrieved
+    early = CAL.stage_tree(rec, 0, 2, 2, (0.5, 0.25), k)        # stage 0: level 1 only, then 2 retrieved
     assert early.tokens.tolist() == [99, 10, 11, 20, 21] and early.retrieved.tolist() == [False] * 3 + [True] * 2
 
 
 # ----------------------------------------------------------------------------- --show-tree
 
 def test_render_round_exact():
-    from generate import render_round
+    from cli import render_round
     #   0 root(100) -> 1 (10, draft) -> 3 (30, draft) ; 0 -> 2 (20, matrix) -> 4 (40, matrix) ; 5 padding
     got = render_round(7, tokens=[100, 10, 20, 30, 40, 0], parents=[-1, 0, 0, 1, 2, -1],
                        valid=[1, 1, 1, 1, 1, 0], retrieved=[0, 0, 1, 0, 1, 0], path=[0, 2, 4], stage=0, bonus=55,
@@ -703,7 +706,7 @@ def test_render_round_exact():
 
 
 def test_render_round_labels_prompt_lookup_nodes_as_copied():
-    from generate import render_round
+    from cli import render_round
     got = render_round(3, tokens=[100, 10, 20, 0], parents=[-1, 0, 1, -1], valid=[1, 1, 1, 0], retrieved=[0, 0, 0, 0],
                        path=[0, 1], stage=None, bonus=55, decode=lambda ids: f"t{ids[0]}", source="copied")
     assert got == (
@@ -725,7 +728,7 @@ def good_meta():
 
 
 def test_read_calibrations_round_trip():
-    from generate import read_calibrations
+    from calibrate import read_calibrations
     cal, curve = read_calibrations(good_meta(), (0, 1, 5))
     assert cal["throughput"]["graft"] == {"budget": 8, "rate": 70.0, "thresholds": {0: 1.0, 1: 0.0, 5: 0.0}}
     assert cal["youden"]["eagle3"]["thresholds"] == {} and curve == {"graft": {8: 70.0, 16: 65.0}}
@@ -741,7 +744,7 @@ def test_read_calibrations_round_trip():
     lambda m: m.update({"budget_curve": {"graft": {"x": 1.0}}}),
 ])
 def test_read_calibrations_refuses_what_does_not_fit(spoil):
-    from generate import read_calibrations
+    from calibrate import read_calibrations
     meta = good_meta()
     spoil(meta)
     assert read_calibrations(meta, (0, 1, 5)) is None
@@ -749,14 +752,15 @@ def test_read_calibrations_refuses_what_does_not_fit(spoil):
 
 def test_method_config_uses_each_methods_own_calibration():
     import types
-    from generate import method_config, read_calibrations
+    from calibrate import read_calibrations
+    from engine import method_config
     eng = types.SimpleNamespace(calibration="throughput", calibrations=read_calibrations(good_meta(), (0, 1, 5))[0])
-    cfg = G.Config(budget=16)
+    cfg = GR.Config(budget=16)
     assert method_config(eng, "prune", cfg, auto_budget=True).budget == 12
-    assert method_config(eng, "graft", cfg, auto_budget=False) == G.Config(budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
+    assert method_config(eng, "graft", cfg, auto_budget=False) == GR.Config(budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
     assert method_config(eng, "graft-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
     assert method_config(eng, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
-    given = G.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
+    given = GR.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
     assert method_config(eng, "graft", given, auto_budget=False).thresholds == given.thresholds
-    assert method_config(eng, "eagle3", cfg, auto_budget=True) == G.Config(budget=24)
+    assert method_config(eng, "eagle3", cfg, auto_budget=True) == GR.Config(budget=24)
     assert method_config(eng, "pld", cfg, auto_budget=True) == cfg                   # not calibrated

@@ -18,7 +18,12 @@ from safetensors.torch import load_file, save_file
 
 import bench
 import draft as D
-import generate as G
+import calibrate as CAL
+import cli as CLI
+import data as D
+import engine as E
+import generate as GEN
+import graft as GR
 import graft
 import model as M
 import train
@@ -295,7 +300,7 @@ class Sink:
 def test_stream_never_loses_split_characters(text):
     data = list(text.encode())
     sink = Sink()
-    s = G.TextStream(ByteTokenizer(), sink)
+    s = CLI.TextStream(ByteTokenizer(), sink)
     for n in range(1, len(data) + 1):            # one byte per round: every character arrives split
         s(data[:n])
         assert "\ufffd" not in "".join(sink.parts)
@@ -306,7 +311,7 @@ def test_stream_never_loses_split_characters(text):
 def test_stream_keeps_replacement_chars_of_invalid_bytes():
     data = [0x61, 0xE4, 0x62, 0xFF, 0x63]          # a lead byte cut by ASCII, and a byte never valid
     sink = Sink()
-    s = G.TextStream(ByteTokenizer(), sink)
+    s = CLI.TextStream(ByteTokenizer(), sink)
     for n in range(1, len(data) + 1):
         s(data[:n])
     final = s.finish(data)
@@ -323,7 +328,7 @@ def test_stream_equals_final_text_random_qwen3_demo_tokenizer(tiny_ckpt, tmp_pat
         shutil.copy(DEMO / f, ck / f)
     edit_json(ck / "config.json", eos_token_id=0, bos_token_id=...)
     edit_json(ck / "generation_config.json", eos_token_id=0, bos_token_id=...)
-    out = G.main(["--ckpt", str(ck), "--method", "ar", "--prompt", "def f(x):", "--max-new-tokens", "48",
+    out = GEN.main(["--ckpt", str(ck), "--method", "ar", "--prompt", "def f(x):", "--max-new-tokens", "48",
                   "--temperature", "1", "--seed", str(seed), "--max-seq-len", "128"])
     stdout = capsys.readouterr().out
     assert stdout == out["text"] + "\n"
@@ -371,7 +376,7 @@ def _byte_chars():
 
 def test_stream_equals_final_text_when_characters_split(tiny_ckpt, tmp_path, capsys):
     ck, first = rigged_byte_model(tiny_ckpt, tmp_path, "a\U0001F642\u4e2d\u00e9")   # a, emoji, CJK, e-acute
-    out = G.main(["--ckpt", str(ck), "--method", "ar", "--prompt", first, "--max-new-tokens", "40",
+    out = GEN.main(["--ckpt", str(ck), "--method", "ar", "--prompt", first, "--max-new-tokens", "40",
                   "--max-seq-len", "128"])
     stdout = capsys.readouterr().out
     assert "\U0001F642\u4e2d\u00e9" in out["text"]
@@ -384,7 +389,7 @@ def test_prompt_file_is_the_whole_file(ckpt, tmp_path, capsys):
     text = "line one\nline two with a literal \\n in it\n\n  indented third\n"
     f = tmp_path / "prompt.txt"
     f.write_text(text)
-    out = G.main(["--ckpt", str(ckpt), "--method", "ar", "--prompt-file", str(f), "--max-new-tokens", "2"])
+    out = GEN.main(["--ckpt", str(ckpt), "--method", "ar", "--prompt-file", str(f), "--max-new-tokens", "2"])
     assert out["prompt_tokens"] == len(M.load_tokenizer(str(ckpt)).encode(text))
 
 
@@ -393,7 +398,7 @@ def test_binary_or_non_utf8_prompt_file_is_one_line_error(ckpt, tmp_path, conten
     f = tmp_path / "p.bin"
     f.write_bytes(content)
     with pytest.raises(M.GraftError) as e:
-        G.main(["--ckpt", str(ckpt), "--prompt-file", str(f)])
+        GEN.main(["--ckpt", str(ckpt), "--prompt-file", str(f)])
     assert str(f) in one_line(e)
 
 
@@ -401,7 +406,7 @@ def test_non_utf8_warmup_file_is_one_line_error(ckpt, tmp_path):
     f = tmp_path / "w.txt"
     f.write_bytes(b"fine\n\xc3(\n")
     with pytest.raises(M.GraftError) as e:
-        G.main(["--ckpt", str(ckpt), "--prompt", "x", "--warmup-file", str(f)])
+        GEN.main(["--ckpt", str(ckpt), "--prompt", "x", "--warmup-file", str(f)])
     assert "not UTF-8" in one_line(e)
 
 
@@ -411,7 +416,7 @@ def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch,
     target = tiny_ckpt("llama31")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe ball\nShe saw\nOne day\n")
-    real, calls = G.generate, {"n": 0}
+    real, calls = E.generate, {"n": 0}
 
     def interrupted_generate(*args, **kw):
         calls["n"] += 1
@@ -419,7 +424,7 @@ def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch,
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(G, "generate", interrupted_generate)
+    monkeypatch.setattr(E, "generate", interrupted_generate)
     report_file = tmp_path / "r.json"
     with pytest.raises(SystemExit) as e:
         bench.cli(["--ckpt", str(target), "--methods", "ar,pld", "--datasets", str(prompts), "--max-new-tokens",
@@ -441,14 +446,14 @@ def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch,
 def engine_with_head(tiny_ckpt, tmp_path):
     target = tiny_ckpt("llama31")
     head = random_head(target, tmp_path / "head")
-    return lambda max_seq_len=256: G.build_engine(str(target), str(head), max_seq_len=max_seq_len)
+    return lambda max_seq_len=256: CLI.build_engine(str(target), str(head), max_seq_len=max_seq_len)
 
 
 def test_warmup_that_ran_nothing_is_not_cached(engine_with_head, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     logs = []
     eng = engine_with_head(max_seq_len=40)          # every warm-up prompt + 64 tokens is too long
-    G.warm_up(eng, G.Config(budget=16), log=logs.append)
+    CAL.warm_up(eng, GR.Config(budget=16), log=logs.append)
     assert "ran 0 of 5" in logs[-1] and "nothing is cached" in logs[-1]
     assert eng.thresholds == {0: 0.0, 1: 0.0, 5: 0.0}           # pruning off: nothing calibrated it
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
@@ -457,7 +462,7 @@ def test_warmup_that_ran_nothing_is_not_cached(engine_with_head, tmp_path, monke
 def test_warmup_cache_key_includes_cache_length(engine_with_head, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     a, b = engine_with_head(256), engine_with_head(200)
-    assert G.state_path_for(a, "same") != G.state_path_for(b, "same")
+    assert CAL.state_path_for(a, "same") != CAL.state_path_for(b, "same")
 
 
 @pytest.mark.parametrize("change", ["threads", "torch", "attention", "compiled"])
@@ -465,7 +470,7 @@ def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monk
     """A calibration timed at one thread count (torch version, attention, execution) is not loaded
     under another: its costs were measured on a different engine."""
     eng = engine_with_head()
-    before = G.state_path_for(eng, "same")
+    before = CAL.state_path_for(eng, "same")
     threads = torch.get_num_threads()
     try:
         if change == "threads":
@@ -476,7 +481,7 @@ def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monk
             eng.window = not eng.window
         else:
             eng.compiling = True
-        assert G.state_path_for(eng, "same") != before
+        assert CAL.state_path_for(eng, "same") != before
     finally:
         torch.set_num_threads(threads)
 
@@ -488,7 +493,7 @@ def test_warmup_whose_rounds_were_all_too_short_calibrates_nothing(engine_with_h
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     logs = []
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=4, log=logs.append, auto_budget=True)
+    CAL.warm_up(eng, GR.Config(budget=16), rounds=1, max_new_tokens=4, log=logs.append, auto_budget=True)
     assert "left no round long enough to score" in logs[-1] and "nothing is cached" in logs[-1]
     assert eng.thresholds == {0: 0.0, 1: 0.0, 5: 0.0} and eng.budget == 16 and eng.calibrations == {}
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
@@ -499,14 +504,14 @@ def test_warmup_cache_write_failure_only_warns(engine_with_head, tmp_path, monke
     blocker.write_text("a file where the cache folder should be")
     monkeypatch.setenv("GRAFT_CACHE", str(blocker / "cache"))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
+    CAL.warm_up(eng, GR.Config(budget=16), rounds=1, max_new_tokens=16)
     assert "warning: could not save warm-up state" in capsys.readouterr().err
 
     def read_only(*a, **k):                          # what torch.save raised on a read-only folder
         raise RuntimeError("File cannot be opened.")
     monkeypatch.setattr("safetensors.torch.save_file", read_only)
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "ro"))
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
+    CAL.warm_up(eng, GR.Config(budget=16), rounds=1, max_new_tokens=16)
     assert "RuntimeError" in capsys.readouterr().err
     assert not list((tmp_path / "ro").iterdir())     # no half-written file left behind
 
@@ -517,7 +522,7 @@ def test_warmup_cache_is_written_atomically(engine_with_head, tmp_path, monkeypa
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real(a, b)))
     eng = engine_with_head()
-    G.warm_up(eng, G.Config(budget=16), rounds=1, max_new_tokens=16)
+    CAL.warm_up(eng, GR.Config(budget=16), rounds=1, max_new_tokens=16)
     (src, dst), = replaced
     assert src.endswith(".tmp") and dst.endswith(".safetensors") and os.path.isfile(dst) and not os.path.exists(src)
 
@@ -525,8 +530,8 @@ def test_warmup_cache_is_written_atomically(engine_with_head, tmp_path, monkeypa
 def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     eng = engine_with_head()
-    cfg = G.Config(budget=16)
-    G.warm_up(eng, cfg, rounds=1, max_new_tokens=16)
+    cfg = GR.Config(budget=16)
+    CAL.warm_up(eng, cfg, rounds=1, max_new_tokens=16)
     path, = (tmp_path / "cache").iterdir()
     from safetensors import safe_open
     with safe_open(str(path), "pt") as fh:
@@ -537,7 +542,7 @@ def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_p
     fresh = graft.ContinuationMatrix(eng.model.args.vocab_size)
     assert graft.load_state(str(path), fresh) is None
     logs = []
-    G.warm_up(eng, cfg, rounds=1, max_new_tokens=16, log=logs.append)
+    CAL.warm_up(eng, cfg, rounds=1, max_new_tokens=16, log=logs.append)
     assert "1 of 1 generations ran" in logs[-1]
     assert graft.load_state(str(path), fresh) is not None        # recomputed and rewritten
 
@@ -549,7 +554,7 @@ def flag_error(argv, monkeypatch=None) -> str:
     if monkeypatch is not None:
         monkeypatch.setattr(M, "read_safetensors", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(M.GraftError) as e:
-        G.main(argv)
+        GEN.main(argv)
     return one_line(e)
 
 
@@ -587,8 +592,8 @@ def test_draft_top_k_beyond_draft_vocab_is_refused(tiny_ckpt, tmp_path):
 
 def test_tiny_temperature_is_greedy(ckpt, capsys):
     base = ["--ckpt", str(ckpt), "--method", "ar", "--prompt", "Once upon", "--max-new-tokens", "12"]
-    greedy = G.main(base)["tokens"]
-    assert G.main(base + ["--temperature", "1e-45", "--seed", "3"])["tokens"] == greedy
+    greedy = GEN.main(base)["tokens"]
+    assert GEN.main(base + ["--temperature", "1e-45", "--seed", "3"])["tokens"] == greedy
     assert Sampling(temperature=1e-45).greedy and not Sampling(temperature=0.01).greedy
 
 
@@ -618,7 +623,7 @@ def test_non_finite_logits_stop_generation(ckpt):
     sd["model.layers.0.mlp.down_proj.weight"].fill_(3e38)      # the largest float32: its sums overflow
     save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(M.GraftError) as e:
-        G.main(["--ckpt", str(ckpt), "--method", "ar", "--prompt", "Once upon a time", "--max-new-tokens", "4"])
+        GEN.main(["--ckpt", str(ckpt), "--method", "ar", "--prompt", "Once upon a time", "--max-new-tokens", "4"])
     assert "not finite" in one_line(e)
 
 
@@ -781,7 +786,7 @@ def test_head_reads_llama3_scaling_from_rope_parameters(tiny_ckpt, tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    eng = G.build_engine(str(DEMO), str(ROOT / "checkpoints" / "stdlib-qwen3-eagle3"), max_seq_len=512)
+    eng = CLI.build_engine(str(DEMO), str(ROOT / "checkpoints" / "stdlib-qwen3-eagle3"), max_seq_len=512)
     eng.thresholds = {0: 0.3, 1: 0.15, 5: 0.05}
     return eng
 
@@ -791,13 +796,13 @@ def test_counts_are_of_returned_tokens(demo_engine, method):
     """The demo pair accepts about 4 tokens a round, so rounds often run past max_new_tokens or an EOS:
     what is cut must not count in MAT, accepted or retrieved tokens."""
     eng = demo_engine
-    ids = eng.tokenizer.encode(G.STDLIB_PROMPT)
-    ref = G.generate(eng, G.make_method(eng, "ar"), ids, 64, Sampling(), ())
+    ids = eng.tokenizer.encode(D.STDLIB_PROMPT)
+    ref = E.generate(eng, E.make_method(eng, "ar"), ids, 64, Sampling(), ())
     cut_rounds = 0
     for n in range(9, 40, 3):
         first = ref.tokens[n - 1] not in ref.tokens[:n - 1]
         for eos in ((), (ref.tokens[n - 1],)) if first else ((),):   # cut by max_new_tokens, or an EOS at n
-            res = G.generate(eng, G.make_method(eng, method, G.Config(budget=16)), ids,
+            res = E.generate(eng, E.make_method(eng, method, GR.Config(budget=16)), ids,
                              n if not eos else 64, Sampling(), eos)
             assert res.tokens == ref.tokens[:len(res.tokens)]
             assert res.committed == len(res.tokens) - 1

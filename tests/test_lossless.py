@@ -10,7 +10,10 @@ import torch
 
 from conftest import needs_shared, reference_greedy
 from draft import Eagle3, HeadConfig, save_head
-from generate import METHODS, Config, Graft, build_engine, generate, make_method, warm_up
+from calibrate import warm_up
+from cli import build_engine
+from engine import METHODS, generate, make_method
+from graft import Config, Graft
 from verify import Proposer, Tree, commit
 from model import ModelArgs
 from verify import Sampling
@@ -153,18 +156,19 @@ def test_warmup_records_retrieval_from_before_the_round(tiny_engine):
     from graft import PRIOR_HIT_RATES, build_template
     eng = tiny_engine
     d = eng.drafter
+    from calibrate import Recorder
     m = Graft(eng, Config(budget=8, prune=False, retrieve=False, top_k=d.top_k, depth=d.depth), eng.matrix)
-    m.calib_template, m.records = build_template(PRIOR_HIT_RATES, 16), []
+    m.recorder = Recorder(build_template(PRIOR_HIT_RATES, 16))
     before, after, learn = [], [], m.learn
 
     def spy(tree, v):
-        before.append(eng.matrix.retrieve(tree.tokens[0], m.calib_template).cpu())
+        before.append(eng.matrix.retrieve(tree.tokens[0], m.recorder.template).cpu())
         out = learn(tree, v)
-        after.append(eng.matrix.retrieve(tree.tokens[0], m.calib_template).cpu())
+        after.append(eng.matrix.retrieve(tree.tokens[0], m.recorder.template).cpu())
         return out
     m.learn = spy
     for ids in prompts(3, eng.model.args.vocab_size, seed=5):
         generate(eng, m, ids, 16, Sampling(), ())
-    assert len(m.records) == len(before) > 0
-    assert all(torch.equal(r["retrieved"], b) for r, b in zip(m.records, before))
+    assert len(m.recorder.records) == len(before) > 0
+    assert all(torch.equal(r["retrieved"], b) for r, b in zip(m.recorder.records, before))
     assert any(not torch.equal(b, a) for b, a in zip(before, after))      # the round's update changes it

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import draft as D
-import generate as G
+import cli as CLI
+import engine as E
+import graft as GR
 import model as M
 from conftest import SHARED, STORIES, STORIES_TEXT, hf_model, make_tokenizer, needs_shared, TINY_CHAT_TEMPLATE
 from test_lossless import random_head
@@ -107,13 +109,13 @@ def test_moe_gather_and_dense_paths_agree():
 def test_moe_every_method_lossless(moe, tmp_path, s):
     target = moe("norm")
     head = random_head(target, tmp_path / "head", draft_vocab=200)
-    eng = G.build_engine(str(target), str(head), max_seq_len=200, top_k=4, depth=4)
+    eng = CLI.build_engine(str(target), str(head), max_seq_len=200, top_k=4, depth=4)
     eng.thresholds = {0: 0.3, 1: 0.1, 2: 0.01}
-    cfg = G.Config(budget=12, checkpoints=(0, 1, 2))
+    cfg = GR.Config(budget=12, checkpoints=(0, 1, 2))
     for ids in ([1, 40, 41, 42], [1] + list(range(50, 70))):
-        base = G.generate(eng, G.make_method(eng, "ar"), ids, 24, s, ()).tokens
-        for m in list(G.METHODS)[1:]:
-            assert G.generate(eng, G.make_method(eng, m, cfg), ids, 24, s, ()).tokens == base, m
+        base = E.generate(eng, E.make_method(eng, "ar"), ids, 24, s, ()).tokens
+        for m in list(E.METHODS)[1:]:
+            assert E.generate(eng, E.make_method(eng, m, cfg), ids, 24, s, ()).tokens == base, m
 
 
 def test_moe_expert_missing_is_one_line_error(moe, tmp_path):
@@ -142,7 +144,7 @@ def test_head_with_declared_aux_layers(tiny_ckpt, tmp_path, where):
     else:
         cfg["eagle_aux_hidden_state_layer_ids"] = [1, 4, 8]                     # inputs of 1, 4, 8
     (head / "config.json").write_text(json.dumps(cfg))
-    eng = G.build_engine(str(target), str(head), max_seq_len=200)
+    eng = CLI.build_engine(str(target), str(head), max_seq_len=200)
     assert eng.model.capture_layers == (1, 4, 8)          # 8: the last layer's output (8 layers)
     x = ids_(12, seed=4)
     with torch.no_grad():
@@ -152,9 +154,9 @@ def test_head_with_declared_aux_layers(tiny_ckpt, tmp_path, where):
     assert (feats[..., :128] - torch.cat([hs[1], hs[4]], -1)).abs().max() < TOL
     eng.thresholds = {0: 0.1, 1: 0.05, 5: 0.0}
     ids = [1, 40, 41, 42, 43]
-    base = G.generate(eng, G.make_method(eng, "ar"), ids, 32, Sampling(), ()).tokens
+    base = E.generate(eng, E.make_method(eng, "ar"), ids, 32, Sampling(), ()).tokens
     for m in ("eagle3", "graft"):
-        assert G.generate(eng, G.make_method(eng, m, G.Config(budget=12)), ids, 32, Sampling(), ()).tokens == base
+        assert E.generate(eng, E.make_method(eng, m, GR.Config(budget=12)), ids, 32, Sampling(), ()).tokens == base
 
 
 def test_head_declaring_layers_the_target_lacks_is_refused(tiny_ckpt, tmp_path):
@@ -191,8 +193,8 @@ def test_stories_with_tokenizer_model_only_gives_the_documented_text(tmp_path):
     shutil.copytree(STORIES, d)
     (d / "tokenizer.json").unlink()
     shutil.copy(TOK512, d / "tokenizer.model")
-    eng = G.build_engine(str(d))
-    r = G.generate(eng, G.make_method(eng, "ar"), eng.tokenizer.encode(""), 120, Sampling(), ())
+    eng = CLI.build_engine(str(d))
+    r = E.generate(eng, E.make_method(eng, "ar"), eng.tokenizer.encode(""), 120, Sampling(), ())
     assert eng.tokenizer.decode(r.tokens) == STORIES_TEXT
 
 

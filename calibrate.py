@@ -1,0 +1,515 @@
+"""Calibration: the warm-up, Youden's and the throughput thresholds, the budget choice, the cache.
+
+GRAFT.md section 6 calibrates a threshold tau_c per checkpoint on warm-up rounds (Youden's J); the
+throughput calibration [ours] picks the thresholds, and with --budget auto the budget, that maximise
+the expected tokens per second on this machine, from the same rounds and the engine's measured step
+costs. The warm-up runs the dense tree and records each round through one hook (Recorder); its
+result is cached per (target, head, settings, machine) in safetensors, never pickle.
+"""
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from functools import lru_cache
+
+import torch
+
+from draft import select
+from engine import (CALIBRATED, CPU_COMPILE, METHODS, NEEDS_MATRIX, PRUNING, WARMUP_PROMPTS, Engine, Sampling,
+                    compile_warmup, generate, pass_cost, robust_costs, sync, time_passes)
+from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, Recycle,
+                   Template, build_template, graft_trees, with_root)
+from verify import Tree
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def youden_threshold(conf, positive) -> float:
+    """tau maximising TPR - FPR for the rule "positive iff conf >= tau" (prune when conf < tau).
+
+    The cut is placed midway between the two confidences it separates. With no negatives it never
+    prunes (0.0); with no positives it always prunes (above 1)."""
+    conf = torch.as_tensor(conf, dtype=torch.float64).flatten()
+    pos = torch.as_tensor(positive, dtype=torch.bool).flatten()
+    P, N = int(pos.sum()), int((~pos).sum())
+    if N == 0:
+        return 0.0
+    if P == 0:
+        return 1.0 + 1e-6
+    order = torch.argsort(conf, descending=True)
+    c, p = conf[order], pos[order]
+    tpr = p.double().cumsum(0) / P          # predicted positive = the first i+1 (conf >= c[i])
+    fpr = (~p).double().cumsum(0) / N
+    last = torch.ones_like(p)               # a cut can only sit after the last of equal confidences
+    last[:-1] = c[1:] != c[:-1]
+    j = torch.where(last, tpr - fpr, torch.tensor(-2.0, dtype=torch.float64))
+    i = int(torch.argmax(j))
+    if float(j[i]) <= 0:
+        return 0.0                          # the confidence says nothing: never prune
+    below = float(c[i + 1]) if i + 1 < c.numel() else 0.0
+    return (float(c[i]) + below) / 2
+
+
+def calibrate(records: list, checkpoints=CHECKPOINTS) -> dict:
+    """Youden's J per checkpoint (--calibration youden). records: (confidences {c: float}, accepted
+    draft length) per dense warm-up round. A round is positive at c when the accepted length went past
+    level c+1 (drafting deeper paid off)."""
+    taus = {}
+    for c in checkpoints:
+        rows = [(conf[c], acc > c + 1) for conf, acc in records if c in conf]
+        taus[c] = youden_threshold([r[0] for r in rows], [r[1] for r in rows]) if rows else 0.0
+    return taus
+
+
+# Throughput calibration [ours]. Youden's J counts a wrong prune (a round that would have accepted
+# several more tokens) the same as a right one (a round that saves a few draft forwards). What matters
+# is tokens per second. From dense warm-up rounds we know, per round r, each checkpoint's confidence
+# conf_c(r) and, for every stage s a round can end in, the tokens A_s(r) its tree would have accepted
+# (the kept draft nodes grafted with their retrieved nodes, matched against what the target then
+# generated). The engine's own steps give each stage's round time T_s (draft forwards, assembly, the
+# verify pass, the update). Thresholds tau send round r to stage s_r = the first checkpoint c with
+# conf_c(r) < tau_c (none: drafted to full depth), and
+#
+#       rate(tau) = sum_r (A_{s_r}(r) + 1) / sum_r T_{s_r}           tokens per second
+#
+# is what the thresholds maximise (a search over the cuts between observed confidences).
+
+def stage_of(conf: dict, taus: dict, checkpoints) -> int | None:
+    """The stage a round ends in: the first checkpoint whose confidence is below its threshold."""
+    return next((c for c in checkpoints if conf[c] < taus[c]), None)
+
+
+def throughput(rounds: list, taus: dict, cost: dict, checkpoints) -> float:
+    """rate(tau) above. rounds: (conf {c: conf_c}, accepted {stage: A_s}) per warm-up round;
+    cost {stage: seconds per round} (stage None = drafted to full depth). Tokens per second."""
+    stages = [stage_of(conf, taus, checkpoints) for conf, _ in rounds]
+    tokens = sum(acc[s] + 1 for (_, acc), s in zip(rounds, stages))
+    return tokens / max(sum(cost[s] for s in stages), 1e-12)
+
+
+def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16) -> tuple:
+    """Thresholds maximising rate(tau) (see above). Each tau_c ranges over 0 (never prune), the
+    midpoints between its observed confidences, and above 1 (always prune). Every combination of up to
+    `grid` cuts per checkpoint (evenly spaced among them) is scored at once, since checkpoints interact
+    (a round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
+    best. Deterministic: the first best in grid order wins, and a change must strictly improve the
+    rate. Returns ({c: tau_c}, tokens/s)."""
+    checkpoints = tuple(checkpoints)
+    m = len(checkpoints)
+    conf = torch.tensor([[c[k] for k in checkpoints] for c, _ in rounds], dtype=torch.float64).reshape(len(rounds), m)
+    tok = torch.tensor([[a[s] + 1 for s in (*checkpoints, None)] for _, a in rounds], dtype=torch.float64).reshape(len(rounds), m + 1)
+    secs = torch.tensor([cost[s] for s in (*checkpoints, None)], dtype=torch.float64)
+    cands = []
+    for k in range(m):
+        seen = torch.unique(conf[:, k])                                         # sorted
+        cands.append(torch.cat([torch.zeros(1, dtype=torch.float64), (seen[1:] + seen[:-1]) / 2,
+                                torch.full((1,), 1.0 + 1e-6, dtype=torch.float64)]))
+    while grid > 2 and grid ** m * max(len(rounds), 1) > 2e7:       # keep the grid's tensor small
+        grid -= 1
+    coarse = [v if v.numel() <= grid else v[torch.round(torch.arange(grid) * (v.numel() - 1) / (grid - 1)).long()]
+              for v in cands]
+    rates = _rates(conf, tok, secs, coarse)                          # (g_0, ..., g_{m-1})
+    best = float(rates.max())
+    idx = [int(i) for i in torch.unravel_index(torch.argmax(rates), rates.shape)] if m else []
+    taus = [float(coarse[k][i]) for k, i in enumerate(idx)]
+    improved = True
+    while improved:
+        improved = False
+        for k in range(m):                      # all of checkpoint k's cuts, the others held
+            grids = [torch.tensor([t], dtype=torch.float64) for t in taus]
+            grids[k] = cands[k]
+            r = _rates(conf, tok, secs, grids).reshape(-1)
+            i = int(torch.argmax(r))
+            if float(r[i]) > best * (1 + 1e-12):
+                best, taus[k], improved = float(r[i]), float(cands[k][i]), True
+    return dict(zip(checkpoints, taus)), best
+
+
+def _rates(conf, tok, secs, grids) -> torch.Tensor:
+    """rate(tau) for every combination of grids[k] (1-D tensors of tau_k): shape (len g_0, ...).
+    conf (R, m), tok (R, m + 1) accepted + 1 per stage (the last: full depth), secs (m + 1,)."""
+    R, m = tok.shape[0], len(grids)
+    if R == 0:                                        # no rounds: no tokens
+        return torch.zeros([g.numel() for g in grids], dtype=torch.float64)
+    t, c = tok[:, m], secs[m].expand(R)               # (R,): rounds that pass every checkpoint
+    for k in reversed(range(m)):                      # an earlier checkpoint decides first
+        below = (conf[:, k] < grids[k][:, None]).view(-1, *[1] * (t.dim() - 1), R)   # (g_k, 1.., R)
+        t = torch.where(below, tok[:, k], t.unsqueeze(0))
+        c = torch.where(below, secs[k], c.unsqueeze(0))
+    return t.sum(-1) / c.sum(-1).clamp_min(1e-12)
+
+
+# Near-equal budgets: expected rates within this many spreads (robust_costs) of the best. Each
+# budget's verify cost is off by about one spread, either way, so the difference of two is off by up
+# to about twice that; three leaves room (simulated: far fewer flips than two, at a cost of three
+# spreads of throughput at most, about 1% on a quiet machine).
+TIE_SPREADS = 3
+
+
+def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0) -> tuple:
+    """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
+    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
+    the smallest budget whose expected rate (tokens/s) is within TIE_SPREADS * spread of the best
+    one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0: exact
+    ties only), and the whole curve, for the log and the report. Budgets that close are what the
+    timing's noise tells apart, so they go to the smaller one, the same way every time."""
+    fits, curve = {}, {}
+    for b in sorted(options):
+        fits[b] = throughput_thresholds(*options[b], checkpoints)
+        curve[b] = fits[b][1]
+    top = max(curve.values())
+    b = next(b for b in sorted(curve) if curve[b] >= top * (1 - max(TIE_SPREADS * spread, 1e-12)))
+    return (b, *fits[b], curve)
+
+
+def accepted_by(tree: Tree, truth: list) -> int:
+    """The tokens a tree accepts under greedy decoding when the target's continuation after the root
+    is `truth` (host ints): the deepest root path spelling a prefix of it. Greedy choices are a
+    function of the path, so this is what verifying the tree would have accepted. (On the host: the
+    calibration asks it thousands of times about trees of a few dozen nodes.)"""
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    depth = [0] * len(tokens)           # a node's depth when its whole root path matches truth, else -1
+    for i in range(1, len(tokens)):     # parents first: a node's parent was decided before it
+        d = depth[parents[i]] if 0 <= parents[i] < i else -1
+        depth[i] = d + 1 if valid[i] and d >= 0 and d < len(truth) and tokens[i] == truth[d] else -1
+    return max(depth)
+
+
+def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
+    """The tree a warm-up round would have verified had it ended in `stage` (None: full depth) with K
+    draft nodes kept and R retrieved: its candidates (rec["scores"/"tokens"/"parents"], slots past the
+    stage's levels left out), grafted with the first K + R nodes of its retrieval (rec["retrieved"],
+    best-first, so a smaller template is a prefix of a larger one)."""
+    scores = rec["scores"].clone()
+    if stage is not None:
+        scores[k + stage * k * k:] = float("-inf")                   # levels not drafted by then
+    d_tok, d_par, _ = select(scores, rec["tokens"], rec["parents"], K)
+    root = torch.tensor(rec["root"])
+    if not R:
+        yes = torch.ones_like(d_tok, dtype=torch.bool)
+        return with_root(root, d_tok, d_par, yes, ~yes, 1 + K)
+    tpl = _template(tuple(rates), K + R)
+    return with_root(root, *graft_trees(d_tok, d_par, rec["retrieved"][:K + R], tpl, R), 1 + K + R)
+
+
+@lru_cache(maxsize=256)
+def _template(rates: tuple, n: int) -> Template:
+    return build_template(rates, n)
+
+
+# ----------------------------------------------------------------------------- the warm-up
+
+
+CALIBRATIONS = ("throughput", "youden")
+
+# What --budget auto chooses from (verification budgets: candidate nodes per round).
+AUTO_BUDGETS = (8, 12, 16, 24, 32, 48, 60)
+
+
+def needs_warmup(method: str, auto_budget: bool) -> bool:
+    """Whether a method needs the warm-up: for the continuation matrix (graft, recycle, the
+    ablations), its thresholds (prune, graft), or, under --budget auto, its budget (every method that
+    has one: those with a head)."""
+    return method in NEEDS_MATRIX | PRUNING or (auto_budget and method in CALIBRATED)
+
+
+def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
+            use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
+            auto_budget: bool = False):
+    """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
+    a few generations with the dense tree (GRAFT.md sections 3, 4, 6).
+
+    Both calibrations are computed, for each calibrated method (eagle3, prune, graft; the ablations use
+    graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)
+    that maximise the expected tokens/s on this machine (graft.throughput); "youden" maximises Youden's
+    J per checkpoint at cfg.budget. `calibration` selects which one the engine uses by default
+    (engine.calibration; method_config reads it). Cached per (target, head) and all that changes the
+    measured costs or the warm-up (state_path_for). A prompt too long for the cache is skipped, never
+    truncated; a warm-up in which no generation ran, or none left a round long enough to score
+    (usable_records), calibrates nothing (the thresholds never prune, with a warning) and is not
+    cached. Sets
+    engine.calibrations, engine.budget_curve, engine.hit_rates, and graft's choice in
+    engine.thresholds and engine.budget."""
+    log = log or (lambda s: None)
+    prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
+    d = engine.drafter
+    checkpoints = tuple(cfg.checkpoints) if d else ()
+    budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
+    path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
+                          engine.matrix.k, (d.top_k, d.depth) if d else None)
+    engine.calibration, engine.budget = calibration, cfg.budget
+
+    def use(calibrations: dict, curve: dict):
+        engine.calibrations, engine.budget_curve = calibrations, curve
+        if d:
+            engine.thresholds = dict(calibrations[calibration]["graft"]["thresholds"])
+            engine.budget = calibrations[calibration]["graft"]["budget"]
+        else:
+            engine.thresholds = {}
+
+    if use_cache:
+        got = load_state(path, engine.matrix, checkpoints)
+        cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
+        if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
+            engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
+            spread = got["meta"].get("cost_spread")
+            engine.cost_spread = float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None
+            use(*cal)
+            log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {engine.thresholds}")
+            return
+    wb = max(budgets) if budgets else cfg.budget
+    if d:      # the dense tree, learning the matrix, recording each round's candidates and confidences
+        m = Graft(engine, dataclasses.replace(cfg, budget=wb, prune=False, retrieve=False, ablation=None,
+                                              top_k=d.top_k, depth=d.depth), engine.matrix)
+    else:
+        m = Recycle(engine, cfg, engine.matrix)
+    if engine.compiling:
+        compile_warmup(engine, [m])
+    rec = m.recorder = Recorder(build_template(PRIOR_HIT_RATES, 2 * wb).to(engine.device))
+    ran, results = 0, []
+    for p in prompts:
+        ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
+        if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
+            first = len(rec.records)
+            res = generate(engine, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
+            full = ids + res.tokens                 # what the target generated: each round's truth
+            for r in rec.records[first:] if d else ():
+                r["truth"] = full[r["L"] + 1:r["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
+            results.append(res)
+            ran += 1
+    m.recorder = None
+    engine.matrix.refresh_fallback()
+    rates = engine.matrix.hit_rates()
+    engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
+    calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in rec.records) for c in checkpoints))
+    short = calibrated and d is not None and not usable_records(rec.records, d.depth)
+    if not calibrated or short:
+        engine.thresholds = {c: 0.0 for c in checkpoints}
+        engine.calibrations, engine.budget_curve, engine.cost_spread = {}, {}, None
+        why = (f"ran {ran} of {len(prompts)} generations but left no round long enough to score (each needs "
+               f"more than --depth {d.depth} tokens generated after it: every expected rate would be 0)" if short else
+               f"ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
+               f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped)")
+        log(f"warning: warm-up {why}: nothing calibrated, so pruning is off (pass --thresholds to set it), "
+            f"the budget stays {cfg.budget}, and nothing is cached")
+        return
+    calibrations, curve = {}, {}
+    if d:
+        youden = calibrate([(r["conf"], r["accepted"]) for r in rec.records], checkpoints)
+        options, spread = calibration_options(engine, cfg, rec.records, results, budgets or (cfg.budget,))
+        engine.cost_spread = spread
+        log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
+            f"go to the smaller")
+        calibrations = {"throughput": {}, "youden": {}}
+        for method, opts in options.items():
+            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread)
+            calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
+                                                  "rate": round(rate, 3)}
+            calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
+                                              "thresholds": youden if method != "eagle3" else {}}
+            log(f"warm-up: {method}: expected tokens/s by budget: " +
+                ", ".join(f"{x}: {r:.1f}" for x, r in curve[method].items()) +
+                f" -> budget {b}, thresholds { {c: round(t, 3) for c, t in taus.items()} }")
+        log(f"warm-up: Youden's J thresholds { {c: round(t, 3) for c, t in youden.items()} } "
+            f"(--calibration youden, budget {cfg.budget})")
+    use(calibrations, curve)
+    log(f"warm-up: {ran} of {len(prompts)} generations ran, {calibration} calibration: graft budget "
+        f"{engine.budget}, thresholds { {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
+        f"{[round(a, 3) for a in engine.hit_rates]}")
+    if use_cache:
+        save_state(path, engine.matrix, engine.thresholds,
+                   {"hit_rates": list(engine.hit_rates), "generations": ran, "cost_spread": engine.cost_spread,
+                    "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
+                                         for m, c in per.items()} for n, per in calibrations.items()},
+                    "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
+
+
+def read_calibrations(meta: dict, checkpoints) -> tuple | None:
+    """(calibrations, budget_curve) from a cache file's JSON, or None when they are malformed or do not
+    fit (checkpoints None: a warm-up without a head, which calibrates nothing)."""
+    try:
+        cal = {n: {m: {"budget": int(c["budget"]), "rate": None if c.get("rate") is None else float(c["rate"]),
+                       "thresholds": {int(k): float(t) for k, t in c["thresholds"].items()}}
+                   for m, c in per.items()} for n, per in meta.get("calibrations", {}).items()}
+        curve = {m: {int(b): float(r) for b, r in c.items()} for m, c in meta.get("budget_curve", {}).items()}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+    if checkpoints is None:
+        return (cal, curve) if not cal else None
+    ok = set(cal) == set(CALIBRATIONS) and all(
+        set(per) == set(CALIBRATED.values()) and all(
+            c["budget"] >= 1 and set(c["thresholds"]) == (set() if m == "eagle3" else set(checkpoints))
+            and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
+            for m, c in per.items()) for per in cal.values())
+    return (cal, curve) if ok else None
+
+
+class Recorder:
+    """The warm-up's one hook into a round (Graft.recorder, Recycle.recorder), called after verification
+    and before the matrix learns. It counts the rank at which the matrix held each real node's true
+    next token (ContinuationMatrix.record: the hit rates), and for a drafted round keeps what the
+    calibration replays: the confidence at every checkpoint, the accepted length, the candidates, and
+    the retrieval under the root from `template` as this round saw it (after the update the matrix
+    would already hold the target's answer for this very round). Host reads: warm-up only."""
+
+    def __init__(self, template):
+        self.template, self.records = template, []
+
+    def __call__(self, method, root, conf: dict, tree, v):
+        e, d = method.eng, getattr(method, "d", None)
+        method.matrix.record(tree.tokens, v.target, tree.valid)          # (the matrix: eager, outside the steps)
+        if d is None:
+            return
+        self.records.append({"conf": {c: float(x) for c, x in conf.items()}, "accepted": int(v.A),
+                             "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
+                             "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
+                             "retrieved": method.matrix.retrieve(root, self.template).cpu()})
+
+
+def usable_records(records: list, depth: int) -> list:
+    """The warm-up rounds the calibration can score: those followed by more than `depth` generated
+    tokens (the last rounds of a generation see too little of what the target went on to say)."""
+    return [r for r in records if len(r["truth"]) > depth]
+
+
+@torch.no_grad()
+def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> tuple:
+    """({method: {budget: (rounds, cost)}}, spread): the options as graft.choose_budget reads them,
+    for eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
+    tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
+    would have accepted (graft.stage_tree, matched against what the target generated); cost: seconds
+    per round per stage, from this engine's own steps: draft forwards (timed in the warm-up), each
+    stage's assembly, the verify pass at B + 1 nodes (pass_cost: fastest of interleaved samples,
+    monotone in B), and the update."""
+    d = eng.drafter
+    k, D = d.top_k, d.depth
+    forwards = sum(r.draft_forwards for r in results)
+    t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
+    n_rounds = max(sum(r.rounds for r in results), 1)
+    t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
+    timing = {}
+    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, stats=timing)
+    usable = usable_records(records, D)
+    memo = {}
+
+    def acc(i, s, K, R):          # a tree that two methods share (full depth, no retrieval) is matched once
+        if (i, s, K, R) not in memo:
+            r = usable[i]
+            memo[(i, s, K, R)] = accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k), r["truth"])
+        return memo[(i, s, K, R)]
+
+    out = {"eagle3": {}, "prune": {}, "graft": {}}
+    for b in budgets:
+        for method in out:
+            c = dataclasses.replace(cfg, budget=b, ablation=None, keep=None, top_k=k, depth=D, **METHODS[method])
+            stages = c.stages()
+            t_asm = assembly_seconds(eng, c)
+            cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
+            rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
+            out[method][b] = (rounds, cost)
+    return out, timing["spread"]
+
+
+def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
+    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates: the
+    fastest of `repeats` samples, the stages interleaved, each after an untimed call (as pass_cost)."""
+    g = Graft(eng, cfg, copy.deepcopy(eng.matrix), eng.hit_rates)
+    def one(s):
+        eng.mark_step()
+        g.assemble[s](eng.root)
+    samples = time_passes(one, list(g.assemble), repeats, sync=lambda: sync(eng.device))
+    return robust_costs(samples)[0]
+
+
+# ----------------------------------------------------------------------------- set-up and warm-up
+
+def state_path_for(engine: Engine, *settings) -> str:
+    """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
+    model in the same folder is a different model), the cache length, everything that changes what
+    the calibration measured (dtype, device and which one, torch's version and thread count, eager or
+    compiled and how, attention over a window or the whole cache), and every setting that shaped the
+    warm-up."""
+    def stamp(path):
+        files = ([path] if os.path.isfile(path) else
+                 [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
+        return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    m = engine.model
+    head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
+    dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")
+    execution = (("compiled", engine.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
+                 else "eager")
+    timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
+              "window" if engine.window else "full"]
+    key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, m.max_seq_len, timing, *settings],
+                     default=str, sort_keys=True)
+    return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
+
+
+WARMUP_FORMAT = 5        # bump when what the warm-up computes changes: old cache files are then ignored
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+# ----------------------------------------------------------------------------- warm-up cache
+
+def cache_dir() -> str:
+    return os.environ.get("GRAFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graft"))
+
+
+def save_state(path: str, matrix: ContinuationMatrix, thresholds: dict, meta: dict) -> bool:
+    """Cache the warm-up result: the matrix's tensors in safetensors, thresholds and `meta` as JSON in
+    its metadata (no pickle). Written atomically (a temporary file, then os.replace), so a concurrent
+    reader never sees half a file. A cache that cannot be written (read-only folder, full disk) only
+    costs the next run its warm-up: a warning, never an error. Returns whether it was saved."""
+    from safetensors.torch import save_file
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in matrix.state_dict().items()}, tmp,
+                  metadata={"graft": json.dumps({"thresholds": {str(c): float(t) for c, t in thresholds.items()},
+                                                 **meta})})
+        os.replace(tmp, path)
+        return True
+    except Exception as e:      # OSError, or the RuntimeError safetensors/torch raise on a read-only folder
+        print(f"warning: could not save warm-up state to {path}: {type(e).__name__}: {str(e)[:160]}",
+              file=sys.stderr)
+        if os.path.exists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        return False
+
+
+def load_state(path: str, matrix: ContinuationMatrix, checkpoints=CHECKPOINTS) -> dict | None:
+    """Restore a saved matrix; returns {"thresholds", "meta"}, or None when the file is absent,
+    unreadable, or does not fit this model (a shape, a token id outside the vocabulary, a threshold
+    that is not a probability, a checkpoint it does not calibrate): such a cache counts as absent."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        return None
+    try:
+        with safe_open(path, framework="pt") as fh:
+            sd = {k: fh.get_tensor(k) for k in fh.keys()}
+            meta = json.loads(fh.metadata()["graft"])
+        th = {int(c): float(t) for c, t in meta.pop("thresholds").items()}
+        V, k = matrix.vocab, matrix.k
+        fits = (set(sd) == {"M", "written", "counts", "hits", "fallback"}
+                and tuple(sd["M"].shape) == (V, k) and tuple(sd["fallback"].shape) == (k,)
+                and tuple(sd["written"].shape) == (V,) and tuple(sd["counts"].shape) == (V,)
+                and tuple(sd["hits"].shape) == (k + 1,)
+                and sd["M"].dtype == sd["fallback"].dtype == torch.int32 and sd["written"].dtype == torch.bool
+                and all(int(sd[n].min()) >= 0 and int(sd[n].max()) < V for n in ("M", "fallback"))
+                and all(bool(torch.isfinite(sd[n]).all()) and float(sd[n].min()) >= 0 for n in ("counts", "hits"))
+                and set(th) == set(checkpoints) and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in th.values())
+                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta.get("hit_rates") or []))
+        if not fits:
+            return None
+        matrix.load_state_dict(sd)
+        return {"thresholds": th, "meta": meta}
+    except Exception:           # unreadable or malformed: recompute rather than trust it
+        return None

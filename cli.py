@@ -1,0 +1,270 @@
+"""What the faces (generate.py, bench.py, train.py) share: engine flags and their checks, loading an
+engine from checkpoint files, streamed text, --show-tree rendering, and the one-line error wrapper."""
+import argparse
+import math
+import sys
+
+import torch
+
+from calibrate import AUTO_BUDGETS, CALIBRATIONS
+from checkpoint import DTYPES, load_head, load_model, resolve_checkpoint
+from data import read_prompts
+from draft import Drafter
+from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, default_budget
+from graft import Config, ContinuationMatrix
+from model import GraftError
+from tokenizer import load_tokenizer
+from verify import MIN_TEMPERATURE
+
+
+# ----------------------------------------------------------------------------- command line
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one `error:` line (a GraftError), like every other bad input."""
+
+    def error(self, message):
+        raise GraftError(message)
+
+
+# Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
+# uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
+MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
+
+
+def add_engine_flags(p, compare_calibrations: bool = False):
+    """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
+    --calibration may name both calibrations, to compare them in one run."""
+    p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help=f"0 (or below {MIN_TEMPERATURE}) = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="format prompts with the checkpoint's chat template")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: the model's context)")
+    p.add_argument("--budget", default="auto",
+                   help="verification budget: candidate nodes per round, or auto (the default): the warm-up "
+                        f"picks it from {', '.join(map(str, AUTO_BUDGETS))} by measured throughput on this machine "
+                        f"(without a warm-up: {GPU_BUDGET} on a GPU, {CPU_BUDGET} on a CPU)")
+    if compare_calibrations:
+        p.add_argument("--calibration", default="throughput",
+                       help="how the warm-up sets the thresholds: throughput (expected tokens/s, the default), "
+                            "youden (Youden's J), or throughput,youden: every pruning method under each, in one "
+                            "run (rows method[youden])")
+    else:
+        p.add_argument("--calibration", choices=CALIBRATIONS, default="throughput",
+                       help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
+    p.add_argument("--draft-top-k", type=int, default=10, help="draft children per expansion")
+    p.add_argument("--depth", type=int, default=8, help="draft levels")
+    p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
+    p.add_argument("--keep", default=None, help="draft nodes kept per checkpoint, e.g. 8,24,40")
+    p.add_argument("--thresholds", default=None, help="override calibrated taus, e.g. 0.4,0.3,0.2")
+    p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
+    p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step (default: on with CUDA, where it means CUDA graphs; off on a CPU)")
+    p.add_argument("--attention", choices=("window", "full"), default=None,
+                   help="attend over the rows in use (window: a CPU's fastest) or the whole cache (full: static "
+                        "shapes, what CUDA graphs need); default: full when compiling on a GPU, else window")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
+
+
+def check_device(name: str):
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise GraftError(f"--device {name!r} is not a device name (use cpu or cuda[:N])") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GraftError(f"--device {name}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise GraftError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise GraftError(f"--device {name}: only cpu and cuda are supported")
+
+
+def check_args(a, budgets=None):
+    """Every engine flag checked before any model loads: bad values are one-line errors, never a
+    silent default (no `x or default`), never a traceback later. Fills in the budget default."""
+    def need(ok, msg):
+        if not ok:
+            raise GraftError(msg)
+    need(math.isfinite(a.temperature) and a.temperature >= 0, f"--temperature must be a finite number >= 0, "
+                                                               f"got {a.temperature}")
+    need(math.isfinite(a.top_p) and 0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
+    need(a.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {a.top_k}")
+    need(0 <= a.seed < 2 ** 63, f"--seed must be in [0, 2^63), got {a.seed}")
+    need(a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
+    need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
+    need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
+    need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
+    need(a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
+    need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
+    need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
+    check_device(a.device)
+    if a.compile is None:
+        a.compile = str(a.device).startswith("cuda")
+    a.auto_budget = a.budget in (None, "auto") and not budgets
+    if a.budget in (None, "auto"):
+        a.budget = default_budget(a.device)       # the fallback, and the reference before the warm-up picks
+    elif isinstance(a.budget, str):
+        a.budget = numbers("--budget", a.budget)[0] if a.budget.strip().lstrip("-").isdigit() else None
+        need(a.budget is not None, "--budget takes a number of nodes or auto")
+    budgets = budgets or [a.budget]
+    need(all(b >= 1 for b in budgets), f"--budget must be >= 1, got {min(budgets)}")
+    cps = numbers("--checkpoints", a.checkpoints)
+    need(all(0 <= c < a.depth for c in cps), f"--checkpoints must be depths in [0, --depth {a.depth}), got {cps}")
+    need(cps == sorted(set(cps)), f"--checkpoints must be increasing, got {cps}")
+    if a.keep:
+        keep = numbers("--keep", a.keep)
+        need(len(keep) == len(cps), "--keep needs one size per checkpoint")
+        need(all(1 <= k <= min(budgets) for k in keep),
+             f"--keep sizes must be in [1, --budget {min(budgets)}], got {keep}")
+    if a.thresholds:
+        th = numbers("--thresholds", a.thresholds, float)
+        need(len(th) == len(cps), "--thresholds needs one value per checkpoint")
+        need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
+    if a.warmup_file:
+        read_prompts(a.warmup_file)
+
+
+def numbers(flag: str, text: str, kind=int) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GraftError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def config_from_args(a) -> Config:
+    cps = tuple(numbers("--checkpoints", a.checkpoints))
+    cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size)
+    if a.keep:
+        cfg.keep = tuple(numbers("--keep", a.keep))
+    if a.thresholds:
+        cfg.thresholds = dict(zip(cps, numbers("--thresholds", a.thresholds, float)))
+    return cfg
+
+
+def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
+                 matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
+                 backend: str = "inductor", check_lifetimes: bool = False) -> Engine:
+    """Load a target (and a head) and set up the engine. attention: "window" or "full" (default:
+    full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes)."""
+    if dtype not in DTYPES:
+        raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
+    path = resolve_checkpoint(ckpt)
+    tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, tok_context(path))
+    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
+    drafter = None
+    if draft:
+        head = load_head(draft, model)
+        if top_k > head.config.draft_vocab_size:
+            raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
+                             f"({head.config.draft_vocab_size} tokens)")
+        drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth, chunk=chunk)
+    matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
+    if attention is None:
+        attention = "full" if compile and str(device).startswith("cuda") else "window"
+    if attention not in ("window", "full"):
+        raise GraftError(f"--attention must be window or full, got {attention!r}")
+    if compile and attention == "window" and str(device).startswith("cuda"):
+        raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
+    return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk,
+                  backend=backend, check_lifetimes=check_lifetimes)
+
+
+def tok_context(path: str) -> int:
+    """The model's context (max_position_embeddings), read before its weights."""
+    from model import ModelArgs, gguf_model_args, gguf_read, is_gguf, read_config
+    if is_gguf(path):
+        reader, meta = gguf_read(path)
+        return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path).max_position_embeddings
+    return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, and in the end exactly the final text, byte for byte.
+
+    Only text that later tokens cannot change is printed. A token can end inside a multi-byte UTF-8
+    character (byte-level BPE, byte fallback): the prefix then decodes to U+FFFD until the rest of the
+    character arrives, so a trailing run of U+FFFD is held back. `finish` prints what is left."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.shown = tokenizer, out or sys.stdout, ""
+
+    def __call__(self, tokens):
+        text = self.tok.decode(tokens).rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self, tokens) -> str:
+        final = self.tok.decode(tokens)
+        if not final.startswith(self.shown):   # a decoder that rewrote earlier text: print it whole again
+            self.out.write("\n")
+            self.shown = ""
+        self.out.write(final[len(self.shown):] + "\n")
+        self.out.flush()
+        return final
+
+
+def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: list, path: list, stage,
+                 bonus: int, decode, source: str | None = "draft") -> str:
+    """One round's tree for --show-tree: each node's token, where it came from, the accepted path
+    marked with *, the stage that pruned the round. source: what proposed the nodes the matrix did
+    not: "draft" (the head; the stage is shown), "copied" (prompt lookup: copied from the context),
+    "matrix" (recycle: every node retrieved), or None (plain decoding: the root alone)."""
+    kids = {i: [] for i in range(len(tokens))}
+    for i in range(1, len(tokens)):
+        if valid[i]:
+            kids[parents[i]].append(i)
+    real = [i for i in range(1, len(tokens)) if valid[i]]
+    n_ret = sum(retrieved[i] for i in real)
+    if source is None:
+        head = "plain decoding, the root alone"
+    else:
+        kinds = {"draft": f"{len(real) - n_ret} drafted, {n_ret} retrieved", "copied": f"{len(real) - n_ret} copied",
+                 "matrix": f"{n_ret} retrieved"}[source]
+        head = f"{len(real)} nodes verified ({kinds}); accepted {len(path) - 1} (*)"
+        if source == "draft":
+            head = ("drafted to full depth" if stage is None else f"pruned at checkpoint {stage}") + "; " + head
+    lines = [f"round {n}: {head}, bonus {decode([bonus])!r}"]
+    on = set(path)
+    width = 28
+
+    def line(prefix, i):
+        text = f"{prefix}{'*' if i in on else ' '} {decode([tokens[i]])!r}"
+        src = "root" if i == 0 else "matrix" if retrieved[i] else source
+        return f"{text:<{width}} {src}"
+
+    def walk(i, indent):
+        for j, c in enumerate(kids[i]):
+            last = j == len(kids[i]) - 1
+            lines.append(line(indent + ("└─" if last else "├─"), c))
+            walk(c, indent + ("   " if last else "│  "))
+
+    lines.append(line("", 0))
+    walk(0, "")
+    return "\n".join(lines)
+
+
+
+def run(main, argv=None):
+    """A face's entry point: main(argv), a GraftError as one `error:` line (exit 2), ^C as exit 130."""
+    try:
+        return main(argv)
+    except GraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

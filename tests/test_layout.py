@@ -1,0 +1,57 @@
+"""The layout (README, "Reading the code"): imports go one way, and the algorithm stays small.
+
+    model <- draft, verify <- graft <- engine <- calibrate        the algorithm, in reading order
+    checkpoint, gguf_checkpoint, tokenizer                        loaders: the model (and the head) only
+    data, cli                                                     serve the faces
+    generate, bench, train                                        the faces: never one another
+"""
+import ast
+
+from conftest import ROOT
+
+CORE = ["model", "draft", "verify", "graft", "engine", "calibrate"]
+LOADERS = ["checkpoint", "gguf_checkpoint", "tokenizer"]
+SERVING = ["data", "cli"]
+FACES = ["generate", "bench", "train"]
+# what each may import from the project
+ALLOWED = {
+    "model": set(), "draft": {"model"}, "verify": {"model"}, "graft": {"model", "draft", "verify"},
+    "engine": {"model", "draft", "verify", "graft"}, "calibrate": {"model", "draft", "verify", "graft", "engine"},
+    **{m: {"model", "draft"} | set(LOADERS) - {m} for m in LOADERS},
+    "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data"},
+    **{f: set(CORE) | set(LOADERS) | set(SERVING) for f in FACES},
+}
+OURS = set(ALLOWED)
+
+
+def imports(name: str) -> set:
+    """Every project module a file imports, at any depth (imports inside functions count)."""
+    tree = ast.parse((ROOT / f"{name}.py").read_text())
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            out.add(n.module.split(".")[0])
+    return out & OURS
+
+
+def test_every_project_file_has_a_place():
+    files = {p.stem for p in ROOT.glob("*.py")}
+    assert files == OURS, f"files without a place in the layout: {sorted(files - OURS)}; missing: {sorted(OURS - files)}"
+
+
+def test_imports_go_one_way():
+    wrong = {m: sorted(imports(m) - ALLOWED[m]) for m in OURS}
+    assert {m: w for m, w in wrong.items() if w} == {}
+
+
+def test_the_model_file_is_the_model():
+    assert imports("model") == set()
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 450
+
+
+def test_the_algorithm_fits_in_2000_lines():
+    lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip())
+                for m in ["model", "draft", "verify", "graft", "engine"])
+    assert lines <= 2000, lines
