@@ -358,7 +358,7 @@ class Recorder:
     def __init__(self, template):
         self.template, self.records = template, []
 
-    def __call__(self, method, root, conf: dict, tree, v):
+    def __call__(self, method, conf: dict, tree, v):
         e, d = method.eng, getattr(method, "d", None)
         method.matrix.record(tree.tokens, v.target, tree.valid)          # (the matrix: eager, outside the steps)
         if d is None:
@@ -366,7 +366,7 @@ class Recorder:
         self.records.append({"conf": {c: float(x) for c, x in conf.items()}, "accepted": int(v.A),
                              "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
                              "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
-                             "retrieved": method.matrix.retrieve(root, self.template).cpu()})
+                             "retrieved": method.matrix.retrieve(tree.tokens[0], self.template).cpu()})   # the root
 
 
 def usable_records(records: list, depth: int) -> list:

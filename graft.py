@@ -373,7 +373,7 @@ def graft_round(g: Graft, root: torch.Tensor) -> Verified:
     v = e.verify(tree, g.P, capture=True)
     e.clock.mark("verify")
     if g.recorder is not None:          # warm-up only: what the calibration reads, before the matrix learns
-        g.recorder(g, root, conf, tree, v)
+        g.recorder(g, conf, tree, v)
     # 6. update: the matrix learns every verified node's top-k, the head's next input is the accepted
     #    path; then the round's one transfer to the host
     g.learn(tree, v)
@@ -444,7 +444,7 @@ class Recycle(Proposer):
         v = e.verify(tree, self.P)
         e.clock.mark("verify")
         if self.recorder is not None:       # warm-up only: before the matrix learns
-            self.recorder(self, root, {}, tree, v)
+            self.recorder(self, {}, tree, v)
         self.learn(tree, v)
         commit(v, tree)
         e.clock.mark("update")

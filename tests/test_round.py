@@ -154,6 +154,6 @@ def test_a_recorder_sees_the_round_once_before_the_matrix_learns():
     round retrieved from."""
     g, eng, _, matrix = make_round()
     seen = []
-    g.recorder = lambda m, root, conf, tree, v: seen.append((sorted(conf), matrix.M[12].tolist(), int(v.A)))
+    g.recorder = lambda m, conf, tree, v: seen.append((sorted(conf), matrix.M[12].tolist(), int(v.A)))
     graft_round(g, eng.root)
     assert seen == [([0, 1], [30, 31, 29], 3)]
