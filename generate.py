@@ -33,12 +33,14 @@ from functools import partial
 
 import torch
 
+from checkpoint import DTYPES, load_head, load_model, resolve_checkpoint
 from data import STORIES, read_prompts, read_text, stories_head_dir
-from draft import Drafter, load_head
+from draft import Drafter
 from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, TIE_SPREADS, Config, ContinuationMatrix, Graft,
                    accepted_by, build_template, cache_dir, calibrate, choose_budget, load_state, monotone, robust_costs,
                    save_state, stage_tree, time_passes, with_root)
-from model import DTYPES, GraftError, Tokenizer, attention_mask, load_model, load_tokenizer, resolve_checkpoint
+from model import GraftError, attention_mask
+from tokenizer import Tokenizer, load_tokenizer
 from verify import (MIN_TEMPERATURE, Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit,
                     decode_one_token, token_hash, verify)
 
@@ -891,11 +893,12 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
 
 def tok_context(path: str) -> int:
     """The model's context (max_position_embeddings), read before its weights."""
-    from model import ModelArgs, gguf_model_args, gguf_read, is_gguf, read_config
+    from checkpoint import hf_model_args, is_gguf, read_config
     if is_gguf(path):
+        from gguf_checkpoint import gguf_model_args, gguf_read
         reader, meta = gguf_read(path)
         return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path).max_position_embeddings
-    return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
+    return hf_model_args(read_config(path)).max_position_embeddings
 
 
 CALIBRATIONS = ("throughput", "youden")

@@ -23,7 +23,8 @@ has_demo = pytest.mark.skipif(G.demo_model() is None or not (Path(G.DEMO_DRAFT) 
 
 def test_train_target_writes_a_folder_transformers_loads(tmp_path):
     """A few steps on a two-file corpus: tokenizer, config and weights in standard HF form."""
-    from model import load_model, load_tokenizer
+    from checkpoint import load_model
+    from tokenizer import load_tokenizer
     from train import main
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -67,7 +68,7 @@ def test_demo_pair_loads_and_graft_equals_ar():
 @has_stdlib
 def test_demo_pair_matches_transformers():
     from transformers import AutoModelForCausalLM
-    from model import load_model
+    from checkpoint import load_model
     ours = load_model(STDLIB_CKPT, max_seq_len=256)
     ref = AutoModelForCausalLM.from_pretrained(STDLIB_CKPT, torch_dtype=torch.float32).eval()
     x = torch.randint(0, ours.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
