@@ -182,15 +182,11 @@ def _spm_load(file: str):
 
 def sentencepiece_tokenizer(file: str):
     """A tokenizers.Tokenizer with the vocabulary of the SentencePiece model `file` (tokenizer.model:
-    Llama-2, Vicuna), for decoding and the vocabulary; Tokenizer encodes with sentencepiece itself
-    (SentencePieceEncoder). Its pieces, scores and types, and the settings that change what is encoded,
-    are read from the model's protobuf (sentencepiece_model.proto: TrainerSpec model_type, byte_fallback;
-    NormalizerSpec name, precompiled_charsmap, add_dummy_prefix, remove_extra_whitespaces). BPE models
-    become BPE merges ranked by score (as for GGUF's SentencePiece vocabularies), unigram models a Unigram
-    model. Its own encode (BOS first) equals sentencepiece's on plain text, but not around user-defined
-    symbols (matched before the dummy prefix is added, where sentencepiece matches them inside the
-    normalized text) nor where the `tokenizers` Precompiled normalizer departs from sentencepiece's.
-    Errors: GraftError, one line."""
+    Llama-2, Vicuna), for decoding; encoding goes through sentencepiece itself (SentencePieceEncoder).
+    Pieces, scores, types and the encoding settings come from the model's protobuf (TrainerSpec
+    model_type, byte_fallback; NormalizerSpec name, precompiled_charsmap, add_dummy_prefix,
+    remove_extra_whitespaces). BPE models become merges ranked by score, unigram models a Unigram
+    model. Errors: GraftError, one line."""
     import struct
     from tokenizers import Regex, models, normalizers
     sp = _spm_load(file)
@@ -231,20 +227,14 @@ def sentencepiece_tokenizer(file: str):
 
 
 class SentencePieceEncoder:
-    """Text to ids for a checkpoint's SentencePiece tokenizer.model, through the sentencepiece library
-    itself: its normalizer (nmt_nfkc, identity, ...), dummy prefix, whitespace handling, user-defined
-    symbols (matched inside the normalized text, so `x<tool>y` is `▁ x <tool> y`) and byte fallback are
-    sentencepiece's own. What transformers' Llama tokenizer adds on top (transformers 4.x
-    LlamaTokenizer, the sentencepiece-backed one; 5.x keeps its `_tokenize` as SentencePieceBackend's):
-    the model's control and unknown pieces written in the text (<s>, </s>, <unk>, control_symbols) are
-    those tokens, longest first, and the text between them is encoded part by part. `legacy`
-    (tokenizer_config.json) says how a part after such a token starts. True (transformers' legacy
-    behaviour, and llama.cpp's): as a text of its own, dummy prefix included (`Hi</s>there` gives
-    `▁there`; `Hi</s> there` what sentencepiece gives for ` there`). False: with no dummy prefix
-    (`there`), a leading space kept as one `▁` (`▁there`): the model with NormalizerSpec
-    add_dummy_prefix false encodes "<unk>" + part and the pieces of "<unk>" are cut off, as transformers
-    does. The start of the text is encoded as sentencepiece encodes it either way, so text without such
-    tokens gives sentencepiece's own ids whatever `legacy` says. Errors: GraftError, one line."""
+    """Text to ids for a SentencePiece tokenizer.model through the sentencepiece library itself, plus
+    what transformers' Llama tokenizer adds on top: control and unknown pieces written in the text
+    (<s>, </s>, <unk>) are those tokens, longest first, and the text between them is encoded part by
+    part. `legacy` (tokenizer_config.json) says how a part after such a token starts. True (transformers'
+    legacy behaviour, and llama.cpp's): as a text of its own, dummy prefix included (`Hi</s>there` gives
+    `▁there`). False: no dummy prefix (`there`), a leading space kept as one `▁`; the model without its
+    dummy prefix encodes "<unk>" + part and the pieces of "<unk>" are cut off, as transformers does.
+    Text without such tokens gives sentencepiece's own ids either way. Errors: GraftError, one line."""
 
     def __init__(self, file: str, legacy: bool = True):
         import sentencepiece
