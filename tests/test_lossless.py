@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import needs_shared, reference_greedy
-from draft import Eagle3, HeadConfig, save_head
+from checkpoint import save_head
+from draft import Eagle3, HeadConfig
 from calibrate import warm_up
 from cli import build_engine
 from engine import METHODS, generate, make_method
@@ -24,7 +25,7 @@ SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
 
 def random_head(target_dir, out_dir, seed=0, draft_vocab=200):
     """A random EAGLE-3 head for a checkpoint, saved in the published format."""
-    from model import load_model
+    from checkpoint import load_model
     t = load_model(str(target_dir))
     a = t.args
     torch.manual_seed(seed)

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import checkpoint as CK
 import model as M
+import tokenizer as TOK
 from conftest import (BOS, EOS, KINDS, STORIES, STORIES_IDS64, STORIES_PROMPT_IDS, STORIES_TEXT,
                       TINY_CAPTURE_LAYERS, hf_greedy, hf_model, needs_shared, reference_greedy)
 
@@ -43,7 +45,7 @@ def loaded(tiny_ckpt):
     def get(kind, **overrides):
         key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in cache:
-            cache[key] = M.load_model(str(tiny_ckpt(kind, **overrides)))
+            cache[key] = CK.load_model(str(tiny_ckpt(kind, **overrides)))
         return cache[key]
 
     return get
@@ -67,7 +69,7 @@ def hf_capture(hf, ids):
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_config_fields_parsed(tiny_ckpt, kind):
-    a = M.ModelArgs.from_hf_config(json.loads((tiny_ckpt(kind) / "config.json").read_text()))
+    a = CK.hf_model_args(json.loads((tiny_ckpt(kind) / "config.json").read_text()))
     want = KINDS[kind]
     assert a.arch == ("qwen3" if kind == "qwen3" else "llama")
     assert (a.vocab_size, a.dim, a.n_layers, a.n_heads, a.intermediate_size) == (300, 64, 8, 4, 128)
@@ -253,7 +255,7 @@ def test_cache_move_rows_then_continue(loaded):
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_greedy_matches_transformers_generate(tiny_ckpt, loaded, kind):
     model = loaded(kind)
-    tok = M.load_tokenizer(str(tiny_ckpt(kind)))
+    tok = TOK.load_tokenizer(str(tiny_ckpt(kind)))
     prompts = [[BOS], tok.encode("Once upon a time"), random_ids(30, seed=7)[0].tolist()]
     outs = []
     for ids in prompts:
@@ -290,14 +292,14 @@ def shard_checkpoint(src, dst, n_shards=3):
 @pytest.mark.parametrize("kind", ["llama2", "qwen3"])
 def test_sharded_checkpoint_loads_identically(tiny_ckpt, loaded, tmp_path, kind):
     sharded = shard_checkpoint(tiny_ckpt(kind), tmp_path / "sharded")
-    assert M.weight_files(str(sharded)) == [str(sharded / f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
-    model = M.load_model(str(sharded))
+    assert CK.weight_files(str(sharded)) == [str(sharded / f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
+    model = CK.load_model(str(sharded))
     ids = random_ids(24, seed=8)
     assert torch.equal(full_forward(model, ids), full_forward(loaded(kind), ids))
 
 
 def test_bfloat16_load(tiny_ckpt):
-    model = M.load_model(str(tiny_ckpt("llama31")), dtype=torch.bfloat16, max_seq_len=64)
+    model = CK.load_model(str(tiny_ckpt("llama31")), dtype=torch.bfloat16, max_seq_len=64)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.cache.k[0].dtype == torch.bfloat16
     assert model.cache.k[0].shape[2] == 64
@@ -310,7 +312,7 @@ def test_bfloat16_load(tiny_ckpt):
 
 
 def test_max_seq_len_sizes_cache_and_rope(tiny_ckpt):
-    model = M.load_model(str(tiny_ckpt("llama2")), max_seq_len=40)
+    model = CK.load_model(str(tiny_ckpt("llama2")), max_seq_len=40)
     assert model.max_seq_len == 40
     # rows rounded up to a multiple of 16 (model.cache_rows: the efficient kernel's mask alignment)
     assert model.rope.shape[0] == M.cache_rows(40) == 48
@@ -320,7 +322,7 @@ def test_max_seq_len_sizes_cache_and_rope(tiny_ckpt):
 # ----------------------------------------------------------------------------- tokenizer (tiny)
 
 def test_tiny_tokenizer_roundtrip_and_special_ids(tiny_ckpt):
-    tok = M.load_tokenizer(str(tiny_ckpt("llama31")))
+    tok = TOK.load_tokenizer(str(tiny_ckpt("llama31")))
     ids = tok.encode("Once upon a time")
     assert ids[0] == BOS and len(ids) > 2
     assert tok.decode(ids) == "Once upon a time"
@@ -333,7 +335,7 @@ def test_tiny_tokenizer_roundtrip_and_special_ids(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def stories():
-    return M.load_model(str(STORIES)), M.load_tokenizer(str(STORIES))
+    return CK.load_model(str(STORIES)), TOK.load_tokenizer(str(STORIES))
 
 
 @needs_shared
@@ -376,7 +378,7 @@ def ckpt_copy(tiny_ckpt, tmp_path):
 
 def load_error(path) -> str:
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(path))
+        CK.load_model(str(path))
     msg = str(e.value)
     assert msg and "\n" not in msg, repr(msg)
     return msg
@@ -480,7 +482,7 @@ def test_pytorch_bin_shards_load_like_safetensors(tiny_ckpt, tmp_path):
     wm = {k: "pytorch_model-00001-of-00002.bin" if i < half else "pytorch_model-00002-of-00002.bin"
           for i, k in enumerate(names)}
     (dst / "pytorch_model.bin.index.json").write_text(_json.dumps({"weight_map": wm}))
-    a, b = M.load_model(str(src)), M.load_model(str(dst))
+    a, b = CK.load_model(str(src)), CK.load_model(str(dst))
     x = torch.tensor([[1, 5, 9, 13, 17]])
     with torch.no_grad():
         assert torch.equal(a(x, torch.arange(5)), b(x, torch.arange(5)))

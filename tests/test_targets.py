@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import draft as D
+import checkpoint as CK
 import cli as CLI
+import draft as D
 import engine as E
 import graft as GR
 import model as M
+import tokenizer as TOK
 from conftest import SHARED, STORIES, STORIES_TEXT, hf_model, make_tokenizer, needs_shared, TINY_CHAT_TEMPLATE
 from test_lossless import random_head
 from verify import Sampling
@@ -65,7 +67,7 @@ def ids_(n, seed=0):
 @pytest.mark.parametrize("kind", list(MOE_KINDS))
 def test_moe_logits_and_features_match_transformers(moe, kind):
     path = moe(kind)
-    ours = M.load_model(str(path), max_seq_len=64)
+    ours = CK.load_model(str(path), max_seq_len=64)
     assert ours.args.arch == "qwen3_moe" and ours.args.n_experts == 8
     assert ours.args.sparse_layers == ((True, False, True, True) if kind != "step2" else (False, True, False, True))
     x = ids_(24)
@@ -80,7 +82,7 @@ def test_moe_logits_and_features_match_transformers(moe, kind):
 
 def test_moe_incremental_decoding_equals_full_forward(moe):
     """One token at a time (the gathering path: 3 experts of 8) against the full pass (every expert)."""
-    m = M.load_model(str(moe("norm")), max_seq_len=64)
+    m = CK.load_model(str(moe("norm")), max_seq_len=64)
     x = ids_(16, seed=1)
     with torch.no_grad():
         full = m(x, torch.arange(16))[0]
@@ -126,7 +128,7 @@ def test_moe_expert_missing_is_one_line_error(moe, tmp_path):
     del sd["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(M.GraftError) as e:
-        M.load_model(str(dst))
+        CK.load_model(str(dst))
     assert "experts.5.up_proj" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -166,7 +168,7 @@ def test_head_declaring_layers_the_target_lacks_is_refused(tiny_ckpt, tmp_path):
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 4, 12]}
     (head / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(M.GraftError) as e:
-        D.load_head(str(head), M.load_model(str(target)))
+        CK.load_head(str(head), CK.load_model(str(target)))
     assert "not layers of this 8-layer target" in str(e.value)
 
 
@@ -182,7 +184,7 @@ STRINGS = ["Once upon a time", "  leading spaces", "repeated    spaces here", "t
 def test_sentencepiece_model_encodes_like_sentencepiece():
     import sentencepiece
     sp = sentencepiece.SentencePieceProcessor(model_file=str(TOK512))
-    tk = M.sentencepiece_tokenizer(str(TOK512))
+    tk = TOK.sentencepiece_tokenizer(str(TOK512))
     for s in STRINGS:
         assert tk.encode(s).ids == [sp.bos_id()] + sp.encode(s), repr(s)
 
@@ -201,7 +203,7 @@ def test_stories_with_tokenizer_model_only_gives_the_documented_text(tmp_path):
 def test_vicuna_without_template_uses_v11_format(tiny_ckpt, tmp_path):
     d = tmp_path / "vicuna-7b-v1.3"
     shutil.copytree(tiny_ckpt("llama2"), d)              # llama2 kind: no chat_template
-    tok = M.load_tokenizer(str(d))
+    tok = TOK.load_tokenizer(str(d))
     assert tok.render([{"role": "user", "content": "Hi"}]) == (
         "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
         "detailed, and polite answers to the user's questions. USER: Hi ASSISTANT:")
@@ -209,5 +211,5 @@ def test_vicuna_without_template_uses_v11_format(tiny_ckpt, tmp_path):
 
 def test_chat_without_template_elsewhere_is_one_line_error(tiny_ckpt):
     with pytest.raises(M.GraftError) as e:
-        M.load_tokenizer(str(tiny_ckpt("llama2"))).apply_chat("Hi")
+        TOK.load_tokenizer(str(tiny_ckpt("llama2"))).apply_chat("Hi")
     assert "chat_template" in str(e.value) and "\n" not in str(e.value)

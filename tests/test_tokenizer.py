@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 import model as M
+import tokenizer as TOK
 
 CORPUS = open(textwrap.__file__, encoding="utf-8").read()[:12000] + (
     "\nnaïve café, Zürich — ½ ∑ 日本語 中文 🙂 ｶﾞ ﬁ ①\r\nline\tand\ttabs\r\n<tool>call</tool> x<tool>y\n")
@@ -57,7 +58,7 @@ def checkpoint(spm_models, tmp_path, name: str, **config):
     (d / "tokenizer.model").write_bytes(spm_models[name].read_bytes())
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                          "unk_token": "<unk>", **config}))
-    return M.Tokenizer(str(d))
+    return TOK.Tokenizer(str(d))
 
 
 def processor(spm_models, name: str):
@@ -207,7 +208,7 @@ def test_bos_is_never_added_twice(spm_models, tmp_path, tiny_ckpt, legacy):
     assert ids == ([1] + sp.encode("uns") if legacy is not False else once(transformers_llama(sp, False).encode("<s>uns")))
     assert tok.encode("x<s>y")[:1] == [1] and tok.encode("x<s>y").count(1) == 2
     assert tok.encode("<s>", add_special_tokens=False) == [1] == tok.encode("<s>")
-    js = M.load_tokenizer(str(tiny_ckpt("llama2")))                # tokenizer.json: "<s> $A" post-processor
+    js = TOK.load_tokenizer(str(tiny_ckpt("llama2")))                # tokenizer.json: "<s> $A" post-processor
     plain = js.tk.encode("uns", add_special_tokens=False).ids
     assert js.tk.encode("<s>uns").ids == [1, 1] + plain               # what tokenizers itself gives
     assert js.encode("<s>uns") == [1] + plain == js.encode("uns")
@@ -222,7 +223,7 @@ def test_legacy_must_be_a_bool(spm_models, tmp_path):
 def test_text_that_is_not_unicode_is_one_line_error(spm_models, tmp_path, tiny_ckpt):
     """A lone surrogate (what Python makes of bytes that are not UTF-8 in argv) is refused in one line,
     not a traceback from sentencepiece or tokenizers."""
-    for tok in (checkpoint(spm_models, tmp_path, "llama"), M.load_tokenizer(str(tiny_ckpt("llama2")))):
+    for tok in (checkpoint(spm_models, tmp_path, "llama"), TOK.load_tokenizer(str(tiny_ckpt("llama2")))):
         with pytest.raises(M.GraftError) as e:
             tok.encode("a\udcff b")
         assert "not valid Unicode" in str(e.value) and "\n" not in str(e.value)
