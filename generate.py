@@ -193,8 +193,8 @@ def own_code(fn, name: str, codes: dict):
     until dynamo stops compiling (it then fails: fail_on_recompile_limit_hit). `codes` (one per engine)
     keeps one code object per (function, step), so two methods' instances of a step share their graphs.
     Partials and bound methods keep their arguments and self."""
-    if isinstance(fn, partial):
-        return partial(own_code(fn.func, name, codes), *fn.args, **fn.keywords)
+    if isinstance(fn, partial):          # (torch.compile wraps every partial in one shared function)
+        return own_code(_bound(own_code(fn.func, name, codes), fn.args, fn.keywords), name, codes)
     if isinstance(fn, types.MethodType):
         return types.MethodType(own_code(fn.__func__, name, codes), fn.__self__)
     key = (fn.__code__, name)
@@ -204,6 +204,13 @@ def own_code(fn, name: str, codes: dict):
     f = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     f.__kwdefaults__, f.__qualname__, f.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return f
+
+
+def _bound(func, args: tuple, kwargs: dict):
+    """functools.partial as a plain function (own_code gives it a code object of its own)."""
+    def step(*more, **kw):
+        return func(*args, *more, **kwargs, **kw)
+    return step
 
 
 def tensors_in(x) -> list:

@@ -400,7 +400,8 @@ def grouped_attention(q, k, v, mask):
     """Masked grouped-query attention without expanding K and V: the G = H / H_kv query heads that
     share a KV head become G*T query rows against it, and the mask is tiled to match.
 
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask (T, S) bool or additive. Returns (B, H, T, D).
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask (T, S), or (B, 1, T, S) for a batch, bool or additive
+    (no per-head masks). Returns (B, H, T, D).
     Why: with a mask, flash attention is out and the memory-efficient kernel takes no GQA (torch 2.11
     on CUDA), so `enable_gqa=True` lands on the math kernel, which copies K and V to every query head
     and upcasts them: the whole cache, several times per layer per step. Folded, every backend sees
@@ -411,7 +412,8 @@ def grouped_attention(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, D)                                   # row g*T + t: head kv*G + g, token t
-    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(G, 1))   # (B, H_kv, G*T, D)
+    tiled = mask.repeat(*[1] * (mask.dim() - 2), G, 1)                  # (..., G*T, S): row g*T + t is row t
+    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=tiled)      # (B, H_kv, G*T, D)
     return y.reshape(B, H, T, D)
 
 
