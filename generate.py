@@ -1,20 +1,10 @@
-"""The decoding loop, the engine that runs it (eager or compiled), and the command line.
+"""Generate text with one method (Graft by default), streamed, optionally compared with plain decoding.
 
     python generate.py --ckpt Qwen/Qwen3-8B --method graft --chat --prompt "Write a haiku"
+    python generate.py                      # the shipped demo pair, compared with plain decoding
 
-gpt-fast's shape: `prefill_chunk` and `decode_one_token` are flat functions, compiled where the
-engine is built; a round of any method is a few static-shaped steps with one host sync. Every method
-is a proposer (verify.Proposer): each round it proposes a tree under the root, the one verifier
-(verify.py) commits the longest path the target agrees with plus one bonus token, and it learns:
-  ar       the root alone: plain decoding (`Plain`, decode_one_token)
-  eagle3   dense EAGLE-3 tree (budget 60, top_k 10, 8 levels)             (graft.Graft, configured)
-  prune    EAGLE-3 stopped at calibrated checkpoints; freed slots left empty (ECHO-style)
-  graft    prune, then fill the freed slots from the continuation matrix (this project's point)
-  recycle  Token Recycling: an 80-node retrieval tree from the continuation matrix, no draft head
-  pld      prompt lookup: copy up to 10 tokens after the last match of the newest 1-3 tokens
-  graft-fixed  fixed 40/20 draft/retrieval split, full drafting, no calibration (ablation)
-  graft-root   dense 60-node draft plus a 20-node retrieval subtree at the root (ablation)
-  graft-tail   dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)
+The algorithm is in graft.py (the round) and engine.py (the steps and the loop); this file only reads
+the command line (cli.py), loads the pair, warms up (calibrate.py) and prints. Methods: engine.METHODS.
 """
 import json
 import os

@@ -1,14 +1,14 @@
-"""Graft: the continuation matrix, retrieval templates, calibration, hybrid trees, and the round.
+"""Graft: the continuation matrix, retrieval templates, hybrid trees, and the round.
 
 Follows ../shared/GRAFT.md sections 2-6; names are the paper's. The pieces:
   ContinuationMatrix   M [V, k]: the target's recent top-k next tokens after each token (section 3)
   build_template       a static tree of ranks grown best-first from per-rank hit rates (section 4)
-  youden_threshold     tau_c maximising TPR - FPR on warm-up confidences (section 6)
   graft_trees          kept draft nodes + retrieval subtree -> one tree of a fixed size (section 2.4)
   graft_round          one decoding round, start to end: draft with checkpoints, keep, retrieve,
                        graft, verify, update
   Graft                the proposer that runs it; eagle3, prune and the ablations are configurations
-Every tensor step has a static shape, so each can be compiled (one graph per pruning stage).
+  Recycle              Token Recycling: a static retrieval tree, no draft head (a baseline)
+The thresholds the round prunes with are calibrated in calibrate.py (section 6). Every tensor step has a static shape, so each can be compiled (one graph per pruning stage).
 """
 import heapq
 from dataclasses import dataclass
