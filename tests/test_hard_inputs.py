@@ -542,11 +542,11 @@ def test_warmup_cache_that_does_not_fit_counts_as_absent(engine_with_head, tmp_p
     sd["M"][3, 0] = 10 ** 6                                      # a token id beyond the vocabulary
     save_file(sd, str(path), metadata=meta)
     fresh = graft.ContinuationMatrix(eng.model.args.vocab_size)
-    assert graft.load_state(str(path), fresh) is None
+    assert CAL.load_state(str(path), fresh) is None
     logs = []
     CAL.warm_up(eng, cfg, rounds=1, max_new_tokens=16, log=logs.append)
     assert "1 of 1 generations ran" in logs[-1]
-    assert graft.load_state(str(path), fresh) is not None        # recomputed and rewritten
+    assert CAL.load_state(str(path), fresh) is not None        # recomputed and rewritten
 
 
 # ============================================================================ 7-9. numbers and flags
