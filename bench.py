@@ -150,7 +150,14 @@ def compiled_over_eager(rows: list) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv=None):
-    p = CLI.ArgumentParser(description="Benchmark speculative decoding methods (speedup, MAT, lossless).")
+    methods = "\n".join("  " + ln.strip() for ln in E.__doc__.splitlines() if ln.split()[:1] and ln.split()[0] in E.METHODS)
+    p = CLI.ArgumentParser(
+        description="Benchmark speculative decoding methods (speedup, MAT = mean tokens committed per round, lossless).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"methods (--methods, comma-separated):\n{methods}\n\ndatasets (--datasets, comma-separated): "
+               f"{', '.join(DATA.FILES)} (from ../shared/data), spec_bench:CATEGORY ({', '.join(DATA.SPEC_BENCH_CATEGORIES)}), "
+               f"{', '.join(DATA.GENERATED)} (made at run time from the stories model / this Python's standard library), "
+               f"or a .jsonl/.json/.txt file of prompts")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
@@ -255,6 +262,7 @@ def main(argv=None) -> dict:
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                          compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
     log = lambda s: print(s, file=sys.stderr)
+    a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
         CAL.warm_up(eng, CLI.config_from_args(a), wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,

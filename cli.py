@@ -31,6 +31,11 @@ class ArgumentParser(argparse.ArgumentParser):
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
 
 
+# Warm-up generations before a run (--warmup): five generic prompts; the demo runs two, which keeps
+# `python generate.py` from a cold cache within a minute on a 2-core CPU (measured in the README).
+WARMUP_RUNS, DEMO_WARMUP_RUNS = 5, 2
+
+
 def add_engine_flags(p, compare_calibrations: bool = False):
     """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
     --calibration may name both calibrations, to compare them in one run."""
@@ -63,7 +68,8 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--keep", default=None, help="draft nodes kept per checkpoint, e.g. 8,24,40")
     p.add_argument("--thresholds", default=None, help="override calibrated taus, e.g. 0.4,0.3,0.2")
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up generations (0 = none)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"warm-up generations (0 = none; default {WARMUP_RUNS}, {DEMO_WARMUP_RUNS} for generate.py's demo)")
     p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -104,7 +110,7 @@ def check_args(a, budgets=None):
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
     need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
-    need(a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
+    need(a.warmup is None or a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
     need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
     check_device(a.device)

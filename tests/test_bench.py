@@ -293,3 +293,13 @@ def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
     saved = json.loads((d / "tie.json").read_text())
     assert [r["lossless"] for r in saved["rows"]] == [True, "near-tie"]
     assert {m["kind"] for m in saved["meta"]["mismatches"]} == {"near-tie"}
+
+
+def test_help_names_every_method_and_dataset(capsys):
+    """bench.py --help says what each method is and which datasets exist (issue: what a newcomer meets first)."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {m} " in out for m in bench.E.METHODS)
+    assert all(d in out for d in list(bench.DATA.FILES) + list(bench.DATA.GENERATED))
