@@ -21,6 +21,7 @@ from model import GraftError
 
 DOCS = ["README.md", "RESULTS.md"]
 FACES = ("generate.py", "bench.py", "train.py")
+EMPTY = "@EMPTY@"
 STOP = {"|", "||", "&&", ";", "&", ">", ">>", ">&", "<", "(", ")", "2>", "2>&1"}
 
 
@@ -54,6 +55,7 @@ def commands(text: str, where: str = "text"):
                 line = line.rstrip()[:-1] + " " + lines[i]
             i += 1
             line = re.sub(r"(?<!\S)\d*(>>?|<)&?\d*", " > ", line)     # 2>&1, > FILE: the command ends
+            line = re.sub(r"(?<!\S)(\"\"|'')(?!\S)", EMPTY, line)         # shlex drops an empty argument
             lex = shlex.shlex(line, posix=True, punctuation_chars=True)
             lex.whitespace_split = True
             try:
@@ -70,8 +72,8 @@ def commands(text: str, where: str = "text"):
                 for t in tokens[k + 2:]:
                     if t in STOP or t.startswith("$") or t.startswith(">"):
                         break
-                    t = t.strip("[]")
-                    if t and t != "...":
+                    t = "" if t == EMPTY else t.strip("[]")
+                    if t != "...":
                         argv.append(t)
                 found.append((f"{where}:{start + first}", script, argv))
     return found
@@ -153,6 +155,7 @@ def test_a_made_up_flag_is_caught():
     assert [s for _, s, _ in found] == ["generate.py", "bench.py", "train.py", "scripts/gpu_check.py", "generate.py"]
     for _, script, argv in found:
         assert check(script, argv), (script, argv)      # --max-new: an abbreviation argparse would take
+    assert commands('```\npython generate.py --prompt "" --json\n```')[0][2] == ["--prompt", "", "--json"]
     ok = commands("```\nGRAFT_CACHE=/tmp/c python generate.py --json 2>&1 | tail -12   # $(pwd)\n```\n")
     assert ok == [("text:2", "generate.py", ["--json"])] and not check("generate.py", ["--json"])
 
