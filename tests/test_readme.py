@@ -40,9 +40,24 @@ def code_blocks(text: str):
     return out
 
 
+def substitute(line: str) -> str:
+    """Each `$(...)` (balanced, nested parentheses included) becomes the placeholder SUBST: a value."""
+    while "$(" in line:
+        i = line.index("$(")
+        depth, j = 0, i + 1
+        while j < len(line):
+            depth += {"(": 1, ")": -1}.get(line[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        line = line[:i] + "SUBST" + line[j + 1:]
+    return line
+
+
 def commands(text: str, where: str = "text"):
     """(where:line, script, argv) for every python command of ours in the text's code blocks.
-    Line continuations are joined, comments dropped, `$(...)` and redirections end a command, and
+    Line continuations are joined, comments dropped, a `$(...)` is a value, a redirection or a pipe ends a
+    command, and
     `[...]` around optional flags is taken off."""
     found = []
     for start, body in code_blocks(text):
@@ -54,7 +69,7 @@ def commands(text: str, where: str = "text"):
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i]
             i += 1
-            line = re.sub(r"(?<!\S)\d*(>>?|<)&?\d*", " > ", line)     # 2>&1, > FILE: the command ends
+            line = re.sub(r"(?<!\S)\d*(>>?|<)&?\d*", " > ", substitute(line))     # 2>&1, > FILE: the command ends
             line = re.sub(r"(?<!\S)(\"\"|'')(?!\S)", EMPTY, line)         # shlex drops an empty argument
             lex = shlex.shlex(line, posix=True, punctuation_chars=True)
             lex.whitespace_split = True
@@ -156,8 +171,9 @@ def test_a_made_up_flag_is_caught():
     for _, script, argv in found:
         assert check(script, argv), (script, argv)      # --max-new: an abbreviation argparse would take
     assert commands('```\npython generate.py --prompt "" --json\n```')[0][2] == ["--prompt", "", "--json"]
-    ok = commands("```\nGRAFT_CACHE=/tmp/c python generate.py --json 2>&1 | tail -12   # $(pwd)\n```\n")
-    assert ok == [("text:2", "generate.py", ["--json"])] and not check("generate.py", ["--json"])
+    ok = commands("```\nGRAFT_CACHE=/tmp/c python generate.py --json 2>&1 | tail -12   # $(pwd)\n"
+                  "python generate.py --ckpt \"$(python -c 'print(f(1))')\"/m.gguf $(echo --chat)\n```\n")
+    assert ok == [("text:2", "generate.py", ["--json"]), ("text:3", "generate.py", ["--ckpt", "SUBST/m.gguf", "SUBST"])] and not check("generate.py", ["--json"])
 
 
 def test_quick_start_runs_what_ci_runs():
