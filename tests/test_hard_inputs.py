@@ -21,7 +21,6 @@ import calibrate as CAL
 import checkpoint as CK
 import cli as CLI
 import data as DATA
-import draft as D
 import engine as E
 import generate as GEN
 import graft as GR

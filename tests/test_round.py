@@ -11,6 +11,7 @@ import types
 
 import torch
 
+from test_graft import FakeEngine
 from graft import Config, ContinuationMatrix, Graft, build_template, graft_round
 from verify import Sampling, verify
 
@@ -61,25 +62,15 @@ class MockHead:
         return T(0.8 * 0.4)                                                  # conf_1
 
 
-class MockEngine:
-    """What a Graft round reads from engine.Engine: the drafter, the clock, the cache columns, and
-    verify(), here the real verifier over the mock target."""
+class MockEngine(FakeEngine):
+    """What a Graft round reads from engine.Engine (test_graft's fake, plus the round's state): the
+    drafter, the clock, the cache columns, and verify(), here the real verifier over the mock target."""
 
     def __init__(self, head):
-        self.drafter, self.target = head, MockTarget()
-        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2))
-        self.device, self.dtype = torch.device("cpu"), torch.float32
+        super().__init__(head)
+        self.target = MockTarget()
         self.L, self.root, self.root_id, self.L_host = T(3), T(5), 5, 3
         self.clock = types.SimpleNamespace(mark=lambda phase: None)
-
-    def reserve(self, *a):
-        pass
-
-    def compile(self, fn, name=None):
-        return fn
-
-    def static(self, *a):
-        pass
 
     def cols(self, n, head=False):
         return torch.arange(n)

@@ -14,7 +14,6 @@ import torch
 
 import checkpoint as CK
 import cli as CLI
-import draft as D
 import engine as E
 import graft as GR
 import model as M
