@@ -1,0 +1,159 @@
+"""Long context (issue 20): the prompt's history reaches the continuation matrix in chunks, every
+method stays lossless near the end of a 4K cache, and the head's agreement is measured by position.
+
+The prompt's logits seed the matrix (GRAFT.md section 3, "history"): every position's top-k, chunk by
+chunk, from the prefill passes themselves (no extra target pass), the same contents as one pass over
+the whole prompt would give.
+"""
+import importlib.util
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine as E
+from calibrate import warm_up
+from cli import build_engine
+from conftest import ROOT, reference_greedy
+from data import STDLIB_CKPT, STDLIB_DRAFT, stdlib_files
+from graft import Config, ContinuationMatrix
+from test_lossless import random_head
+from verify import Sampling
+
+has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file(), reason="no stdlib pair")
+GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)
+
+
+def stdlib_text(min_chars: int) -> str:
+    """The longest stdlib file at least min_chars long (deterministic: size, then path)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(stdlib_files(root), key=lambda f: (-Path(f).stat().st_size, f))
+    return Path(files[0]).read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stdlib_engine():
+    return build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=2048)
+
+
+def seeded(eng, method: str, ids: list, chunk: int) -> ContinuationMatrix:
+    """A fresh matrix after prefilling `ids` with prefill chunks of `chunk` tokens."""
+    eng.chunk = chunk
+    m = ContinuationMatrix(eng.model.args.vocab_size, 8)
+    p = E.make_method(eng, method, matrix=m)
+    eng.begin(GREEDY)
+    p.start(ids)
+    E.prefill(eng, p, ids)
+    return m
+
+
+@has_stdlib
+@pytest.mark.parametrize("method", ["graft", "recycle"])
+def test_chunked_prefill_seeds_the_matrix_as_one_pass_would(stdlib_engine, method):
+    eng = stdlib_engine
+    ids = eng.tokenizer.encode(stdlib_text(20000))[:1500]
+    eng.reserve(1536, 16)                            # room for one 1536-token chunk
+    chunks, whole = seeded(eng, method, ids, 128), seeded(eng, method, ids, 1536)
+    eng.chunk = E.PREFILL_CHUNK
+    assert torch.equal(chunks.written, whole.written)
+    V = eng.model.args.vocab_size
+    assert int(chunks.written[:V].sum()) == len(set(ids))      # every distinct prompt token has its row
+    assert torch.equal(chunks.M[:V], whole.M[:V])            # (row V takes the writes of padding)
+
+
+@has_stdlib
+def test_every_prompt_position_reaches_the_matrix_from_the_prefill_passes(stdlib_engine, monkeypatch):
+    eng = stdlib_engine
+    ids = eng.tokenizer.encode(stdlib_text(20000))[:700]
+    calls = []
+    step = eng._prefill
+    monkeypatch.setattr(eng, "_prefill", lambda *a, **k: calls.append(1) or step(*a, **k))
+    m = seeded(eng, "graft", ids, 128)
+    assert len(calls) == -(-len(ids) // 128)                   # one target pass per chunk, nothing more
+    # the row of each token is the top-k after its last occurrence in the prompt (one full causal pass)
+    with torch.no_grad():
+        logits = eng.model(torch.tensor([ids]), torch.arange(len(ids)))[0]          # (T, V)
+    last = {t: i for i, t in enumerate(ids)}
+    toks = torch.tensor(sorted(last))
+    want = logits[torch.tensor([last[t] for t in sorted(last)])].topk(8, dim=-1).indices.int()
+    assert torch.equal(m.M[toks], want)
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tiny_ckpt, tmp_path_factory):
+    """A tiny random Llama with a 4K context and a random head, caches sized to the context."""
+    target = tiny_ckpt("llama31", max_position_embeddings=4096)
+    head = random_head(target, tmp_path_factory.mktemp("head4k"))
+    eng = build_engine(str(target), str(head), max_seq_len=4096)
+    warm_up(eng, Config(), rounds=1, max_new_tokens=16, use_cache=False)
+    eng.thresholds = {0: 0.05, 1: 0.01, 5: 0.001}
+    return eng
+
+
+def long_prompts(n: int, length: int, vocab: int = 300) -> list:
+    """Prompts of `length` tokens that repeat (so retrieval and lookup accept): a random phrase of
+    20-60 tokens, repeated with random edits."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        phrase = torch.randint(3, vocab, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g)
+        ids = phrase.repeat(length // phrase.numel() + 1)[:length].clone()
+        edits = torch.randint(0, length, (length // 10,), generator=g)
+        ids[edits] = torch.randint(3, vocab, (edits.numel(),), generator=g)
+        out.append([1] + ids[1:].tolist())
+    return out
+
+
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_every_method_lossless_at_the_end_of_a_4k_context(long_tiny, s):
+    eng, new = long_tiny, 32
+    for ids in long_prompts(2 if s.greedy else 1, 4096 - new):      # the last rounds write the cache's last rows
+        base = E.generate(eng, E.make_method(eng, "ar"), ids, new, s, ()).tokens
+        if s.greedy:
+            assert base == reference_greedy(eng.model, ids, new)
+        for m in E.METHODS:
+            got = E.generate(eng, E.make_method(eng, m), ids, new, s, ()).tokens
+            assert got == base, (m, s)
+
+
+@has_stdlib
+def test_a_trained_pair_is_lossless_with_a_2k_prompt_of_real_code(stdlib_engine):
+    eng = stdlib_engine
+    ids = eng.tokenizer.encode(stdlib_text(20000))[:2048 - 48]
+    base = E.generate(eng, E.make_method(eng, "ar"), ids, 48, GREEDY, eng.tokenizer.eos_ids)
+    for m in ("eagle3", "prune", "graft", "recycle", "pld"):
+        r = E.generate(eng, E.make_method(eng, m), ids, 48, GREEDY, eng.tokenizer.eos_ids)
+        assert r.tokens == base.tokens, m
+        if m in ("eagle3", "graft"):
+            assert r.mat > 1.5, (m, r.mat)          # the head still drafts usefully this deep
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@has_stdlib
+def test_head_agreement_is_what_a_rounds_first_draft_token_would_do(stdlib_engine):
+    """Teacher-forced agreement at row t: the head's top-1 after (feature t, token t+1) is the target's
+    choice after token t+1. A round after the prompt ids[:t+1] with root ids[t+1] drafts level 1 from
+    that very row, and verifies: its best level-1 token against the target's choice after the root."""
+    H = load_script("head_by_position")
+    eng = stdlib_engine
+    ids = eng.tokenizer.encode(stdlib_text(20000))[:300]
+    hits = H.agreement(eng, ids)
+    assert hits.shape == (len(ids) - 2,)
+    assert 0.2 < hits.float().mean() < 1.0          # a trained head on its own domain: far from chance
+    for t in (3, 40, 150, 297):
+        g = E.make_method(eng, "eagle3")
+        eng.begin(GREEDY)
+        g.start(ids[:t + 1])
+        E.prefill(eng, g, ids[:t + 1])
+        v = g.round(torch.tensor(ids[t + 1]))
+        assert bool(hits[t]) == (int(g.d.tokens[0]) == int(v.target[0])), t
+    rows = H.by_position([hits], (0, 128, 256, 512))
+    assert [r["rows"] for r in rows] == [127, 128, len(ids) - 2 - 255]
+    assert rows[0]["agreement"] == round(float(hits[:127].float().mean()), 4)
