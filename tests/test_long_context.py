@@ -157,3 +157,19 @@ def test_head_agreement_is_what_a_rounds_first_draft_token_would_do(stdlib_engin
     rows = H.by_position([hits], (0, 128, 256, 512))
     assert [r["rows"] for r in rows] == [127, 128, len(ids) - 2 - 255]
     assert rows[0]["agreement"] == round(float(hits[:127].float().mean()), 4)
+
+
+@has_stdlib
+def test_continuation_agreement_counts_only_generated_rows(stdlib_engine):
+    H = load_script("head_by_position")
+    eng = stdlib_engine
+    text = stdlib_text(20000)
+    rows = H.on_continuations(eng, [text], [64, 256], new_tokens=16)
+    assert [(r["context"], r["rows"]) for r in rows] == [(64, 15), (256, 15)]     # tokens after the first generated one
+
+
+def test_context_cost_names_the_attention_kernel(long_tiny):
+    C = load_script("context_cost")
+    got = C.profiled_pass(long_tiny, 512, 9, repeats=1)
+    assert got["attention_kernel"] and all(k.startswith("aten::_scaled_dot_product") for k in got["attention_kernel"])
+    assert 0 < got["attention_ms"] < got["total_ms"]
