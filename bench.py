@@ -176,7 +176,8 @@ def plot_context(rows: list, path: str, title: str):
     plot_formats()
     import matplotlib.pyplot as plt
     rows = [r for r in rows if r.get("context")]
-    panels = sorted({(r["dataset"], r["execution"]) for r in rows})
+    panels = list(dict.fromkeys((r["dataset"], r["execution"]) for r in rows))
+    contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, (d, x) in zip(axes[0], panels):
         for m, b in dict.fromkeys((r["method"], r["budget"]) for r in rows):
@@ -187,6 +188,8 @@ def plot_context(rows: list, path: str, title: str):
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m + (f"@{b}" if b else ""))
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set_xlabel("context (prompt tokens)")
         ax.set_ylabel("decode-only speedup over ar")
         ax.set_title(f"{d} ({x})")
