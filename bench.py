@@ -440,7 +440,7 @@ def main(argv=None) -> dict:
     # have one set of prompts per --context length
     units = [(d, c) for d in datasets for c in (contexts or [DATA.LONG_CONTEXT] if d in DATA.LONG else [None])]
     label = lambda d, c: d if c is None else f"{d}@{c}"
-    prompts, skipped, refs = {}, {}, {}
+    prompts, skipped, refs, sources = {}, {}, {}, {}
     for d, c in units:     # encode everything first: the progress bar knows its total, errors come early
         if c is None:
             enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
@@ -448,6 +448,7 @@ def main(argv=None) -> dict:
         else:              # exactly c tokens each, the same sources at every context of the run
             longs = DATA.long_prompts(d, c, a.limit, eng.tokenizer, longest=max(u[1] for u in units if u[0] == d))
             ids, ref = [p.ids for p in longs], [p.reference for p in longs]
+            sources[d, c] = [p.source for p in longs]
             if not longs:
                 log(f"{label(d, c)}: no source in this Python is long enough for {c} tokens")
         fits = [i for i, x in enumerate(ids) if len(x) + a.max_new_tokens <= eng.model.max_seq_len]   # never truncate
@@ -537,7 +538,8 @@ def main(argv=None) -> dict:
         # best went to the smaller
         "cost_spread": eng.cost_spread,
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
-        "datasets": {label(d, c): {"prompts": len(prompts[d, c]), "skipped": skipped[d, c]} for d, c in units},
+        "datasets": {label(d, c): {"prompts": len(prompts[d, c]), "skipped": skipped[d, c],
+                                   **({"sources": sources[d, c]} if c else {})} for d, c in units},
         "contexts": contexts, "graft_over_eagle3": graft_over_eagle3(rows),
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,
         "compiled_over_eager": compiled_over_eager(rows),

@@ -133,7 +133,11 @@ def read_records(path: Path) -> list:
 
 
 def load_dataset(name: str, limit: int | None, eng) -> list:
-    """The prompt texts of a dataset, the first `limit` of them."""
+    """The prompt texts of a dataset, the first `limit` of them (the long-context sets are token ids of
+    an exact length: long_prompts)."""
+    if name in LONG:
+        raise GraftError(f"{name} is a long-context set: its prompts are token ids (data.long_prompts, "
+                         f"bench.py --context)")
     if name == "stories":       # held out: the head's training openings are sampled with seed 0
         return sample_openings(eng.model, eng.tokenizer, limit or GENERATED_DEFAULT, seed=1)
     if name == "stdlib":

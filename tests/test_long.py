@@ -139,6 +139,8 @@ def test_a_context_too_small_for_the_frame_is_an_error():
         data.long_prompts("longdoc", 20, 1, CharTok(template=True))
     with pytest.raises(data.GraftError, match="unknown long-context"):
         data.long_prompts("lcc2", 100, 1, CharTok())
+    with pytest.raises(data.GraftError, match="token ids"):      # texts would lose the exact length
+        data.load_dataset("lcc", 1, None)
 
 
 @pytest.mark.parametrize("a,b,want", [("abc", "abc", 100.0), ("abcd", "abce", 75.0), ("", "", 100.0), ("", "ab", 0.0),
@@ -175,6 +177,8 @@ def test_bench_context_rows_and_columns(tmp_path, capsys):
     assert 0 <= rows[0]["edit_similarity"] <= 100
     meta = saved["meta"]
     assert meta["contexts"] == [64, 128] and set(meta["datasets"]) == {"lcc@64", "lcc@128", "longdoc@64", "longdoc@128"}
+    lcc = meta["datasets"]["lcc@64"]["sources"]
+    assert len(lcc) == 2 and meta["datasets"]["lcc@128"]["sources"] == lcc     # the same sources at both lengths
     assert set(meta["graft_over_eagle3"]) == {"lcc@64 eager", "lcc@128 eager", "longdoc@64 eager", "longdoc@128 eager"}
     assert all(v["decode"] > 0 and v["end_to_end"] > 0 for v in meta["graft_over_eagle3"].values())
     out = capsys.readouterr().out
