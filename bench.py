@@ -497,7 +497,8 @@ def main(argv=None) -> dict:
                                                     "seconds": round(res.seconds, 5),
                                                     "decode_tokens_per_s": round(decode_rate(res), 3),
                                                     "ttft_ms": round(res.times.get("prefill", 0.0) * 1000, 3),
-                                                    "edit_similarity": edit, **res.stats()}) + "\n")
+                                                    "edit_similarity": None if edit is None else round(edit, 2),
+                                                    **res.stats()}) + "\n")
                             jsonl.flush()
                         done += 1
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution

@@ -474,18 +474,18 @@ def long_documents() -> list:
 
 def summary_frame(tok) -> tuple:
     """(before, after): the ids around the document in a longdoc prompt. With a chat template, one user
-    turn `document + blank line + SUMMARISE`, rendered and split at the document (each side tokenized
-    as apply_chat does, special tokens included); without one, the BOS before and the blank line and
-    SUMMARISE after."""
+    turn `document + SUMMARISE`, rendered and split at the document (each side tokenized as apply_chat
+    does, special tokens included); without one, the BOS before and SUMMARISE after. (The document
+    ends in a blank line.)"""
     enc = lambda t: tok.encode(t, add_special_tokens=False)
     if getattr(tok, "chat_template", None):
         mark = "@@GRAFT-DOCUMENT@@"
-        text = tok.render([{"role": "user", "content": f"{mark}\n\n{SUMMARISE}"}], True, enable_thinking=False)
+        text = tok.render([{"role": "user", "content": mark + SUMMARISE}], True, enable_thinking=False)
         if text.count(mark) != 1:
             raise GraftError("longdoc: the chat template does not show the user's message once, as given")
         before, after = text.split(mark)
         return enc(before), enc(after)
-    return special_prefix(tok), enc(f"\n\n{SUMMARISE}\n")
+    return special_prefix(tok), enc(f"{SUMMARISE}\n")
 
 
 def longdoc_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root: str | None = None) -> list:

@@ -131,7 +131,7 @@ def test_longdoc_frames_the_document_exactly(template):
             assert p.ids[0] == BOS and text.endswith(f"\n\n{data.SUMMARISE}\n")
         title = p.source.split(" (")[0]
         body = dict(data.long_documents())[title].strip()
-        assert (body + "\n\n\n\n" + data.SUMMARISE)[-300:] in text     # the document's end, then the instruction
+        assert (body + "\n\n" + data.SUMMARISE)[-300:] in text     # the document's end, then the instruction
 
 
 def test_a_context_too_small_for_the_frame_is_an_error():
