@@ -438,7 +438,7 @@ def main(argv=None) -> dict:
 
     # the units of the table: (dataset, context), context None but for the long-context datasets, which
     # have one set of prompts per --context length
-    units = [(d, c) for d in datasets for c in (contexts or [DATA.LONG_CONTEXT] if d in DATA.LONG else [None])]
+    units = [(d, c) for d in datasets for c in ((contexts or [DATA.LONG_CONTEXT]) if d in DATA.LONG else [None])]
     label = lambda d, c: d if c is None else f"{d}@{c}"
     prompts, skipped, refs, sources = {}, {}, {}, {}
     for d, c in units:     # encode everything first: the progress bar knows its total, errors come early
@@ -471,7 +471,8 @@ def main(argv=None) -> dict:
                     # load then hit all methods alike instead of whichever ran last
                     base = None
                     for (x, m, b), meth in runs.items():
-                        bar(done, total, t0, f"{Path(label(d, c)).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
+                        bar(done, total, t0, f"{Path(label(d, c)).name} {m}"
+                            + (f"@{b}" if len(budgets) > 1 and b else "")
                             + (f" {x}" if len(engines) > 1 else ""))
                         res = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
                         edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
@@ -487,13 +488,14 @@ def main(argv=None) -> dict:
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
                                                "prompt": i, **why})
-                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={label(d, c)} "
+                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} "
+                                             f"dataset={label(d, c)} "
                                              f"execution={x} method={m} budget={b} prompt={i} first differing "
                                              f"position={why['position']}" +
                                              (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else "") + "\n")
                         if jsonl:      # each finished run at once: an interrupted bench keeps what it did
-                            jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
-                                                    "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
+                            jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m,
+                                                    "budget": b, "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
                                                     "seconds": round(res.seconds, 5),
                                                     "decode_tokens_per_s": round(decode_rate(res), 3),
                                                     "ttft_ms": round(res.times.get("prefill", 0.0) * 1000, 3),

@@ -38,7 +38,8 @@ class CharTok:
         return "".join(back.get(i, "") if i < 10 else chr(i - 10) for i in ids)
 
     def render(self, messages, add_generation_prompt=True, **kw):
-        return "".join(f"<user>{m['content']}</user>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        turns = "".join(f"<user>{m['content']}</user>" for m in messages)
+        return turns + ("<assistant>" if add_generation_prompt else "")
 
 
 def source(p):
