@@ -2,12 +2,15 @@
 
     python bench.py --ckpt TARGET [--draft HEAD] --methods ar,eagle3,prune,graft --datasets mt_bench,humaneval \
         --limit 40 --max-new-tokens 128 --json-out FILE
+    python bench.py --ckpt TARGET --datasets lcc,repobench,longdoc --context 1024,2048,4096 --plot FILE.png
 
 One engine serves every prompt, like a server: it is warmed up once (continuation matrix, hit rates,
 thresholds) and each method keeps its own state across prompts and datasets. `ar` always runs: it is
 the baseline for the speedup (Spec-Bench's definition: mean per-prompt tokens/s over ar's) and the
 reference every other method must reproduce token for token. Any mismatch is printed and the exit
-code is 1. Stdout: a markdown table, then the whole report as one line of JSON.
+code is 1. Stdout: a markdown table, then the whole report as one line of JSON. Beside the end-to-end
+tokens/s (prefill included) every row has the decode-only rate and the time to the first token; the
+long-context datasets (data.long_prompts) run once per --context length, their rows keyed by both.
 """
 import argparse
 import copy
