@@ -74,12 +74,17 @@ class Row:
             key = "full" if s is None else str(s)      # full = not pruned: drafted to full depth
             self.stages[key] = self.stages.get(key, 0) + n
 
+    def rates(self) -> tuple:
+        """(mean tokens/s, mean decode-only tokens/s) over the prompts, unrounded; None where none ran."""
+        avg = lambda xs: sum(xs) / len(xs) if xs else None
+        return avg(self.tps), avg(self.decode_tps)
+
     def report(self, ar_tps: float | None, ar_decode: float | None = None) -> dict:
-        """The row's figures; speedups over ar's tokens/s (ar_tps) and decode rate (ar_decode)."""
+        """The row's figures; speedups over ar's tokens/s (ar_tps) and decode rate (ar_decode), both
+        unrounded (Row.rates: ar's own speedups are then exactly 1)."""
         t, r = self.tot, max(self.tot.get("rounds", 0), 1)
         avg = lambda xs: sum(xs) / len(xs) if xs else None
-        mean = avg(self.tps)            # None: every prompt was skipped
-        dec = avg(self.decode_tps)
+        mean, dec = self.rates()            # None: every prompt was skipped
         round_ms = {k: round(v / r * 1000, 4) for k, v in sorted(self.times.items()) if k != "prefill"}
         total = sum(round_ms.values())
         return {"dataset": self.dataset, "context": self.context, "execution": self.execution, "method": self.method,
@@ -507,10 +512,9 @@ def main(argv=None) -> dict:
                             jsonl.flush()
                         done += 1
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution
-                ar = {x: acc[(x, "ar", None)].report(None) for x in engines}
+                ar = {x: acc[(x, "ar", None)].rates() for x in engines}
                 # a long-context unit keeps its rows when every prompt was refused: the table shows it
-                rows += [r.report(ar[r.execution]["tokens_per_s"], ar[r.execution]["decode_tokens_per_s"])
-                         for r in acc.values() if r.tps or r.context]
+                rows += [r.report(*ar[r.execution]) for r in acc.values() if r.tps or r.context]
     except KeyboardInterrupt:
         interrupted = True
         log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
