@@ -2,12 +2,15 @@
 
     python bench.py --ckpt TARGET [--draft HEAD] --methods ar,eagle3,prune,graft --datasets mt_bench,humaneval \
         --limit 40 --max-new-tokens 128 --json-out FILE
+    python bench.py --ckpt TARGET --datasets lcc,repobench,longdoc --context 1024,2048,4096 --plot FILE.png
 
 One engine serves every prompt, like a server: it is warmed up once (continuation matrix, hit rates,
 thresholds) and each method keeps its own state across prompts and datasets. `ar` always runs: it is
 the baseline for the speedup (Spec-Bench's definition: mean per-prompt tokens/s over ar's) and the
 reference every other method must reproduce token for token. Any mismatch is printed and the exit
-code is 1. Stdout: a markdown table, then the whole report as one line of JSON.
+code is 1. Stdout: a markdown table, then the whole report as one line of JSON. Beside the end-to-end
+tokens/s (prefill included) every row has the decode-only rate and the time to the first token; the
+long-context datasets (data.long_prompts) run once per --context length, their rows keyed by both.
 """
 import argparse
 import copy
@@ -34,21 +37,33 @@ from verify import Sampling
 
 @dataclasses.dataclass
 class Row:
-    """Totals for one (dataset, method, budget) over its prompts."""
+    """Totals for one (dataset, context, method, budget) over its prompts; context: the prompts' length
+    in tokens for the long-context datasets (lcc, repobench, longdoc), else None."""
     dataset: str
     method: str
     budget: int | None
     skipped: int = 0
     execution: str = "eager"
-    tps: list = dataclasses.field(default_factory=list)    # per-prompt tokens/s
+    context: int | None = None
+    tps: list = dataclasses.field(default_factory=list)    # per-prompt tokens/s, end to end (prefill included)
+    decode_tps: list = dataclasses.field(default_factory=list)  # per-prompt tokens/s after the first token
+    ttft: list = dataclasses.field(default_factory=list)   # per-prompt seconds to the first token
+    edits: list = dataclasses.field(default_factory=list)  # per-prompt edit similarity (lcc, repobench), 0-100
     tot: dict = dataclasses.field(default_factory=dict)    # summed Result counters
     stages: dict = dataclasses.field(default_factory=dict)
     times: dict = dataclasses.field(default_factory=dict)  # seconds per phase
     mismatches: int = 0                 # outputs that differ from ar's (not near-ties)
     near_ties: int = 0                  # bf16/fp16 only: differences at a near-tie of the target's own scores
 
-    def add(self, res: E.Result):
+    def add(self, res: E.Result, edit: float | None = None):
+        """One prompt's result; edit: its output's edit similarity to the reference (lcc, repobench)."""
         self.tps.append(res.tokens_per_s)
+        first = res.times.get("prefill", 0.0)            # the prompt, then the first token: TTFT
+        self.ttft.append(first)
+        if len(res.tokens) > 1 and res.seconds > first:  # an EOS first has no decode phase to time
+            self.decode_tps.append(decode_rate(res))
+        if edit is not None:
+            self.edits.append(edit)
         for k in ("rounds", "committed", "draft_forwards", "verified", "padded", "from_retrieval", "accepted", "seconds",
                   "syncs"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
@@ -59,16 +74,28 @@ class Row:
             key = "full" if s is None else str(s)      # full = not pruned: drafted to full depth
             self.stages[key] = self.stages.get(key, 0) + n
 
-    def report(self, ar_tps: float) -> dict:
+    def rates(self) -> tuple:
+        """(mean tokens/s, mean decode-only tokens/s) over the prompts, unrounded; None where none ran."""
+        avg = lambda xs: sum(xs) / len(xs) if xs else None
+        return avg(self.tps), avg(self.decode_tps)
+
+    def report(self, ar_tps: float | None, ar_decode: float | None = None) -> dict:
+        """The row's figures; speedups over ar's tokens/s (ar_tps) and decode rate (ar_decode), both
+        unrounded (Row.rates: ar's own speedups are then exactly 1)."""
         t, r = self.tot, max(self.tot.get("rounds", 0), 1)
-        mean = sum(self.tps) / len(self.tps) if self.tps else None     # None: every prompt was skipped
+        avg = lambda xs: sum(xs) / len(xs) if xs else None
+        mean, dec = self.rates()            # None: every prompt was skipped
         round_ms = {k: round(v / r * 1000, 4) for k, v in sorted(self.times.items()) if k != "prefill"}
         total = sum(round_ms.values())
-        return {"dataset": self.dataset, "execution": self.execution, "method": self.method, "budget": self.budget,
-                "prompts": len(self.tps), "skipped": self.skipped,
+        return {"dataset": self.dataset, "context": self.context, "execution": self.execution, "method": self.method,
+                "budget": self.budget, "prompts": len(self.tps), "skipped": self.skipped,
                 "mat": round(t["committed"] / r, 4) if self.tps else None,
                 "tokens_per_s": round(mean, 2) if mean else None,
                 "speedup": round(mean / ar_tps, 4) if mean and ar_tps else None,
+                "decode_tokens_per_s": round(dec, 2) if dec else None,
+                "decode_speedup": round(dec / ar_decode, 4) if dec and ar_decode else None,
+                "ttft_ms": round(avg(self.ttft) * 1000, 2) if self.ttft else None,
+                "edit_similarity": round(avg(self.edits), 2) if self.edits else None,
                 "draft_forwards_per_round": round(t.get("draft_forwards", 0) / r, 4),
                 "verified_per_round": round(t.get("verified", 0) / r, 4),      # real nodes, padding excluded
                 "padded_per_round": round(t.get("padded", 0) / r, 4),          # the size the passes ran at
@@ -83,6 +110,13 @@ class Row:
                 "near_ties": self.near_ties}
 
 
+def decode_rate(res: E.Result) -> float:
+    """Decode-only tokens/s: the tokens after the first over the time after it, (len(tokens) - 1) /
+    (seconds - times["prefill"]); the prefill phase ends when the first token is chosen, so what is
+    left is the rounds alone. (End to end, tokens_per_s = len(tokens) / seconds.)"""
+    return (len(res.tokens) - 1) / max(res.seconds - res.times.get("prefill", 0.0), 1e-9)
+
+
 def bar(done: int, total: int, t0: float, what: str):
     w, el = 30, time.time() - t0
     n = int(w * done / max(total, 1))
@@ -92,11 +126,19 @@ def bar(done: int, total: int, t0: float, what: str):
 
 
 def table(rows: list, sweep: bool, executions: bool = False) -> str:
-    cols = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
-        "prompts", "skipped", "mat", "tokens_per_s", "speedup", "draft_forwards_per_round", "verified_per_round",
+    """The markdown table: a context column when a long-context dataset ran, an edit similarity column
+    when lcc or repobench did."""
+    ctx = any(r.get("context") for r in rows)
+    edit = any(r.get("edit_similarity") is not None for r in rows)
+    cols = ["dataset"] + (["context"] if ctx else []) + (["execution"] if executions else []) + ["method"] + (
+        ["budget"] if sweep else []) + [
+        "prompts", "skipped", "mat", "tokens_per_s", "speedup", "decode_tokens_per_s", "decode_speedup", "ttft_ms"] + (
+        ["edit_similarity"] if edit else []) + ["draft_forwards_per_round", "verified_per_round",
         "padded_per_round", "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
-    head = ["dataset"] + (["execution"] if executions else []) + ["method"] + (["budget"] if sweep else []) + [
-        "prompts", "skipped", "MAT", "tok/s", "speedup", "draft fwd/round", "verified/round", "padded/round",
+    head = ["dataset"] + (["context"] if ctx else []) + (["execution"] if executions else []) + ["method"] + (
+        ["budget"] if sweep else []) + [
+        "prompts", "skipped", "MAT", "tok/s", "speedup", "decode tok/s", "decode speedup", "TTFT ms"] + (
+        ["edit sim"] if edit else []) + ["draft fwd/round", "verified/round", "padded/round",
         "retrieval share", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
     phases = ("draft", "assemble", "verify", "update")
     fmt = lambda c, v: ("-" if v is None else
@@ -136,14 +178,64 @@ def plot(rows: list, path: str, title: str):
     plt.close(fig)
 
 
+def plot_context(rows: list, path: str, title: str):
+    """Long context: decode-only speedup over ar against the prompt's length, a line per method (and
+    budget), one panel per dataset and execution."""
+    plot_formats()
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r.get("context")]
+    panels = list(dict.fromkeys((r["dataset"], r["execution"]) for r in rows))
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (d, x) in zip(axes[0], panels):
+        for m, b in dict.fromkeys((r["method"], r["budget"]) for r in rows):
+            pts = sorted((r["context"], r["decode_speedup"]) for r in rows
+                         if (r["dataset"], r["execution"], r["method"], r["budget"]) == (d, x, m, b)
+                         and r["decode_speedup"])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m + (f"@{b}" if b else ""))
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel("decode-only speedup over ar")
+        ax.set_title(f"{d} ({x})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def graft_over_eagle3(rows: list) -> dict:
+    """graft's rate over eagle3's, decode-only and end to end, per dataset, context and execution (at
+    the same budget when the run swept budgets): {"lcc@1024 eager": {"decode": x, "end_to_end": y}}."""
+    out = {}
+    for g in (r for r in rows if r["method"] == "graft" and r["decode_tokens_per_s"]):
+        unit = lambda r: (r["dataset"], r.get("context"), r["execution"])
+        peers = [r for r in rows if r["method"] == "eagle3" and unit(r) == unit(g) and r["decode_tokens_per_s"]]
+        same = [r for r in peers if r["budget"] == g["budget"]]
+        e = same[0] if same else peers[0] if len(peers) == 1 else None
+        if e is None:
+            continue
+        grafts = sum(1 for r in rows if r["method"] == "graft" and unit(r) == unit(g))
+        label = f"{Path(g['dataset']).name}" + (f"@{g['context']}" if g.get("context") else "") + \
+            f" {g['execution']}" + (f" budget {g['budget']}" if grafts > 1 else "")
+        out[label] = {"decode": round(g["decode_tokens_per_s"] / e["decode_tokens_per_s"], 4),
+                      "end_to_end": round(g["tokens_per_s"] / e["tokens_per_s"], 4)}
+    return out
+
+
 def compiled_over_eager(rows: list) -> dict:
     """tokens/s of each (dataset, method, budget) compiled over eager, when the run had both."""
-    by = {(r["dataset"], r["method"], r["budget"], r["execution"]): r["tokens_per_s"] for r in rows}
+    by = {(r["dataset"], r.get("context"), r["method"], r["budget"], r["execution"]): r["tokens_per_s"] for r in rows}
     out = {}
-    for (d, m, b, x), tps in by.items():
-        eager = by.get((d, m, b, "eager"))
+    for (d, c, m, b, x), tps in by.items():
+        eager = by.get((d, c, m, b, "eager"))
         if x == "compiled" and tps and eager:
-            out[f"{Path(d).name} {m}" + (f"@{b}" if b else "")] = round(tps / eager, 3)
+            out[f"{Path(d).name}" + (f"@{c}" if c else "") + f" {m}" + (f"@{b}" if b else "")] = round(tps / eager, 3)
     return out
 
 
@@ -157,7 +249,8 @@ def parse_args(argv=None):
         epilog=f"methods (--methods, comma-separated):\n{methods}\n\ndatasets (--datasets, comma-separated): "
                f"{', '.join(DATA.FILES)} (from ../shared/data), spec_bench:CATEGORY ({', '.join(DATA.SPEC_BENCH_CATEGORIES)}), "
                f"{', '.join(DATA.GENERATED)} (made at run time from the stories model / this Python's standard library), "
-               f"or a .jsonl/.json/.txt file of prompts")
+               f"{', '.join(DATA.LONG)} (long context, --context tokens each, from this Python's standard library "
+               f"and its documentation), or a .jsonl/.json/.txt file of prompts")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default="ar,eagle3,prune,graft")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
@@ -167,12 +260,53 @@ def parse_args(argv=None):
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--plot", default=None, help="FILE.png: speedup against MAT, one point per method and budget "
-                                                "(the paper's Figure 1; needs matplotlib)")
+                                                "(the paper's Figure 1; needs matplotlib); with several --context "
+                                                "lengths, decode-only speedup against the context")
+    p.add_argument("--context", default=None,
+                   help=f"the long-context datasets' prompt lengths in tokens, e.g. 1024,2048,4096 (default "
+                        f"{DATA.LONG_CONTEXT}); each prompt is exactly that long, never truncated to fit")
     p.add_argument("--executions", default=None,
                    help="eager,compiled: run every method both ways in one process, each against its own ar "
                         "(default: what --compile says)")
     CLI.add_engine_flags(p, compare_calibrations=True)
     return p.parse_args(argv)
+
+
+def parse_contexts(text: str | None, datasets: list) -> list | None:
+    """--context: the long-context prompt lengths, ascending; None when no long dataset runs. A length
+    under MIN_CONTEXT, a repeat, or --context with any other dataset is a GraftError (before any model
+    loads). Without --context, a long dataset runs at DATA.LONG_CONTEXT."""
+    long = [d for d in datasets if d in DATA.LONG]
+    if text is None:
+        return [DATA.LONG_CONTEXT] if long else None
+    others = [d for d in datasets if d not in DATA.LONG]
+    if others:
+        raise GraftError(f"--context sets the length of the long-context datasets ({', '.join(DATA.LONG)}), "
+                         f"not of {', '.join(others)}: run those without --context")
+    ns = CLI.numbers("--context", text)
+    if not ns or min(ns) < MIN_CONTEXT or len(set(ns)) < len(ns):
+        raise GraftError(f"--context takes distinct prompt lengths of at least {MIN_CONTEXT} tokens, e.g. "
+                         f"1024,2048,4096, got {text!r}")
+    return sorted(ns)
+
+
+MIN_CONTEXT = 16
+
+
+def long_seq_len(ckpt: str, asked: int | None, context: int, new_tokens: int, log) -> int | None:
+    """The KV cache length for a long-context run: without --max-seq-len, enough for the largest
+    context plus --max-new-tokens (never less than the usual default, never more than the model's
+    own context); a cache too short for it, asked or not, is said in one line (those prompts are
+    then refused, one by one)."""
+    from checkpoint import resolve_checkpoint
+    need = context + new_tokens
+    own = CLI.tok_context(resolve_checkpoint(ckpt))
+    n = asked if asked is not None else min(own, max(need, min(E.DEFAULT_MAX_SEQ_LEN, own)))
+    if need > n:
+        why = "--max-seq-len" if asked is not None else "the model's context"
+        log(f"{why} is {n} tokens: a {context}-token prompt + --max-new-tokens {new_tokens} does not fit, "
+            f"so the prompts longer than {n - new_tokens} tokens will be refused")
+    return n
 
 
 def runs_path(json_out: str) -> str:
@@ -242,6 +376,7 @@ def main(argv=None) -> dict:
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
+    contexts = parse_contexts(a.context, datasets)
     calibrations = [c.strip() for c in a.calibration.split(",") if c.strip()]
     if not calibrations or set(calibrations) - set(CAL.CALIBRATIONS) or len(set(calibrations)) < len(calibrations):
         raise GraftError(f"--calibration takes throughput and/or youden, got {a.calibration!r}")
@@ -256,12 +391,14 @@ def main(argv=None) -> dict:
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in E.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
+    log = lambda s: print(s, file=sys.stderr)
+    if contexts:
+        a.max_seq_len = long_seq_len(a.ckpt, a.max_seq_len, max(contexts), a.max_new_tokens, log)
     executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "eager")).split(",") if x.strip()]
     if not executions or set(executions) - {"eager", "compiled"} or len(set(executions)) < len(executions):
         raise GraftError(f"--executions takes eager and/or compiled, got {a.executions!r}")
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                          compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk)
-    log = lambda s: print(s, file=sys.stderr)
     a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
@@ -307,33 +444,48 @@ def main(argv=None) -> dict:
     cost_context = next(iter(cost.values()))[0]
     cost = {x: c for x, (_, c) in cost.items()}
 
-    prompts, skipped = {}, {}
-    for d in datasets:     # encode everything first: the progress bar knows its total, errors come early
-        enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
-        ids = [enc(t) for t in load_dataset(d, a.limit, eng)]
-        fits = [x for x in ids if len(x) + a.max_new_tokens <= eng.model.max_seq_len]   # never truncate
-        prompts[d], skipped[d] = fits, len(ids) - len(fits)
-        if skipped[d]:
-            log(f"{d}: skipped {skipped[d]} of {len(ids)} prompts longer than --max-seq-len "
-                f"{eng.model.max_seq_len} minus --max-new-tokens {a.max_new_tokens}")
+    # the units of the table: (dataset, context), context None but for the long-context datasets, which
+    # have one set of prompts per --context length
+    units = [(d, c) for d in datasets for c in ((contexts or [DATA.LONG_CONTEXT]) if d in DATA.LONG else [None])]
+    label = lambda d, c: d if c is None else f"{d}@{c}"
+    prompts, skipped, refs, sources = {}, {}, {}, {}
+    for d, c in units:     # encode everything first: the progress bar knows its total, errors come early
+        if c is None:
+            enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+            ids, ref = [enc(t) for t in load_dataset(d, a.limit, eng)], None
+        else:              # exactly c tokens each, the same sources at every context of the run
+            longs = DATA.long_prompts(d, c, a.limit, eng.tokenizer, longest=max(u[1] for u in units if u[0] == d))
+            ids, ref = [p.ids for p in longs], [p.reference for p in longs]
+            sources[d, c] = [p.source for p in longs]
+            if not longs:
+                log(f"{label(d, c)}: no source in this Python is long enough for {c} tokens")
+        fits = [i for i, x in enumerate(ids) if len(x) + a.max_new_tokens <= eng.model.max_seq_len]   # never truncate
+        prompts[d, c], skipped[d, c] = [ids[i] for i in fits], len(ids) - len(fits)
+        refs[d, c] = [ref[i] for i in fits] if ref and any(ref) else None
+        if skipped[d, c]:
+            log(f"{label(d, c)}: refused {skipped[d, c]} of {len(ids)} prompts: longer than --max-seq-len "
+                f"{eng.model.max_seq_len} minus --max-new-tokens {a.max_new_tokens} (never truncated)")
 
     rows, mismatches, done, t0 = [], [], 0, time.time()
     total = sum(len(p) for p in prompts.values()) * len(runs)
     jsonl = open(runs_path(a.json_out), "w") if a.json_out else None
     interrupted = False
     try:
-        for d in datasets:
-            acc = {k: Row(d, k[1], k[2], skipped[d], execution=k[0]) for k in runs}
+        for d, c in units:
+            acc = {k: Row(d, k[1], k[2], skipped[d, c], execution=k[0], context=c) for k in runs}
             try:
-                for i, ids in enumerate(prompts[d]):
+                for i, ids in enumerate(prompts[d, c]):
                     # every method on this prompt before the next prompt: slow drifts of a shared machine's
                     # load then hit all methods alike instead of whichever ran last
                     base = None
                     for (x, m, b), meth in runs.items():
-                        bar(done, total, t0, f"{Path(d).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
+                        bar(done, total, t0, f"{Path(label(d, c)).name} {m}"
+                            + (f"@{b}" if len(budgets) > 1 and b else "")
                             + (f" {x}" if len(engines) > 1 else ""))
                         res = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
-                        acc[(x, m, b)].add(res)
+                        edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
+                                if refs[d, c] else None)
+                        acc[(x, m, b)].add(res, edit)
                         base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
                         if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
@@ -342,21 +494,27 @@ def main(argv=None) -> dict:
                                    E.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
                             acc[(x, m, b)].mismatches += why["kind"] == "differs"
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
-                            mismatches.append({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
-                                               **why})
-                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={d} "
+                            mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
+                                               "prompt": i, **why})
+                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} "
+                                             f"dataset={label(d, c)} "
                                              f"execution={x} method={m} budget={b} prompt={i} first differing "
                                              f"position={why['position']}" +
                                              (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else "") + "\n")
                         if jsonl:      # each finished run at once: an interrupted bench keeps what it did
-                            jsonl.write(json.dumps({"dataset": d, "execution": x, "method": m, "budget": b, "prompt": i,
-                                                    "same_as_ar": same, "tokens": len(res.tokens),
-                                                    "seconds": round(res.seconds, 5), **res.stats()}) + "\n")
+                            jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m,
+                                                    "budget": b, "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
+                                                    "seconds": round(res.seconds, 5),
+                                                    "decode_tokens_per_s": round(decode_rate(res), 3),
+                                                    "ttft_ms": round(res.times.get("prefill", 0.0) * 1000, 3),
+                                                    "edit_similarity": None if edit is None else round(edit, 2),
+                                                    **res.stats()}) + "\n")
                             jsonl.flush()
                         done += 1
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution
-                ar_tps = {x: acc[(x, "ar", None)].report(0)["tokens_per_s"] for x in engines}
-                rows += [r.report(ar_tps[r.execution]) for r in acc.values() if r.tps]
+                ar = {x: acc[(x, "ar", None)].rates() for x in engines}
+                # a long-context unit keeps its rows when every prompt was refused: the table shows it
+                rows += [r.report(*ar[r.execution]) for r in acc.values() if r.tps or r.context]
     except KeyboardInterrupt:
         interrupted = True
         log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
@@ -390,7 +548,9 @@ def main(argv=None) -> dict:
         # best went to the smaller
         "cost_spread": eng.cost_spread,
         "hit_rates": [round(x, 4) for x in eng.hit_rates] if eng.hit_rates else None,
-        "datasets": {d: {"prompts": len(prompts[d]), "skipped": skipped[d]} for d in datasets},
+        "datasets": {label(d, c): {"prompts": len(prompts[d, c]), "skipped": skipped[d, c],
+                                   **({"sources": sources[d, c]} if c else {})} for d, c in units},
+        "contexts": contexts, "graft_over_eagle3": graft_over_eagle3(rows),
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,
         "compiled_over_eager": compiled_over_eager(rows),
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
@@ -402,10 +562,13 @@ def main(argv=None) -> dict:
               ", ".join(f"N={n}: {ms:.2f} ({ms / c[1]:.2f}x N=1)" for n, ms in c.items()))
     for k, v in report["meta"]["compiled_over_eager"].items():
         print(f"compiled / eager tokens/s, {k}: {v:.2f}x")
+    for k, v in report["meta"]["graft_over_eagle3"].items():
+        print(f"graft / eagle3, {k}: decode-only {v['decode']:.2f}x, end to end {v['end_to_end']:.2f}x")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if a.plot:
-        plot(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
+        draw = plot_context if len(contexts or []) > 1 else plot
+        draw(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
     real = [m for m in mismatches if m["kind"] == "differs"]
     if len(real) < len(mismatches):
         log(f"{len(mismatches) - len(real)} outputs differ from ar at a near-tie of the target's own {dtype} scores "

@@ -4,9 +4,14 @@
   datasets                   the benchmark sets in ../shared/data (Spec-Bench, MT-bench, HumanEval, ...)
   stdlib                     code snippets from this interpreter's standard library, split train/held-out
   stories                    story openings sampled from a model itself (continue_batch)
+  long context               lcc, repobench, longdoc: prompts of exactly N tokens from the stdlib and its docs
 Every reader validates what it reads: a missing field or a file that is not UTF-8 is one GraftError line.
 """
+import ast
+import dataclasses
+import functools
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -83,6 +88,7 @@ FILES = {
 SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
                          "translation", "summarization", "qa", "math_reasoning", "rag")
 GENERATED = ("stories", "stdlib")      # made at run time, not read from shared/data
+LONG = ("lcc", "repobench", "longdoc")  # long-context sets made at run time, at --context N tokens each
 GENERATED_DEFAULT = 80                 # their size without --limit (the EAGLE subsets' size)
 # stdlib hook: an explicit list of held-out source files (or GRAFT_STDLIB_FILES, a file with one path per
 # line) takes precedence; otherwise the held-out split of the stdlib (the files the demo code
@@ -98,13 +104,13 @@ def data_dir() -> Path:
 
 def check_dataset(name: str):
     """Fail fast (before loading any model) on an unknown name or a missing file."""
-    if name in GENERATED or os.path.isfile(name):
+    if name in GENERATED or name in LONG or os.path.isfile(name):
         return
     base, _, cat = name.partition(":")
     if base == "spec_bench" and cat and cat not in SPEC_BENCH_CATEGORIES:
         raise GraftError(f"unknown Spec-Bench category {cat!r}: one of {', '.join(SPEC_BENCH_CATEGORIES)}")
     if base not in FILES or (cat and base != "spec_bench"):
-        raise GraftError(f"unknown dataset {name!r}: use {', '.join(list(FILES) + list(GENERATED))}, "
+        raise GraftError(f"unknown dataset {name!r}: use {', '.join(list(FILES) + list(GENERATED) + list(LONG))}, "
                          f"spec_bench:<category> or a path to a .jsonl file")
     if not (data_dir() / FILES[base][0]).is_file():
         raise GraftError(f"dataset {name}: {data_dir() / FILES[base][0]} not found (set GRAFT_SHARED)")
@@ -127,7 +133,11 @@ def read_records(path: Path) -> list:
 
 
 def load_dataset(name: str, limit: int | None, eng) -> list:
-    """The prompt texts of a dataset, the first `limit` of them."""
+    """The prompt texts of a dataset, the first `limit` of them (the long-context sets are token ids of
+    an exact length: long_prompts)."""
+    if name in LONG:
+        raise GraftError(f"{name} is a long-context set: its prompts are token ids (data.long_prompts, "
+                         f"bench.py --context)")
     if name == "stories":       # held out: the head's training openings are sampled with seed 0
         return sample_openings(eng.model, eng.tokenizer, limit or GENERATED_DEFAULT, seed=1)
     if name == "stdlib":
@@ -191,11 +201,26 @@ def stdlib_files(root: str | None = None) -> list:
     return sorted(out)
 
 
+def _residue(path: str, root: str) -> int:
+    """sha1 of the path relative to root, mod 25: a file's split, stable across machines."""
+    rel = os.path.relpath(path, root).replace(os.sep, "/")
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25
+
+
 def is_heldout(path: str, root: str) -> bool:
     """About 1 file in 25, chosen by a hash of its relative path: whole files, stable across machines."""
-    import hashlib
-    rel = os.path.relpath(path, root).replace(os.sep, "/")
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 25 == 0
+    return _residue(path, root) == 0
+
+
+# The long-context split: files whose hash residue is 1-4 (about 4 in 25), disjoint from the held-out
+# split; lcc and repobench continue only these, so a head or target trained on the stdlib must leave
+# them out too (is_long_context_file) for those benchmarks to be held out.
+LONG_RESIDUES = (1, 2, 3, 4)
+
+
+def is_long_context_file(path: str, root: str) -> bool:
+    """Whether a stdlib file belongs to the long-context split (lcc, repobench): never train on it."""
+    return _residue(path, root) in LONG_RESIDUES
 
 
 def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root: str | None = None) -> list:
@@ -235,6 +260,279 @@ def stdlib_prompts(limit: int) -> list:
             snippets.append("\n".join(lines) + "\n")
     n = min(limit, len(snippets))
     return [snippets[i * len(snippets) // n] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- long context: lcc, repobench, longdoc
+
+LONG_CONTEXT = 1024        # --context when a long dataset is asked for without one
+LONG_DEFAULT = 20          # prompts per dataset and context without --limit
+REFERENCE_LINES = 5        # lcc/repobench: the true next non-blank lines the output is scored against
+SUMMARISE = "Summarize the text above in a few sentences."
+NOT_CODE = ("pydoc_data", "encodings")     # stdlib folders of data tables and doc strings, not code
+
+
+@dataclasses.dataclass
+class LongPrompt:
+    """One long-context prompt. ids: exactly the asked number of token ids, ready for the target (BOS
+    or chat template included); reference: the true next lines of the file (lcc, repobench; the text
+    edit_similarity compares the output with), "" for longdoc; source: where it comes from, e.g.
+    "json/decoder.py:118" (the file and the 1-based line the continuation starts at)."""
+    ids: list
+    reference: str
+    source: str
+
+
+def long_prompts(name: str, context: int, limit: int | None, tok, longest: int | None = None, seed: int = 0,
+                 root: str | None = None) -> list:
+    """`limit` (default LONG_DEFAULT) LongPrompts of exactly `context` tokens each for lcc, repobench
+    or longdoc (the README's "Long context" gives the rules). longest: the run's largest context; a
+    source is used only when it can fill that many tokens, so every context of a run gets the same
+    files, cuts and references and only the left context grows. tok: encode(text, add_special_tokens),
+    and for longdoc render(messages, add_generation_prompt, **kw) with its chat_template. Deterministic:
+    the same call gives the same ids. Errors: GraftError for an unknown name or a context too small to
+    hold the prompt's fixed part (BOS, template, instruction)."""
+    build = {"lcc": lcc_prompts, "repobench": repobench_prompts, "longdoc": longdoc_prompts}.get(name)
+    if build is None:
+        raise GraftError(f"unknown long-context dataset {name!r}: use {', '.join(LONG)}")
+    return build(tok, context, limit or LONG_DEFAULT, max(context, longest or context), seed, root)
+
+
+def special_prefix(tok) -> list:
+    """The ids encode() puts in front of any text (BOS, or nothing): encode("x") minus encode("x", False)."""
+    full, plain = tok.encode("x"), tok.encode("x", add_special_tokens=False)
+    return full[:len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+
+
+def _room(context: int, fixed: int, what: str) -> int:
+    """The tokens left for the document when `fixed` tokens are taken; GraftError when none are."""
+    if context - fixed < 1:
+        raise GraftError(f"--context {context} is too small: {what} alone takes {fixed} tokens")
+    return context - fixed
+
+
+def long_files(seed: int = 0, root: str | None = None) -> list:
+    """The long-context split's code files (is_long_context_file; NOT_CODE folders left out), sorted then
+    shuffled with `seed`: the order lcc and repobench try them in."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = [f for f in stdlib_files(root) if is_long_context_file(f, root)
+             and os.path.relpath(f, root).split(os.sep)[0] not in NOT_CODE]
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def _lines(path: str) -> list:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read().splitlines(keepends=True)
+
+
+def code_cut(lines: list, key: str, seed: int = 0) -> int | None:
+    """Where a file's prompt ends: a line index in the file's last quarter whose line is not blank and
+    which has REFERENCE_LINES non-blank lines from it on, chosen by a random.Random seeded with
+    (seed, key): the same cut at every context. None when the file has no such line."""
+    left, ok = 0, []
+    for i in range(len(lines) - 1, -1, -1):       # non-blank lines from i on
+        left += bool(lines[i].strip())
+        if left >= REFERENCE_LINES and lines[i].strip() and i >= 3 * len(lines) // 4 and i > 0:
+            ok.append(i)
+    return random.Random(f"{seed}:{key}").choice(sorted(ok)) if ok else None
+
+
+def next_lines(lines: list, cut: int, n: int = REFERENCE_LINES) -> str:
+    """The first n non-blank lines from index cut on, stripped, one per line: the reference."""
+    return "\n".join([l.strip() for l in lines[cut:] if l.strip()][:n])
+
+
+def lcc_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root: str | None = None) -> list:
+    """lcc: the end of a real Python file, to be continued. For each long-split file (long_files order):
+    its text up to its cut (code_cut: a line boundary), tokenized whole, left-truncated to its last
+    context - len(BOS) tokens, after the BOS. A file with fewer than `longest` tokens before its cut is
+    skipped for the next one."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    head = special_prefix(tok)
+    need, want = _room(context, len(head), "the BOS"), longest - len(head)
+    out = []
+    for f in long_files(seed, root):
+        if len(out) >= limit:
+            break
+        rel = os.path.relpath(f, root).replace(os.sep, "/")
+        lines = _lines(f)
+        cut = code_cut(lines, rel, seed)
+        if cut is None:
+            continue
+        body = tok.encode("".join(lines[:cut]), add_special_tokens=False)
+        if len(body) >= want:
+            out.append(LongPrompt(head + body[len(body) - need:], next_lines(lines, cut), f"{rel}:{cut + 1}"))
+    return out
+
+
+def module_file(module: str, root: str) -> str | None:
+    """The stdlib source file of a dotted module name (a.b -> a/b.py or a/b/__init__.py), or None
+    (built in, a C extension, not in the stdlib). Found by path: nothing is imported."""
+    base = os.path.join(root, *module.split("."))
+    for p in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_set(root: str) -> frozenset:
+    return frozenset(stdlib_files(root))
+
+
+def imported_files(path: str, root: str) -> list:
+    """The stdlib files a source file imports, in the order the file first imports them (relative
+    imports resolved against its package; `from a import b` gives a, and a/b.py when b is a module);
+    the file itself and files outside stdlib_files (tests, idlelib) left out. [] if it does not parse."""
+    try:
+        tree = ast.parse("".join(_lines(path)))
+    except (SyntaxError, ValueError):
+        return []
+    rel = os.path.relpath(path, root)
+    package = ".".join(os.path.dirname(rel).split(os.sep)) if os.path.dirname(rel) else ""
+    names = []
+    for n in sorted((n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                    key=lambda n: (n.lineno, n.col_offset)):
+        if isinstance(n, ast.Import):
+            names += [a.name for a in n.names]
+            continue
+        if n.level:
+            parts = package.split(".") if package else []
+            if n.level - 1 > len(parts):
+                continue
+            base = ".".join(parts[:len(parts) - (n.level - 1)] + ([n.module] if n.module else []))
+        else:
+            base = n.module or ""
+        names += [base] + [f"{base}.{a.name}" if base else a.name for a in n.names]
+    known = _stdlib_set(root)
+    out = []
+    for m in names:
+        f = module_file(m, root) if m else None
+        if f and f in known and f != path and f not in out:
+            out.append(f)
+    return out
+
+
+def repobench_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root: str | None = None) -> list:
+    """repobench: cross-file context, then the file to continue. For each long-split file (long_files
+    order, the cut of code_cut): the sources of the stdlib modules it imports (imported_files order),
+    each tokenized on its own as "# file: a/b.py" + newline + source, then the file's own part: its
+    "# file:" line and its text up to the cut, left-truncated to at most half the context. The ids are
+    joined and the whole left-truncated to context - len(BOS), after the BOS: the oldest imports go
+    first. A file whose parts hold fewer than `longest` tokens, or that imports no stdlib source, is
+    skipped for the next one."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    head = special_prefix(tok)
+    need = _room(context, len(head), "the BOS")
+    enc = lambda t: tok.encode(t, add_special_tokens=False)
+    named = lambda f: f"# file: {os.path.relpath(f, root).replace(os.sep, '/')}\n"
+
+    def own_part(prefix: list, title: list, n: int) -> list:        # at most half of n, its title first
+        keep = max(n // 2 - len(title), 0)
+        return title + prefix[max(len(prefix) - keep, 0):]
+
+    out = []
+    for f in long_files(seed, root):
+        if len(out) >= limit:
+            break
+        rel = os.path.relpath(f, root).replace(os.sep, "/")
+        lines = _lines(f)
+        cut, deps = code_cut(lines, rel, seed), imported_files(f, root)
+        if cut is None or not deps:
+            continue
+        title, prefix = enc(named(f)), enc("".join(lines[:cut]))
+        cross = []
+        for d in deps:
+            src = "".join(_lines(d))
+            cross += enc(named(d) + src + ("" if src.endswith("\n") else "\n"))
+        if len(cross) + len(own_part(prefix, title, longest - len(head))) < longest - len(head):
+            continue
+        ids = (cross + own_part(prefix, title, need))[-need:]
+        out.append(LongPrompt(head + ids, next_lines(lines, cut), f"{rel}:{cut + 1}"))
+    return out
+
+
+def long_documents() -> list:
+    """(title, text) of the long documents longdoc reads, in order: the sections of the running
+    Python's own reference documentation (pydoc_data.topics, sorted by name); where that module is
+    missing, the license texts in /usr/share/common-licenses (sorted). GraftError when neither exists."""
+    try:
+        from pydoc_data.topics import topics
+        return [(k, topics[k]) for k in sorted(topics)]
+    except ImportError:
+        pass
+    d = "/usr/share/common-licenses"
+    files = sorted(f for f in os.listdir(d) if os.path.isfile(os.path.join(d, f))) if os.path.isdir(d) else []
+    if not files:
+        raise GraftError("longdoc needs pydoc_data.topics (the standard library's documentation text) or "
+                         "/usr/share/common-licenses: neither is on this machine")
+    return [(f, read_text(os.path.join(d, f), "license text")) for f in files]
+
+
+def summary_frame(tok) -> tuple:
+    """(before, after): the ids around the document in a longdoc prompt. With a chat template, one user
+    turn `document + SUMMARISE`, rendered and split at the document (each side tokenized as apply_chat
+    does, special tokens included); without one, the BOS before and SUMMARISE after. (The document
+    ends in a blank line.)"""
+    enc = lambda t: tok.encode(t, add_special_tokens=False)
+    if getattr(tok, "chat_template", None):
+        mark = "@@GRAFT-DOCUMENT@@"
+        text = tok.render([{"role": "user", "content": mark + SUMMARISE}], True, enable_thinking=False)
+        if text.count(mark) != 1:
+            raise GraftError("longdoc: the chat template does not show the user's message once, as given")
+        before, after = text.split(mark)
+        return enc(before), enc(after)
+    return special_prefix(tok), enc(f"{SUMMARISE}\n")
+
+
+def longdoc_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root: str | None = None) -> list:
+    """longdoc: summarise a long real document. The documents (long_documents) are read as one text, each
+    "## title" + blank line + text + blank line, tokenized on its own. A prompt ends after a document
+    (chosen in a seeded shuffle of them) and takes the tokens before it, left-truncated so that with
+    the frame (summary_frame: template, instruction) the prompt is exactly `context` tokens. A document
+    with fewer than `longest` tokens up to its end (the first few) is skipped for the next."""
+    docs = long_documents()
+    before, after = summary_frame(tok)
+    need = _room(context, len(before) + len(after), "the chat template and the instruction")
+    want = longest - len(before) - len(after)
+    enc = {}
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for e in order:
+        if len(out) >= limit:
+            break
+        ids, i = [], e
+        while len(ids) < want and i >= 0:          # documents before and including e, until enough
+            if i not in enc:
+                title, text = docs[i]
+                enc[i] = tok.encode(f"## {title}\n\n{text.strip()}\n\n", add_special_tokens=False)
+            ids, i = enc[i] + ids, i - 1
+        if len(ids) >= want:
+            out.append(LongPrompt(before + ids[len(ids) - need:] + after, "", f"{docs[e][0]} (ends it)"))
+    return out
+
+
+def edit_similarity(generated: str, reference: str) -> float:
+    """LCC's metric, 0-100: the first lines of the output against the reference lines, both stripped
+    with blank lines dropped, as many output lines as the reference has, joined by newlines; then
+    100 * 2 * LCS / (len(a) + len(b)) over characters: the Indel normalised similarity that fuzzywuzzy's
+    fuzz.ratio (python-Levenshtein) and rapidfuzz compute. Both empty: 100."""
+    ref = [l.strip() for l in reference.splitlines() if l.strip()]
+    a = "\n".join([l.strip() for l in generated.splitlines() if l.strip()][:len(ref)])
+    b = "\n".join(ref)
+    if not a and not b:
+        return 100.0
+    prev = [0] * (len(b) + 1)                      # LCS by rows: O(len(a) * len(b)) time, O(len(b)) memory
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return 100.0 * 2 * prev[-1] / (len(a) + len(b))
 
 
 # ----------------------------------------------------------------------------- stories, sampled from a model
