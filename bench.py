@@ -293,6 +293,11 @@ def parse_contexts(text: str | None, datasets: list) -> list | None:
 MIN_CONTEXT = 16
 
 
+# samples per tree size of the pass costs measured at each --context length (each sample follows an
+# untimed pass: at 4K tokens an 81-node pass takes about half a second on one CPU thread)
+PASS_REPEATS_LONG = 6
+
+
 def long_seq_len(ckpt: str, asked: int | None, context: int, new_tokens: int, log) -> int | None:
     """The KV cache length for a long-context run: without --max-seq-len, enough for the largest
     context plus --max-new-tokens (never less than the usual default, never more than the model's
@@ -442,6 +447,15 @@ def main(argv=None) -> dict:
 
     cost = {x: E.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
     cost_context = next(iter(cost.values()))[0]
+    # long context: the same passes after each --context length (the first execution's engine), so the
+    # table's rates can be read against what a tree pass costs beside a one-token pass at that length
+    by_context = {}
+    if contexts:
+        x0 = executions[0]
+        sizes = sorted({1} | {r.N for k, r in runs.items() if k[0] == x0})
+        for c in contexts:
+            used, ms = E.pass_cost(engines[x0], sizes, context=c, repeats=PASS_REPEATS_LONG)
+            by_context[used] = ms
     cost = {x: c for x, (_, c) in cost.items()}
 
     # the units of the table: (dataset, context), context None but for the long-context datasets, which
@@ -552,6 +566,7 @@ def main(argv=None) -> dict:
                                    **({"sources": sources[d, c]} if c else {})} for d, c in units},
         "contexts": contexts, "graft_over_eagle3": graft_over_eagle3(rows),
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,
+        "pass_ms_by_context": {str(c): {str(n): ms for n, ms in v.items()} for c, v in by_context.items()},
         "compiled_over_eager": compiled_over_eager(rows),
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
@@ -560,6 +575,9 @@ def main(argv=None) -> dict:
     for x, c in cost.items():
         print(f"\n{how[x]}: target pass (ms) over N nodes after {cost_context} tokens: " +
               ", ".join(f"N={n}: {ms:.2f} ({ms / c[1]:.2f}x N=1)" for n, ms in c.items()))
+    for c, ms in by_context.items():
+        print(f"{how[executions[0]]}: target pass (ms) after {c} tokens: " +
+              ", ".join(f"N={n}: {v:.2f} ({v / ms[1]:.2f}x N=1)" for n, v in ms.items()))
     for k, v in report["meta"]["compiled_over_eager"].items():
         print(f"compiled / eager tokens/s, {k}: {v:.2f}x")
     for k, v in report["meta"]["graft_over_eagle3"].items():

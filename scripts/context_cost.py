@@ -71,7 +71,9 @@ def main(argv=None):
     contexts, sizes = CLI.numbers("--contexts", a.contexts), CLI.numbers("--sizes", a.sizes)
     if 1 not in sizes:
         sizes = [1] + sizes
-    eng = CLI.build_engine(a.ckpt, None, "cpu", a.dtype, max_seq_len=max(contexts) + max(sizes) + 16)
+    path = CLI.resolve_checkpoint(a.ckpt)
+    room = min(max(contexts) + max(sizes) + 16, CLI.tok_context(path))       # (a context past it is cut to it)
+    eng = CLI.build_engine(path, None, "cpu", a.dtype, max_seq_len=room)
     out = {"ckpt": a.ckpt, "dtype": a.dtype, "threads": torch.get_num_threads(), "contexts": {}}
     for c in contexts:
         used, ms = E.pass_cost(eng, sizes, context=c, repeats=a.repeats)

@@ -8,7 +8,7 @@ t+1; it agrees when its top-1 (mapped to the target's vocabulary) is the target'
 is the depth-0 acceptance a round starts with (a draft path is accepted token by token from its first
 node), measured by position, so a head trained on short windows shows where it stops working.
 The texts are long real ones the benchmarks never use: standard-library sources from the training
-split (data.stdlib_files, not is_heldout, not the long-context sets' files) and, for chat models,
+split (data.stdlib_files: neither is_heldout nor is_long_context_file, the files lcc and repobench use) and, for chat models,
 pydoc_data.topics documentation.
 """
 import argparse
@@ -102,8 +102,7 @@ def long_texts(n: int, chat: bool) -> list:
     first (deterministic), and for chat models pydoc_data's topics as well."""
     import sysconfig
     root = sysconfig.get_paths()["stdlib"]
-    skip = set(getattr(DATA, "long_context_files", lambda: [])())
-    files = [f for f in DATA.stdlib_files(root) if not DATA.is_heldout(f, root) and f not in skip]
+    files = [f for f in DATA.stdlib_files(root) if not DATA.is_heldout(f, root) and not DATA.is_long_context_file(f, root)]
     files.sort(key=lambda f: (-os.path.getsize(f), f))
     texts = [open(f, encoding="utf-8", errors="replace").read() for f in files[:n]]
     if chat:

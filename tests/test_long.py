@@ -182,9 +182,12 @@ def test_bench_context_rows_and_columns(tmp_path, capsys):
     assert len(lcc) == 2 and meta["datasets"]["lcc@128"]["sources"] == lcc     # the same sources at both lengths
     assert set(meta["graft_over_eagle3"]) == {"lcc@64 eager", "lcc@128 eager", "longdoc@64 eager", "longdoc@128 eager"}
     assert all(v["decode"] > 0 and v["end_to_end"] > 0 for v in meta["graft_over_eagle3"].values())
+    by = meta["pass_ms_by_context"]               # the pass costs after each context length
+    assert set(by) == {"64", "128"} and all(set(v) == set(meta["pass_ms"]["eager"]) for v in by.values())
     out = capsys.readouterr().out
     assert out.startswith("| dataset | context | method |") and "decode tok/s" in out and "TTFT ms" in out
     assert "graft / eagle3, lcc@64 eager: decode-only" in out
+    assert "target pass (ms) after 128 tokens: N=1:" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = [json.loads(l) for l in (tmp_path / "long.jsonl").read_text().splitlines()]
     assert len(runs) == 24 and {r["context"] for r in runs} == {64, 128}
