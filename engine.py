@@ -28,7 +28,8 @@ import torch
 from draft import Drafter
 from graft import Config, ContinuationMatrix, Graft, Recycle
 from model import GraftError, attention_mask
-from verify import Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit, decode_one_token, token_hash, verify
+from verify import (Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit, decode_one_token, rows_finite,
+                    token_hash, verify)
 
 
 # The verification budget. On a GPU a 61-node tree costs about what one token does (the paper's 60);
@@ -518,7 +519,7 @@ def prefill(eng: Engine, method: Proposer, ids: list) -> int:
         eng.mark_step()                           # each chunk is a generation of its own (the step replays)
         chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])
         logits, feats = eng.prefill(chunk, n, method.needs_features)
-        finite &= torch.isfinite(logits[:n]).all()
+        finite &= rows_finite(logits[:n])
         method.prompt_chunk(chunk, logits, feats, n)
         last = logits[n - 1:n]
     root = choose(last, eng.L.view(1).clone(), eng.sampling, eng.seed)[0]      # L = len(ids): its position

@@ -196,6 +196,15 @@ class Verified:
     syncs: int = 1                  # host syncs the round made (commit's, and one per checkpoint reached)
 
 
+def rows_finite(logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """() bool: every logit of every real row (valid (N,) True; default all) is finite. logits (N, V).
+    Checked through each row's float32 sum: a NaN or an inf anywhere makes its row's sum non-finite,
+    and one reduction costs ~1/80 of isfinite over every element (measured on a CPU: 0.9 against 73 ms
+    for a 128 x 49152 prefill chunk). A finite row could only overflow the sum with logits near 1e34."""
+    ok = torch.isfinite(logits.sum(-1, dtype=torch.float32))                     # (N,)
+    return (ok if valid is None else ok | ~valid).all()
+
+
 def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling, seed: torch.Tensor,
            P: int, capture: bool = False, cache=None, root: torch.Tensor | None = None) -> Verified:
     """Verify a tree whose root goes at cache row L (rows 0..L-1 are committed) and commit its
@@ -222,7 +231,7 @@ def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sam
     L.add_(A + 1)
     if root is not None:
         root.copy_(bonus)
-    finite = (torch.isfinite(logits) | ~tree.valid[:, None]).all()       # real nodes only: padding is junk
+    finite = rows_finite(logits, tree.valid)                              # real nodes only: padding is junk
     return Verified(A, bonus, path, logits, target, None if feats is None else feats.index_select(0, path), finite)
 
 
@@ -238,7 +247,7 @@ def decode_one_token(model, token: torch.Tensor, L: torch.Tensor, cols: torch.Te
     L.add_(1)
     if root is not None:
         root.copy_(nxt[0])
-    return nxt, torch.isfinite(logits).all()
+    return nxt, rows_finite(logits)
 
 
 def commit(v: Verified, tree: Tree) -> Verified:

@@ -514,3 +514,19 @@ def test_decode_one_token_is_plain_decoding():
         got.append(int(tok))
         assert bool(finite)
     assert got == g and int(L) == len(PROMPT) + 5
+
+
+def test_rows_finite_sees_one_bad_logit_in_a_real_row_and_ignores_padding():
+    from verify import rows_finite
+    x = torch.randn(4, 1000)
+    valid = torch.tensor([True, True, False, True])
+    assert bool(rows_finite(x)) and bool(rows_finite(x, valid))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 537] = bad
+        assert not bool(rows_finite(y)) and not bool(rows_finite(y, valid))
+        y = x.clone()
+        y[2, 5] = bad                                   # a padding row: junk is allowed there
+        assert bool(rows_finite(y, valid)) and not bool(rows_finite(y))
+    big = torch.full((1, 49152), 60000.0, dtype=torch.float16)    # a fp16 row whose fp16 sum would overflow
+    assert bool(rows_finite(big))
