@@ -170,11 +170,18 @@ def plot(rows: list, path: str, title: str):
         ax.set_xlabel("MAT (tokens per round)")
         ax.set_ylabel("speedup over ar")
         ax.set_title(f"{Path(d).name} ({x})")
+    save_figure(fig, axes, path, title)
+
+
+def save_figure(fig, axes, path: str, title: str):
+    """Grid and legend on every panel, the run as the title, written to path."""
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
     plt.close(fig)
 
 
@@ -201,12 +208,7 @@ def plot_context(rows: list, path: str, title: str):
         ax.set_xlabel("context (prompt tokens)")
         ax.set_ylabel("decode-only speedup over ar")
         ax.set_title(f"{d} ({x})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, axes, path, title)
 
 
 def graft_over_eagle3(rows: list) -> dict:

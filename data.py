@@ -343,6 +343,17 @@ def next_lines(lines: list, cut: int, n: int = REFERENCE_LINES) -> str:
     return "\n".join([l.strip() for l in lines[cut:] if l.strip()][:n])
 
 
+def code_sources(seed: int, root: str):
+    """(path, path relative to the stdlib, lines, cut) of each long-split file with a cut (long_files
+    order, code_cut): what lcc and repobench continue."""
+    for f in long_files(seed, root):
+        rel = os.path.relpath(f, root).replace(os.sep, "/")
+        lines = _lines(f)
+        cut = code_cut(lines, rel, seed)
+        if cut is not None:
+            yield f, rel, lines, cut
+
+
 def lcc_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root: str | None = None) -> list:
     """lcc: the end of a real Python file, to be continued. For each long-split file (long_files order):
     its text up to its cut (code_cut: a line boundary), tokenized whole, left-truncated to its last
@@ -353,14 +364,9 @@ def lcc_prompts(tok, context: int, limit: int, longest: int, seed: int = 0, root
     head = special_prefix(tok)
     need, want = _room(context, len(head), "the BOS"), longest - len(head)
     out = []
-    for f in long_files(seed, root):
+    for f, rel, lines, cut in code_sources(seed, root):
         if len(out) >= limit:
             break
-        rel = os.path.relpath(f, root).replace(os.sep, "/")
-        lines = _lines(f)
-        cut = code_cut(lines, rel, seed)
-        if cut is None:
-            continue
         body = tok.encode("".join(lines[:cut]), add_special_tokens=False)
         if len(body) >= want:
             out.append(LongPrompt(head + body[len(body) - need:], next_lines(lines, cut), f"{rel}:{cut + 1}"))
@@ -435,13 +441,11 @@ def repobench_prompts(tok, context: int, limit: int, longest: int, seed: int = 0
         return title + prefix[max(len(prefix) - keep, 0):]
 
     out = []
-    for f in long_files(seed, root):
+    for f, rel, lines, cut in code_sources(seed, root):
         if len(out) >= limit:
             break
-        rel = os.path.relpath(f, root).replace(os.sep, "/")
-        lines = _lines(f)
-        cut, deps = code_cut(lines, rel, seed), imported_files(f, root)
-        if cut is None or not deps:
+        deps = imported_files(f, root)
+        if not deps:
             continue
         title, prefix = enc(named(f)), enc("".join(lines[:cut]))
         cross = []

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cli as CLI  # noqa: E402
 import engine as E  # noqa: E402
-from model import GraftError  # noqa: E402
 from verify import Sampling  # noqa: E402
 
 
@@ -89,8 +88,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except GraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    CLI.run(main)

@@ -156,8 +156,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except GraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    CLI.run(main)
