@@ -1,10 +1,12 @@
 """Train an EAGLE-3 head for any target this engine loads (and, for the demo, a small target).
 
     python train.py eagle3 --ckpt TARGET --prompts FILE --out DIR [--minutes 10] [--device cuda]
+    python train.py eagle3 --ckpt TARGET --texts DIR [DIR ...] --seq-len 1024 [--init HEAD_DIR] --out DIR
 
 EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
   1. Self-distillation data: the target's own continuations of the prompts (greedy by default), made
-     in batches with the static KV cache.
+     in batches with the static KV cache. Or, with --texts, windows of real long texts (long-context
+     heads): the tokens are the text's, every label is still the target's own distribution there.
   2. Draft vocabulary: the most frequent target tokens in that data (all of them if the vocabulary is
      small), sorted ascending -> d2t.
   3. Training-time test: each batch is unrolled `--ttt` steps. Step 0 reads the target's features;
@@ -17,7 +19,8 @@ EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
 The target runs once over the data (features and its top next-token probabilities, cached in
 train_views.safetensors); training then reads only the head. Progress on stderr, a loss log
 (train_log.jsonl), resumable from train_state.safetensors in --out
-(tensors + JSON, never a pickle).
+(tensors + JSON, never a pickle). --init HEAD_DIR fine-tunes a published head (same parameters, its
+draft vocabulary kept) instead of starting from a fresh one.
 """
 import argparse
 import json
@@ -30,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from checkpoint import hf_model_args, load_model, save_head
+from checkpoint import hf_model_args, load_head, load_model, read_config, save_head
 from model import GraftError, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
@@ -98,10 +101,17 @@ def unpack(tensors: dict, meta: dict, path: str) -> tuple:
         raise GraftError(f"cannot resume from {path}: malformed state ({e}); delete it or pass --restart") from None
 
 
-def save_sequences(path: str, seqs: list):
-    """Token sequences as one flat int32 tensor and their lengths (no pickle)."""
+def save_sequences(path: str, seqs: list, source: dict | None = None):
+    """Token sequences as one flat int32 tensor and their lengths (no pickle); `source` (JSON) says what
+    they were made from, so a run with other inputs does not reuse them (data_source)."""
     flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
-    save_state(path, {"tokens": flat, "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)}, {})
+    save_state(path, {"tokens": flat, "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)},
+               {"source": source} if source else {})
+
+
+def sequences_source(path: str) -> dict | None:
+    """The `source` save_sequences stored (None for files written before it was stored)."""
+    return load_state(path)[1].get("source")
 
 
 def load_sequences(path: str) -> list:
@@ -121,6 +131,59 @@ def load_sequences(path: str) -> list:
 
 # ----------------------------------------------------------------------------- data
 
+def text_files(paths: list) -> list:
+    """The files --texts names: each PATH a file, or a folder whose .py files (all depths; __pycache__
+    left out) are taken; each folder's files sorted, folders in the order given, duplicates once.
+    Errors: GraftError, one line, for a path that does not exist or a folder without .py files."""
+    out = []
+    for p in paths:
+        if os.path.isfile(p):
+            found = [os.path.abspath(p)]
+        elif os.path.isdir(p):
+            found = []
+            for d, dirs, files in os.walk(p):
+                dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+                found += [os.path.abspath(os.path.join(d, f)) for f in files if f.endswith(".py")]
+            if not found:
+                raise GraftError(f"--texts: {p} is a folder without .py files")
+            found.sort()
+        else:
+            raise GraftError(f"--texts: {p} is neither a file nor a folder")
+        out += [f for f in found if f not in out]
+    return out
+
+
+def text_windows(tok, files: list, seq_len: int, max_windows: int = 0, log=print) -> list:
+    """Training sequences cut from real texts: each file read as UTF-8 (bad bytes replaced), encoded
+    with the tokenizer's special tokens (its BOS, if any), and cut into non-overlapping windows of
+    seq_len + 1 tokens (seq_len training rows: feature t with token t+1); a file's tail shorter than a
+    window is left out. max_windows > 0 keeps that many, evenly spaced over all windows in file order
+    (deterministic). Returns [[token id] * (seq_len + 1)]. Errors: GraftError when no file holds a
+    whole window."""
+    n = seq_len + 1
+    wins, t0 = [], time.time()
+    for i, f in enumerate(files):
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            ids = tok.encode(fh.read())
+        wins += [ids[a:a + n] for a in range(0, len(ids) - n + 1, n)]
+        progress("texts", i + 1, len(files), t0, f"{len(wins)} windows")
+    if not wins:
+        raise GraftError(f"--texts: no file holds {n} tokens (--seq-len {seq_len} + 1)")
+    if max_windows and len(wins) > max_windows:
+        total = len(wins)
+        wins = [wins[k * total // max_windows] for k in range(max_windows)]
+        log(f"data: {max_windows} of {total} windows kept (--max-windows), evenly spaced")
+    return wins
+
+
+def data_source(a, files: list | None) -> dict:
+    """What train_data.safetensors is made from: for --texts the files (path, size, mtime), --seq-len
+    and --max-windows; for self-distillation the prompts file and the options that shape it."""
+    if files is not None:
+        return {"texts": [[f, os.path.getsize(f), int(os.path.getmtime(f))] for f in files],
+                "seq_len": a.seq_len, "max_windows": a.max_windows}
+    return {"prompts": os.path.abspath(a.prompts), "new_tokens": a.new_tokens, "chat": a.chat,
+            "max_prompts": a.max_prompts, "data_temperature": a.data_temperature, "seed": a.seed}
 
 
 def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, sampling: Sampling, log=print,
@@ -219,18 +282,27 @@ def target_views(target, seqs: list, k: int, batch_tokens: int, log) -> list:
     return views
 
 
-def save_views(path: str, views: list):
+def views_key(seqs: list, target, k: int) -> str:
+    """What the views depend on: the tokens (a sha256 over them), the target's captured layers and k."""
+    import hashlib
+    h = hashlib.sha256(torch.tensor([t for s in seqs for t in s] + [-1] + [len(s) for s in seqs],
+                                    dtype=torch.int64).numpy().tobytes()).hexdigest()
+    return json.dumps({"tokens": h, "capture": list(target.capture_layers), "k": k})
+
+
+def save_views(path: str, views: list, key: str = ""):
     cat = lambda n: torch.cat([v[n] for v in views])
     save_state(path, {"feats": cat(0), "ids": cat(1), "logp": cat(2),
-                      "lengths": torch.tensor([len(v[0]) for v in views], dtype=torch.int64)}, {})
+                      "lengths": torch.tensor([len(v[0]) for v in views], dtype=torch.int64)}, {"key": key})
 
 
-def load_views(path: str, seqs: list) -> list | None:
-    """The cached views, or None when they do not match the sequences (then they are recomputed)."""
-    tensors, _ = load_state(path)
+def load_views(path: str, seqs: list, key: str = "") -> list | None:
+    """The cached views, or None when they do not match the sequences (other lengths, or a views_key
+    stored and different: then they are recomputed)."""
+    tensors, meta = load_state(path)
     try:
         lengths = tensors["lengths"].tolist()
-        if lengths != [len(s) for s in seqs]:
+        if lengths != [len(s) for s in seqs] or (meta.get("key") and key and meta["key"] != key):
             return None
         out, i = [], 0
         for n in lengths:
@@ -278,33 +350,77 @@ def new_head(target, draft_vocab_size: int) -> Eagle3:
     return head
 
 
+def init_head(path: str, target, dev) -> Eagle3:
+    """The head --init names, in float32 on dev, to fine-tune: loaded by checkpoint.load_head (which
+    sets the target's captured layers to the ones it reads); its draft vocabulary (d2t) is kept.
+    Errors: GraftError, one line, for a head that does not load or whose weights are not shaped as
+    new_head would shape them for this target (training would then change other parameters)."""
+    if not os.path.isdir(path):
+        raise GraftError(f"--init: head folder not found: {path}")
+    head = load_head(path, target, device=dev, dtype=torch.float32)
+    fresh = head_state(new_head(target, head.config.draft_vocab_size)).items()
+    have = head_state(head)
+    for k, v in fresh:
+        if k not in have or tuple(have[k].shape) != tuple(v.shape):
+            got = tuple(have[k].shape) if k in have else "none"
+            raise GraftError(f"--init: head {path} does not fit this target: {k} has shape {got}, "
+                             f"a head of this target has {tuple(v.shape)}")
+    extra = set(have) - {k for k, _ in fresh}
+    if extra:
+        raise GraftError(f"--init: head {path} has weights a head of this target has not: {sorted(extra)[:3]}")
+    for n, p in head.named_parameters():        # its own copies: never train a tensor shared with the target
+        if not n.startswith("embed_tokens"):
+            p.data = p.data.clone()
+    return head.to(dev)
+
+
 def head_state(head) -> dict:
     """What training changes: everything but the target's (frozen, shared) embedding."""
     return {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
 
 
 def train_eagle3(a) -> str:
+    """Train (or with --init fine-tune) a head; returns --out. Data: self-distillation of --prompts, or
+    windows of --texts labelled with the target's own distribution. Errors: GraftError, one line, for
+    bad options, paths or caches, all before the target's first pass."""
     dev = a.device
     torch.manual_seed(a.seed)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.ttt < 1:
         raise GraftError("--ttt must be at least 1")
+    if (a.prompts is None) == (a.texts is None):
+        raise GraftError("pass either --prompts (self-distillation) or --texts (real texts)")
+    if a.seq_len < 2:
+        raise GraftError("--seq-len must be at least 2")
+    files = text_files(a.texts) if a.texts is not None else None
+    if a.init and not os.path.isdir(a.init):
+        raise GraftError(f"--init: head folder not found: {a.init}")
     # no cache is needed to train; self-distillation sizes one per batch
     target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, max_seq_len=1)
     for p in target.parameters():
         p.requires_grad_(False)
+    init = init_head(a.init, target, dev) if a.init else None     # before the views: it names the features
     tok = load_tokenizer(target.path, target.args)
     os.makedirs(a.out, exist_ok=True)
     data_path = os.path.join(a.out, "train_data.safetensors")
     state_path = os.path.join(a.out, "train_state.safetensors")
     log = lambda s: print(s, file=sys.stderr)
-    if os.path.isfile(data_path):
+    source = data_source(a, files)
+    cached = sequences_source(data_path) if os.path.isfile(data_path) else None
+    if os.path.isfile(data_path) and cached not in (None, source):
+        log(f"data: {data_path} was made from other inputs: made again")
+    if os.path.isfile(data_path) and (cached == source or (cached is None and files is None)):
         seqs = load_sequences(data_path)
         vocab = target.args.vocab_size
         if any(t < 0 or t >= vocab for s in seqs for t in s):
             raise GraftError(f"{data_path} holds token ids outside the target's vocabulary; delete it to regenerate")
         log(f"data: {len(seqs)} sequences from {data_path}")
+    elif files is not None:
+        t0 = time.time()
+        seqs = text_windows(tok, files, a.seq_len, a.max_windows, log)
+        save_sequences(data_path, seqs, source)
+        log(f"data: {len(seqs)} windows of {a.seq_len + 1} tokens from {len(files)} files, {time.time() - t0:.0f}s")
     else:
         prompts = read_prompts(a.prompts)
         if a.max_prompts:
@@ -312,19 +428,26 @@ def train_eagle3(a) -> str:
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
         t0 = time.time()
         seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log, chat=a.chat)
-        save_sequences(data_path, seqs)
+        save_sequences(data_path, seqs, source)
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
     views_path = os.path.join(a.out, "train_views.safetensors")
-    views = load_views(views_path, seqs) if os.path.isfile(views_path) else None
+    key = views_key(seqs, target, a.top_k_targets)
+    views = load_views(views_path, seqs, key) if os.path.isfile(views_path) else None
     if views is None:
         views = target_views(target, seqs, a.top_k_targets, a.view_tokens, log)
-        save_views(views_path, views)
-    used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
+        save_views(views_path, views, key)
+    if init is not None:        # its draft vocabulary, as it is
+        head = init
+        used = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device)).cpu()
+    else:
+        used = draft_vocab(seqs, target.args.vocab_size, a.draft_vocab)
+        head = new_head(target, used.numel()).to(dev)          # float32 weights; features are cast to them
+        head.d2t.copy_(used - torch.arange(used.numel()))
     to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
     to_draft[used] = torch.arange(used.numel())
-    head = new_head(target, used.numel()).to(dev)          # float32 weights; features are cast to them
-    head.d2t.copy_(used - torch.arange(used.numel()))
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, rng = 0, random.Random(a.seed)
     if os.path.isfile(state_path) and not a.restart:
@@ -364,7 +487,14 @@ def train_eagle3(a) -> str:
     sys.stderr.write("\n")
     save_state(state_path, *pack(head_state(head), opt, {"step": step, "rng": rng.getstate()}))
     head.eval()
-    save_head(head, a.out)
+    extra = {}
+    if init is not None:        # the features it reads, as its config named them
+        cfg = read_config(init.path)
+        extra = {k: cfg[k] for k in ("eagle_config", "eagle_aux_hidden_state_layer_ids") if k in cfg}
+    for n, p in head.named_parameters():        # the head's weights only: the embedding is the target's
+        if not n.startswith("embed_tokens"):
+            p.data = p.data.to(getattr(torch, a.save_dtype))
+    save_head(head, a.out, extra_config=extra)
     log(f"saved head to {a.out} after {step} steps ({time.time() - t0:.0f}s)")
     return a.out
 
@@ -590,7 +720,16 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eagle3", help="train an EAGLE-3 head for a target by self-distillation")
     e.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
-    e.add_argument("--prompts", required=True, help="text file (one prompt per line) or jsonl with turns/prompt")
+    e.add_argument("--prompts", default=None, help="text file (one prompt per line) or jsonl with turns/prompt")
+    e.add_argument("--texts", nargs="+", default=None, metavar="PATH",
+                   help="instead of --prompts: real texts (files, or folders: their .py files, sorted) cut into "
+                        "windows of --seq-len + 1 tokens; labels are still the target's own distribution")
+    e.add_argument("--max-windows", type=int, default=0, help="with --texts: keep at most this many windows, "
+                                                              "evenly spaced (0 = all)")
+    e.add_argument("--init", default=None, metavar="HEAD_DIR",
+                   help="fine-tune this head (its draft vocabulary kept) instead of starting from scratch")
+    e.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the saved head's weights")
     e.add_argument("--out", required=True)
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--new-tokens", type=int, default=256, help="continuation length per prompt")
