@@ -643,3 +643,36 @@ def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
             if ctx[s:s + n] == tail:
                 return ctx[s + n:s + n + n_tokens]
     return []
+
+
+@torch.no_grad()
+def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, repeats: int = 10) -> dict:
+    """Milliseconds of one target pass over B trees of `nodes` nodes against B one-token steps (a
+    batched ar round), after `context` committed tokens per request, for each B in sizes: where
+    batching (and speculation inside a batch) stops paying. Measured as engine.pass_cost is:
+    interleaved sizes, each timed call after an untimed one, the fastest sample. Returns
+    {B: {1: ms, nodes: ms}}."""
+    from engine import cost_tree, robust_costs, sync, time_passes
+    m = eng.model
+    context = max(1, min(context, m.max_seq_len - nodes - 1))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for B in sizes:
+        be = BatchEngine(eng, "ar", B)
+        eng.reserve(nodes, min(nodes, 10))
+        trees = {}
+        for n in sorted({1, nodes}):
+            tree, P = cost_tree(torch.randint(0, m.args.vocab_size, (n,), generator=g).to(eng.device))
+            trees[n] = ([t[None].expand(B, -1).contiguous() for t in (tree.tokens, tree.parents, tree.valid)], P)
+        be.active.fill_(1)
+
+        def one(n):
+            (tokens, parents, valid), P = trees[n]
+            eng.mark_step()
+            be.L.fill_(context)
+            be._verify(tokens, parents, valid, be.L, be.active, eng.cols(context + n), Sampling(), be.seeds, P, False,
+                       be.root)
+
+        fastest, _ = robust_costs(time_passes(one, sorted(trees), repeats, sync=lambda: sync(eng.device)))
+        out[B] = {n: round(s * 1000, 3) for n, s in fastest.items()}
+    return out
