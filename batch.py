@@ -410,6 +410,12 @@ class BatchEngine:
         eng.static(*self.state)
         self.L_host, self.Ld_host = [0] * B, [0] * B
 
+    def close(self):
+        """Forget this engine's static tensors (the single engine keeps a list of them): a benchmark
+        that builds one BatchEngine per (method, B) would otherwise keep every batch's caches alive."""
+        mine = {id(t) for t in self.state}
+        self.eng.statics[:] = [t for t in self.eng.statics if id(t) not in mine]
+
     def slot_thresholds(self, k: int, D: int) -> torch.Tensor:
         """log tau per candidate slot of the dense tree: the threshold of the deepest checkpoint the
         slot's depth has passed (checkpoint c tests the best path at level c+1); -inf = never replaced."""
@@ -657,9 +663,9 @@ def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, re
     context = max(1, min(context, m.max_seq_len - nodes - 1))
     g = torch.Generator().manual_seed(0)
     out = {}
+    eng.reserve(nodes, min(nodes, 10))
     for B in sizes:
         be = BatchEngine(eng, "ar", B)
-        eng.reserve(nodes, min(nodes, 10))
         trees = {}
         for n in sorted({1, nodes}):
             tree, P = cost_tree(torch.randint(0, m.args.vocab_size, (n,), generator=g).to(eng.device))
@@ -675,4 +681,5 @@ def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, re
 
         fastest, _ = robust_costs(time_passes(one, sorted(trees), repeats, sync=lambda: sync(eng.device)))
         out[B] = {n: round(s * 1000, 3) for n, s in fastest.items()}
+        be.close()
     return out

@@ -160,7 +160,8 @@ def parse_args(argv=None):
                f"{', '.join(DATA.GENERATED)} (made at run time from the stories model / this Python's standard library), "
                f"or a .jsonl/.json/.txt file of prompts")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
-    p.add_argument("--methods", default="ar,eagle3,prune,graft")
+    p.add_argument("--methods", default=None,
+                   help="default: ar,eagle3,prune,graft (with --batch: every batched method)")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")
     p.add_argument("--json-out", default=None,
@@ -239,6 +240,7 @@ def main(argv=None) -> dict:
         if a.threads < 1:
             raise GraftError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
+    a.methods = a.methods or (",".join(BA.BATCH_METHODS) if a.batch else "ar,eagle3,prune,graft")
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:
         if m not in E.METHODS:
@@ -479,6 +481,7 @@ def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype
                 bad = [i for i, (r, t) in enumerate(zip(res.requests, ref)) if r.tokens != t]
                 mismatches += [{"dataset": d, "method": m, "batch": B, "prompt": i} for i in bad]
                 ar_tps = st["tokens_per_s"] if m == "ar" else ar_tps
+                be.close()
                 rows.append({"dataset": d, "batch": B, "method": m, "nodes": be.N, **st,
                              "speedup": round(st["tokens_per_s"] / ar_tps, 4) if ar_tps else None,
                              "lossless": not bad})

@@ -136,6 +136,74 @@ def test_bad_batch_arguments(eng):
         BatchEngine(eng, "ar", 0)
 
 
+@has_stdlib
+@pytest.mark.parametrize("method", ["graft", "recycle", "pld"])
+def test_full_attention_and_output_lifetimes(prompts, baselines, method):
+    """Attention over the whole cache (static shapes: what CUDA graphs need), with every step output
+    poisoned as it expires (the CUDA-graph contract's rule 1): still every request's ar tokens."""
+    e = build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=256, attention="full", check_lifetimes=True)
+    e.thresholds = {0: 0.3, 1: 0.2, 5: 0.05}
+    eos, base = baselines
+    res = BatchEngine(e, method, 2, CFG).run(prompts, N_NEW, SAMPLED, eos, seeds=[SAMPLED.seed + i for i in range(6)])
+    assert [r.tokens for r in res.requests] == base["sampled"]
+
+
+@has_stdlib
+def test_generate_batch_prints_results_in_input_order(eng, prompts, tmp_path, capsys):
+    import generate as GEN
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": t}) for t in TEXTS[:4]) + "\n")
+    out = GEN.main(["--ckpt", STDLIB_CKPT, "--draft", STDLIB_DRAFT, "--prompts", str(f), "--batch", "3", "--method",
+                    "graft", "--max-new-tokens", "12", "--warmup", "0", "--compare", "--json", "--budget", "8"])
+    assert out["lossless"] is True and out["requests"] == 4
+    for r, ids in zip(out["results"], prompts[:4]):
+        assert r["tokens"] == generate(eng, make_method(eng, "ar"), ids, 12, GREEDY, eng.tokenizer.eos_ids).tokens
+    assert "[graft, batch 3, eager]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--batch", "2"], "go together"), (["--prompts", "x.txt"], "go together"),
+    (["--prompts", "x.txt", "--batch", "0"], "--batch must be >= 1"),
+    (["--prompts", "x.txt", "--batch", "2", "--method", "prune"], "--batch runs the methods"),
+    (["--prompts", "x.txt", "--batch", "2", "--prompt", "hi"], "not both"),
+    (["--prompts", "/nonexistent/p.txt", "--batch", "2"], "p.txt")])
+def test_generate_batch_bad_flags_before_loading(argv, msg, monkeypatch):
+    import generate as GEN
+    monkeypatch.setattr(GEN, "build_engine", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(GraftError, match=msg):
+        GEN.main(argv)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--batch", "0"], "batch sizes >= 1"), (["--batch", "a,b"], "comma-separated"),
+    (["--batch", "2", "--methods", "ar,prune"], "--batch runs the methods"),
+    (["--batch", "2", "--budgets", "8,16"], "one budget")])
+def test_bench_batch_bad_flags_before_loading(argv, msg, monkeypatch):
+    import bench
+    monkeypatch.setattr(bench.CLI, "build_engine", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(GraftError, match=msg):
+        bench.main(["--ckpt", STDLIB_CKPT, "--draft", STDLIB_DRAFT, "--datasets", "stdlib"] + argv)
+
+
+@has_stdlib
+def test_bench_batch_reports_every_method_and_size(tmp_path, capsys):
+    import bench
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(t.replace("\n", " ") for t in TEXTS[:3]) + "\n")
+    rep = bench.main(["--ckpt", STDLIB_CKPT, "--draft", STDLIB_DRAFT, "--datasets", str(f), "--batch", "1,2",
+                      "--methods", "eagle3,graft,pld", "--max-new-tokens", "10", "--warmup", "0", "--budget", "8",
+                      "--json-out", str(tmp_path / "r.json")])
+    rows = rep["rows"]
+    assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in ("ar", "eagle3", "graft", "pld") for b in (1, 2)}
+    assert all(r["lossless"] for r in rows) and not rep["meta"]["mismatches"]
+    for r in rows:
+        assert {"tokens_per_s", "latency_median_s", "latency_p90_s", "mat", "draft_forwards_per_round"} <= set(r)
+    assert set(rep["meta"]["graft_over_eagle3"]) == {f"p.txt batch {b}" for b in (1, 2)}
+    assert set(rep["meta"]["pass_ms"]) == {"1", "2"}
+    out = capsys.readouterr().out
+    assert "| p.txt | 2 | graft |" in out and "graft over eagle3" in out and json.loads((tmp_path / "r.json").read_text())
+
+
 COMPILE_CHECK = """
 import json, sys, torch
 sys.path.insert(0, {root!r}); torch.set_num_threads(1)
