@@ -393,7 +393,9 @@ class BatchEngine:
             self._extend = eng.compile(self.bd.extend, name("extend"))
             self._level = eng.compile(self.bd.level, name("level"))
             self._learn = eng.compile(self.learn_step, name(f"{method}_learn"))
-            thr = method_config(eng, method, cfg, auto_budget=False).thresholds if cfg.thresholds is None else cfg.thresholds
+            thr = cfg.thresholds
+            if thr is None:        # Youden's thresholds: a node is confident or not (see batch_thresholds)
+                thr = method_config(eng, "graft", cfg, auto_budget=False, calibration="youden").thresholds
             thr = thr if thr is not None else (eng.thresholds or {})
             self.thresholds = {c: float(thr.get(c, 0.0)) for c in cfg.checkpoints} if method == "graft" else {}
             self.log_tau = self.slot_thresholds(d.top_k, d.depth).to(dev)
@@ -415,6 +417,11 @@ class BatchEngine:
         that builds one BatchEngine per (method, B) would otherwise keep every batch's caches alive."""
         mine = {id(t) for t in self.state}
         self.eng.statics[:] = [t for t in self.eng.statics if id(t) not in mine]
+
+    # Which calibration the batch variant reads (calibrate.py computes both): Youden's J, the paper's.
+    # The throughput calibration prices the drafting a pruned round saves, and a batch round saves none
+    # (it always drafts to full depth), so on a CPU it can say "prune at checkpoint 0 always" (tau 1.0),
+    # which here would replace every draft node. --thresholds overrides both.
 
     def slot_thresholds(self, k: int, D: int) -> torch.Tensor:
         """log tau per candidate slot of the dense tree: the threshold of the deepest checkpoint the

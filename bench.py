@@ -458,18 +458,19 @@ def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype
     # one slot count per request for every tree method (the paper's static trees): eagle3's budget (the
     # warm-up's choice under --budget auto); graft keeps its own calibrated thresholds
     budget = E.method_config(eng, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
-    cfgs = {m: dataclasses.replace(E.method_config(eng, m, base_cfg, auto_budget=False), budget=budget)
-            if m in E.NEEDS_HEAD else base_cfg for m in methods}
+    cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}      # thresholds: batch.py's
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     warm = [eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]]
-    rows, mismatches = [], []
+    rows, mismatches, alone, graft_thresholds = [], [], {}, {}
     for d in datasets:
         ids = [enc(t) for t in load_dataset(d, a.limit, eng)]
         fits = [x for x in ids if len(x) + a.max_new_tokens <= eng.model.max_seq_len]
         if len(fits) < len(ids):
             log(f"{d}: skipped {len(ids) - len(fits)} of {len(ids)} prompts longer than --max-seq-len minus --max-new-tokens")
-        ref = [E.generate(eng, E.make_method(eng, "ar"), x, a.max_new_tokens, sampling, eng.tokenizer.eos_ids).tokens
+        ref = [E.generate(eng, E.make_method(eng, "ar"), x, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
                for x in fits]
+        alone[d] = round(sum(len(r.tokens) for r in ref) / max(sum(r.seconds for r in ref), 1e-9), 3)
+        ref = [r.tokens for r in ref]
         for B in sizes:
             ar_tps = None
             for m in methods:
@@ -482,6 +483,7 @@ def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype
                 mismatches += [{"dataset": d, "method": m, "batch": B, "prompt": i} for i in bad]
                 ar_tps = st["tokens_per_s"] if m == "ar" else ar_tps
                 be.close()
+                graft_thresholds = getattr(be, "thresholds", None) or graft_thresholds
                 rows.append({"dataset": d, "batch": B, "method": m, "nodes": be.N, **st,
                              "speedup": round(st["tokens_per_s"] / ar_tps, 4) if ar_tps else None,
                              "lossless": not bad})
@@ -502,6 +504,10 @@ def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype
                     ["| " + " | ".join(fmt(r[c] if c != "dataset" else Path(r[c]).name) for c in cols) + " |" for r in rows]))
     for k, v in gain.items():
         print(f"graft over eagle3, {k}: {v * 100:+.1f}% tokens/s")
+    if graft_thresholds:
+        print(f"graft's batch variant replaced draft nodes below thresholds {graft_thresholds}")
+    for d, tps in alone.items():
+        print(f"ar alone (the single-request engine, one prompt after another), {Path(d).name}: {tps:.1f} tokens/s")
     print(f"\ntarget pass (ms) over B trees of {nodes} nodes against B one-token steps, after 128 tokens a request:")
     for B, c in cost.items():
         print(f"B={B}: B tokens {c[1]:.2f} ms ({c[1] / B:.2f} a request), B trees {c[nodes]:.2f} ms "
@@ -515,9 +521,9 @@ def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype
         "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "limit": a.limit,
         "batch": sizes, "execution": "compiled" if eng.compiling else "eager",
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed},
-        "thresholds": {str(c): round(t, 4) for c, t in (cfgs.get("graft", base_cfg).thresholds or {}).items()},
+        "thresholds": {str(c): round(t, 4) for c, t in graft_thresholds.items()},
         "budgets": {m: c.budget for m, c in cfgs.items() if m in E.NEEDS_HEAD},
-        "graft_over_eagle3": gain, "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
+        "graft_over_eagle3": gain, "ar_alone_tokens_per_s": alone, "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
         "pass_context": 128, "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     if mismatches:

@@ -8,6 +8,7 @@
 The algorithm is in graft.py (the round) and engine.py (the steps and the loop); this file only reads
 the command line (cli.py), loads the pair, warms up (calibrate.py) and prints. Methods: engine.METHODS.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -179,6 +180,8 @@ def run_batch(a, eng, method, cfg, prompts: list, s: Sampling) -> dict:
     """--prompts FILE --batch B: every prompt through batch.BatchEngine, B per target pass (no
     streaming); each result printed in input order, then the totals (and with --compare ar's)."""
     err = sys.stderr
+    # the batch variant reads its own calibration (batch.py), unless --thresholds gives one
+    cfg = dataclasses.replace(config_from_args(a), budget=cfg.budget)
     be = BatchEngine(eng, method, a.batch, cfg)
     res = be.run(prompts, a.max_new_tokens, s, eng.tokenizer.eos_ids)
     texts = [eng.tokenizer.decode(r.tokens) for r in res.requests]
