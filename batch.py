@@ -113,6 +113,21 @@ def verify_each(model, cache: KVCache, tokens, parents, valid, L, active, cols, 
     return got
 
 
+def decode_each(model, cache: KVCache, root, L, active, cols, s: Sampling, seeds) -> dict:
+    """verify.decode_one_token per request: each root (B,) at its row L[b], the next token into `root`;
+    L advances where the slot is active (an empty slot writes zeros at its row 0). Shaped like
+    verify_each's result (A = 0, the path is the root) so a round reads both alike."""
+    B = root.numel()
+    one = torch.ones(B, 1, 1, dtype=torch.bool, device=L.device)
+    keep = active[:, None] > 0
+    logits = model(root[:, None], L[:, None], L[:, None], batch_mask(one, L, cols)[:, None], False, cache, keep=keep)
+    nxt = choose_each(logits, L[:, None] + 1, s, seeds)[:, 0]
+    L.add_(active)
+    root.copy_(nxt)
+    zero = torch.zeros(B, 1, dtype=torch.long, device=L.device)
+    return dict(A=zero[:, 0], bonus=nxt, path=zero, finite=torch.isfinite(logits).flatten(1).all(-1) | ~keep[:, 0])
+
+
 def retrieve_each(M: torch.Tensor, under: torch.Tensor, tpl) -> torch.Tensor:
     """ContinuationMatrix.retrieve per request: M (B, V+1, k), under (B,) -> the template's tokens (B, n)."""
     B, n = under.numel(), tpl.size
@@ -383,7 +398,10 @@ class BatchEngine:
             self.tpl = self.tpl.to(dev)
             self.state += self.tpl.tensors()
         name = lambda s: f"batch{B}_{s}"
-        self._verify = eng.compile(partial(verify_each, m, self.cache), name("verify"))
+        if method == "ar":
+            self._decode = eng.compile(partial(decode_each, m, self.cache), name("decode"))
+        else:
+            self._verify = eng.compile(partial(verify_each, m, self.cache), name("verify"))
         if self.needs_head:
             self.bd = BatchDrafter(d, B)
             F = len(m.capture_layers) * a.dim
@@ -533,16 +551,17 @@ class BatchEngine:
             forwards = d.D
             for i in range(d.D - 1):
                 self._level(self.level_index[i], self.cols(max(self.Ld_host) + (d.D - 1) * d.k, head=True))
+        retrieved = None
         if self.method == "ar":
-            tokens, parents, valid = self.root[:, None], torch.full_like(self.root[:, None], -1), self.active[:, None] > 0
-            retrieved = None
-        elif self.method == "pld":
-            tokens, parents, valid = self.pld_trees()
-            retrieved = None
+            tokens = self.root[:, None].clone()           # (the step overwrites root: the path's token is this)
+            got = self._decode(self.root, self.L, self.active, self.cols(max(self.L_host) + 1), sampling, self.seeds)
         else:
-            tokens, parents, valid, retrieved = self._assemble(self.root, self.active)
-        got = self._verify(tokens, parents, valid, self.L, self.active, self.cols(max(self.L_host) + self.N),
-                           sampling, self.seeds, P, self.needs_head, self.root)
+            if self.method == "pld":
+                tokens, parents, valid = self.pld_trees()
+            else:
+                tokens, parents, valid, retrieved = self._assemble(self.root, self.active)
+            got = self._verify(tokens, parents, valid, self.L, self.active, self.cols(max(self.L_host) + self.N),
+                               sampling, self.seeds, P, self.needs_head, self.root)
         if self.needs_head or self.uses_matrix:
             self._learn(tokens, valid, got, self.active)
         parts = [got["A"], got["bonus"], got["finite"].long(), tokens.gather(1, got["path"]).flatten()]
@@ -672,21 +691,28 @@ def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, re
     out = {}
     eng.reserve(nodes, min(nodes, 10))
     for B in sizes:
-        be = BatchEngine(eng, "ar", B)
+        be, tree_be = BatchEngine(eng, "ar", B), BatchEngine(eng, "pld", B, Config(pld_tokens=max(nodes - 1, 1)))
         trees = {}
         for n in sorted({1, nodes}):
             tree, P = cost_tree(torch.randint(0, m.args.vocab_size, (n,), generator=g).to(eng.device))
             trees[n] = ([t[None].expand(B, -1).contiguous() for t in (tree.tokens, tree.parents, tree.valid)], P)
-        be.active.fill_(1)
 
-        def one(n):
+        be.active.fill_(1)
+        tree_be.active.fill_(1)
+
+        def one(n):                # B one-token steps (batched ar's), or B trees through the verifier
             (tokens, parents, valid), P = trees[n]
             eng.mark_step()
-            be.L.fill_(context)
-            be._verify(tokens, parents, valid, be.L, be.active, eng.cols(context + n), Sampling(), be.seeds, P, False,
-                       be.root)
+            if n == 1:
+                be.L.fill_(context)
+                be._decode(be.root, be.L, be.active, eng.cols(context + 1), Sampling(), be.seeds)
+            else:
+                tree_be.L.fill_(context)
+                tree_be._verify(tokens, parents, valid, tree_be.L, tree_be.active, eng.cols(context + n), Sampling(),
+                                tree_be.seeds, P, False, tree_be.root)
 
         fastest, _ = robust_costs(time_passes(one, sorted(trees), repeats, sync=lambda: sync(eng.device)))
         out[B] = {n: round(s * 1000, 3) for n, s in fastest.items()}
         be.close()
+        tree_be.close()
     return out

@@ -220,7 +220,7 @@ enc = eager.tokenizer.encode
 first = [enc("def f(x):\\n"), enc("import os\\n"), enc("class A:\\n    pass\\n")]
 later = [enc("x = 1\\n" * 12), enc("y"), enc("def g(a, b):\\n    return a"), enc("for i in range(3):\\n"), enc("z = 2")]
 out = {{}}
-for m in ("ar", "graft", "recycle"):
+for m in ("ar", "graft", "recycle", "pld"):
     be, ref = BatchEngine(comp, m, 2, cfg), BatchEngine(eager, m, 2, cfg)
     be.run(first, 12, Sampling(), ())
     before = counters["stats"]["unique_graphs"]
