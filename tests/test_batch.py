@@ -29,7 +29,8 @@ GREEDY = Sampling()
 SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
 CFG = Config(budget=10, recycle_size=24)
 TEXTS = [STDLIB_PROMPT, "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
-         "def add(a, b):\n    return", "for i in range(10):\n    print(i)\n" * 3, "x"]
+         "def add(a, b):\n    return", "for i in range(10):\n    print(i)\n" * 3, "x",
+         STDLIB_PROMPT * 4]                  # 160 tokens: two prefill chunks into its slot
 N_NEW = 24
 
 has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file(), reason="no demo pair")
@@ -78,6 +79,15 @@ def test_every_request_equals_ar_alone(eng, prompts, baselines, method, s):
         assert [r.index for r in res.requests] == list(range(len(prompts)))
         assert len({r.rounds for r in res.requests}) > 1 or method == "ar"      # they end at different rounds
         assert res.rounds >= max(r.rounds for r in res.requests)
+
+
+@has_stdlib
+def test_one_new_token_and_a_full_stream(eng, prompts):
+    """--max-new-tokens 1: every request ends at its prefill (the slot is refilled at once)."""
+    res = BatchEngine(eng, "graft", 2, CFG).run(prompts, 1, GREEDY)
+    assert [r.tokens for r in res.requests] == [generate(eng, make_method(eng, "ar"), x, 1, GREEDY, ()).tokens
+                                               for x in prompts]
+    assert res.rounds == 0
 
 
 @has_stdlib
@@ -144,7 +154,8 @@ def test_full_attention_and_output_lifetimes(prompts, baselines, method):
     e = build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=256, attention="full", check_lifetimes=True)
     e.thresholds = {0: 0.3, 1: 0.2, 5: 0.05}
     eos, base = baselines
-    res = BatchEngine(e, method, 2, CFG).run(prompts, N_NEW, SAMPLED, eos, seeds=[SAMPLED.seed + i for i in range(6)])
+    res = BatchEngine(e, method, 2, CFG).run(prompts, N_NEW, SAMPLED, eos,
+                                             seeds=[SAMPLED.seed + i for i in range(len(prompts))])
     assert [r.tokens for r in res.requests] == base["sampled"]
 
 
