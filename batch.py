@@ -412,7 +412,7 @@ class BatchEngine:
             self._level = eng.compile(self.bd.level, name("level"))
             self._learn = eng.compile(self.learn_step, name(f"{method}_learn"))
             thr = cfg.thresholds
-            if thr is None:        # Youden's thresholds: a node is confident or not (see batch_thresholds)
+            if thr is None:        # Youden's: which calibration, see the note above slot_thresholds
                 thr = method_config(eng, "graft", cfg, auto_budget=False, calibration="youden").thresholds
             thr = thr if thr is not None else (eng.thresholds or {})
             self.thresholds = {c: float(thr.get(c, 0.0)) for c in cfg.checkpoints} if method == "graft" else {}
