@@ -308,6 +308,8 @@ class BatchResult:
     rounds: int                        # batched rounds (one target pass each)
     draft_forwards: int                # head forwards over the batch, all rounds
     prefill_seconds: float = 0.0
+    cpu_seconds: float = 0.0           # this process's CPU time over the run (time.process_time): on one
+                                       # thread, what the wall time would be on a core of its own
 
     @property
     def tokens(self) -> int:
@@ -319,6 +321,7 @@ class BatchResult:
         rr = sum(r.rounds for r in self.requests)
         return {"requests": len(self.requests), "tokens": self.tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 3),
+                "tokens_per_cpu_s": round(self.tokens / max(self.cpu_seconds, 1e-9), 3),
                 "latency_median_s": round(statistics.median(lat), 4) if lat else 0.0, "latency_p90_s": round(p90, 4),
                 "mat": round(sum(r.committed for r in self.requests) / max(rr, 1), 4),
                 "rounds": self.rounds, "draft_forwards_per_round": round(self.draft_forwards / max(self.rounds, 1), 4),
@@ -620,7 +623,7 @@ class BatchEngine:
                 t.zero_()
         rounds = forwards = 0
         prefill_s = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while queue or any(self._slots):
             for b in range(B):                       # refill free slots between rounds
                 while self._slots[b] is None and queue:
@@ -657,7 +660,7 @@ class BatchEngine:
                 r.ctx += acc + [bonus]
                 if r.tokens[-1] in eos or len(r.tokens) >= max_new_tokens:
                     self._finish(b, r, t0)
-        return BatchResult(reqs, time.perf_counter() - t0, rounds, forwards, prefill_s)
+        return BatchResult(reqs, time.perf_counter() - t0, rounds, forwards, prefill_s, time.process_time() - c0)
 
     def _finish(self, b: int, r: Request, t0: float):
         r.finished_s = time.perf_counter() - t0
@@ -678,12 +681,13 @@ def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
 
 
 @torch.no_grad()
-def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, repeats: int = 10) -> dict:
+def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, repeats: int = 10,
+                    timer=time.perf_counter) -> dict:
     """Milliseconds of one target pass over B trees of `nodes` nodes against B one-token steps (a
     batched ar round), after `context` committed tokens per request, for each B in sizes: where
     batching (and speculation inside a batch) stops paying. Measured as engine.pass_cost is:
-    interleaved sizes, each timed call after an untimed one, the fastest sample. Returns
-    {B: {1: ms, nodes: ms}}."""
+    interleaved sizes, each timed call after an untimed one, the fastest sample; timer: a clock in
+    seconds (time.process_time on a shared CPU). Returns {B: {1: ms, nodes: ms}}."""
     from engine import cost_tree, robust_costs, sync, time_passes
     m = eng.model
     context = max(1, min(context, m.max_seq_len - nodes - 1))
@@ -711,7 +715,7 @@ def batch_pass_cost(eng: Engine, sizes: list, nodes: int, context: int = 128, re
                 tree_be._verify(tokens, parents, valid, tree_be.L, tree_be.active, eng.cols(context + n), Sampling(),
                                 tree_be.seeds, P, False, tree_be.root)
 
-        fastest, _ = robust_costs(time_passes(one, sorted(trees), repeats, sync=lambda: sync(eng.device)))
+        fastest, _ = robust_costs(time_passes(one, sorted(trees), repeats, timer, sync=lambda: sync(eng.device)))
         out[B] = {n: round(s * 1000, 3) for n, s in fastest.items()}
         be.close()
         tree_be.close()
