@@ -356,9 +356,11 @@ class _SlotPrefill(Proposer):
 
 class BatchEngine:
     """B slots running one method (BATCH_METHODS) over the single engine's model, head and warm-up.
-    run(prompts, ...) decodes a stream of prompts, B at a time, and returns each in input order."""
+    run(prompts, ...) decodes a stream of prompts, B at a time, and returns each in input order.
+    anchor (graft): where the retrieval subtree hangs, "best" (the best node of the deepest kept level,
+    the default) or "root" (as the single-request graft round hangs it)."""
 
-    def __init__(self, eng: Engine, method: str, B: int, cfg: Config | None = None):
+    def __init__(self, eng: Engine, method: str, B: int, cfg: Config | None = None, anchor: str = "best"):
         if method not in BATCH_METHODS:
             raise GraftError(f"--batch runs the methods {', '.join(BATCH_METHODS)}, not {method!r}")
         if B < 1:
@@ -366,7 +368,7 @@ class BatchEngine:
         if method in ("eagle3", "graft") and eng.drafter is None:
             raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
         cfg = cfg or Config()
-        self.eng, self.method, self.B, self.cfg = eng, method, B, cfg
+        self.eng, self.method, self.B, self.cfg, self.anchor = eng, method, B, cfg, anchor
         self.needs_head = method in ("eagle3", "graft")
         self.uses_matrix = method in ("graft", "recycle")
         m, dev = eng.model, eng.device
@@ -478,6 +480,8 @@ class BatchEngine:
         lk = torch.where(kept, level, 0)
         key = torch.where(kept & (lk == lk.max(1, keepdim=True).values), score, float("-inf"))
         anchor = torch.where(kept.any(1), key.argmax(1), -1)                    # the best remaining node
+        if self.anchor == "root":
+            anchor = torch.full_like(anchor, -1)
         under = torch.where(anchor >= 0, d_tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
         r_tok = retrieve_each(self.M, under, self.tpl)
         return with_root_each(root, *graft_each(d_tok, d_par, kept, r_tok, self.tpl, anchor), active > 0)
