@@ -31,7 +31,7 @@ CFG = Config(budget=10, recycle_size=24)
 TEXTS = [STDLIB_PROMPT, "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
          "def add(a, b):\n    return", "for i in range(10):\n    print(i)\n" * 3, "x",
          STDLIB_PROMPT * 4]                  # 160 tokens: two prefill chunks into its slot
-N_NEW = 24
+N_NEW = 16
 
 has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file(), reason="no demo pair")
 
@@ -147,7 +147,7 @@ def test_bad_batch_arguments(eng):
 
 
 @has_stdlib
-@pytest.mark.parametrize("method", ["graft", "recycle", "pld"])
+@pytest.mark.parametrize("method", ["graft", "pld"])
 def test_full_attention_and_output_lifetimes(prompts, baselines, method):
     """Attention over the whole cache (static shapes: what CUDA graphs need), with every step output
     poisoned as it expires (the CUDA-graph contract's rule 1): still every request's ar tokens."""
@@ -235,9 +235,9 @@ for m in ("ar", "graft", "recycle", "pld"):
     be, ref = BatchEngine(comp, m, 2, cfg), BatchEngine(eager, m, 2, cfg)
     be.run(first, 12, Sampling(), ())
     before = counters["stats"]["unique_graphs"]
-    got = be.run(later, 20, Sampling(), ())
+    got = be.run(later, 16, Sampling(), ())
     out[m] = dict(new_graphs=counters["stats"]["unique_graphs"] - before,
-                  same=[r.tokens for r in got.requests] == [r.tokens for r in ref.run(later, 20, Sampling(), ()).requests])
+                  same=[r.tokens for r in got.requests] == [r.tokens for r in ref.run(later, 16, Sampling(), ()).requests])
 print(json.dumps(out))
 """
 
