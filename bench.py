@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import batch as BA
 import calibrate as CAL
 import cli as CLI
 import data as DATA
@@ -254,7 +255,8 @@ def parse_args(argv=None):
                f"{', '.join(DATA.LONG)} (long context, --context tokens each, from this Python's standard library "
                f"and its documentation), or a .jsonl/.json/.txt file of prompts")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
-    p.add_argument("--methods", default="ar,eagle3,prune,graft")
+    p.add_argument("--methods", default=None,
+                   help="default: ar,eagle3,prune,graft (with --batch: every batched method)")
     p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")
     p.add_argument("--json-out", default=None,
@@ -270,6 +272,10 @@ def parse_args(argv=None):
     p.add_argument("--executions", default=None,
                    help="eager,compiled: run every method both ways in one process, each against its own ar "
                         "(default: what --compile says)")
+    p.add_argument("--batch", default=None,
+                   help="batch sizes, e.g. 1,2,4,8,16: each method serves the whole prompt stream B requests per "
+                        f"target pass (batch.py; methods {', '.join(BA.BATCH_METHODS)}): total tokens/s, per-request "
+                        "latency, MAT, draft forwards per round, and the pass cost of B trees against B tokens")
     CLI.add_engine_flags(p, compare_calibrations=True)
     return p.parse_args(argv)
 
@@ -375,6 +381,7 @@ def main(argv=None) -> dict:
         if a.threads < 1:
             raise GraftError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
+    a.methods = a.methods or (",".join(BA.BATCH_METHODS) if a.batch else "ar,eagle3,prune,graft")
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:
         if m not in E.METHODS:
@@ -391,6 +398,7 @@ def main(argv=None) -> dict:
     budgets = CLI.numbers("--budgets", a.budgets) if a.budgets else None
     CLI.check_args(a, budgets)
     budgets = budgets or [a.budget]
+    sizes = check_batch(a, methods, budgets)
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in E.NEEDS_HEAD for m in methods)
@@ -415,6 +423,8 @@ def main(argv=None) -> dict:
             budgets = [None]           # each method at the budget its calibration picked
     elif a.auto_budget and any(m in E.CALIBRATED for m in methods):
         log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
+    if sizes:
+        return bench_batch(a, eng, methods, datasets, sizes, draft, dtype, t_start, argv)
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled")
@@ -598,6 +608,123 @@ def main(argv=None) -> dict:
     print(json.dumps(report, separators=(",", ":")))
     if interrupted:
         raise KeyboardInterrupt
+    return report
+
+
+# ----------------------------------------------------------------------------- --batch
+
+def check_batch(a, methods: list, budgets: list) -> list | None:
+    """--batch B1,B2,...: checked before any model loads. Returns the sizes, or None without --batch."""
+    if a.batch is None:
+        return None
+    sizes = CLI.numbers("--batch", a.batch)
+    if not sizes or min(sizes) < 1:
+        raise GraftError(f"--batch takes batch sizes >= 1, e.g. 1,2,4,8,16, got {a.batch!r}")
+    bad = [m for m in methods if m not in BA.BATCH_METHODS]
+    if bad:
+        raise GraftError(f"--batch runs the methods {', '.join(BA.BATCH_METHODS)}, not {', '.join(bad)}")
+    if len(budgets) > 1 or a.executions and "," in a.executions or a.plot:
+        raise GraftError("--batch takes one budget and one execution, and no --plot")
+    return list(dict.fromkeys(sizes))
+
+
+def bench_batch(a, eng, methods: list, datasets: list, sizes: list, draft, dtype, t_start: float, argv) -> dict:
+    """Every method (ar first) on each dataset's whole prompt stream at every batch size: one
+    batch.BatchEngine per (method, B), B slots refilled from the stream. Each request's tokens are
+    checked against the same prompt run alone with ar (the single engine). Rows: total tokens/s,
+    speedup over batched ar at the same B, per-request latency (median, 90th percentile: from the
+    stream's start), MAT, draft forwards per round; then graft over eagle3 at each B, and the pass
+    cost of B trees against B one-token steps."""
+    log = lambda s: print(s, file=sys.stderr)
+    sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
+    base_cfg = CLI.config_from_args(a)
+    # one slot count per request for every tree method (the paper's static trees): eagle3's budget (the
+    # warm-up's choice under --budget auto); graft keeps its own calibrated thresholds
+    budget = E.method_config(eng, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
+    cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}      # thresholds: batch.py's
+    enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+    warm = [eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]]
+    rows, mismatches, alone, graft_thresholds = [], [], {}, {}
+    for d in datasets:
+        ids = [enc(t) for t in load_dataset(d, a.limit, eng)]
+        fits = [x for x in ids if len(x) + a.max_new_tokens <= eng.model.max_seq_len]
+        if len(fits) < len(ids):
+            log(f"{d}: skipped {len(ids) - len(fits)} of {len(ids)} prompts longer than --max-seq-len minus --max-new-tokens")
+        c0 = time.process_time()
+        ref = [E.generate(eng, E.make_method(eng, "ar"), x, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+               for x in fits]
+        n = sum(len(r.tokens) for r in ref)
+        alone[d] = {"tokens_per_s": round(n / max(sum(r.seconds for r in ref), 1e-9), 3),
+                    "tokens_per_cpu_s": round(n / max(time.process_time() - c0, 1e-9), 3)}
+        ref = [r.tokens for r in ref]
+        for B in sizes:
+            ar_tps = ar_cpu = None
+            for m in methods:
+                log(f"{Path(d).name}: {m} at batch {B} ({len(fits)} prompts)")
+                be = BA.BatchEngine(eng, m, B, cfgs[m])
+                be.run(warm * B, 8, sampling, ())          # first-call costs (and compiling) before the clock
+                res = be.run(fits, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                st = res.stats()
+                bad = [i for i, (r, t) in enumerate(zip(res.requests, ref)) if r.tokens != t]
+                mismatches += [{"dataset": d, "method": m, "batch": B, "prompt": i} for i in bad]
+                ar_tps, ar_cpu = (st["tokens_per_s"], st["tokens_per_cpu_s"]) if m == "ar" else (ar_tps, ar_cpu)
+                be.close()
+                graft_thresholds = getattr(be, "thresholds", None) or graft_thresholds
+                rows.append({"dataset": d, "batch": B, "method": m, "nodes": be.N, **st,
+                             "speedup": round(st["tokens_per_s"] / ar_tps, 4) if ar_tps else None,
+                             "speedup_cpu": round(st["tokens_per_cpu_s"] / ar_cpu, 4) if ar_cpu else None,
+                             "lossless": not bad})
+    gain, gain_cpu = {}, {}
+    for r in rows:
+        if r["method"] == "graft":
+            e3 = next((x for x in rows if (x["dataset"], x["batch"], x["method"]) == (r["dataset"], r["batch"], "eagle3")), None)
+            if e3:
+                key = f"{Path(r['dataset']).name} batch {r['batch']}"
+                gain[key] = round(r["tokens_per_s"] / e3["tokens_per_s"] - 1, 4)
+                gain_cpu[key] = round(r["tokens_per_cpu_s"] / e3["tokens_per_cpu_s"] - 1, 4)
+    nodes = max((r["nodes"] for r in rows if r["method"] in ("eagle3", "graft")), default=1 + a.budget)
+    # CPU time on a CPU: on a shared machine a wall clock mostly measures the neighbours
+    cost = BA.batch_pass_cost(eng, sizes, nodes, timer=time.perf_counter if eng.cuda else time.process_time)
+    cols = ["dataset", "batch", "method", "nodes", "requests", "tokens", "tokens_per_s", "tokens_per_cpu_s", "speedup",
+            "speedup_cpu", "latency_median_s", "latency_p90_s", "mat", "draft_forwards_per_round", "rounds", "lossless"]
+    head = ["dataset", "B", "method", "N", "requests", "tokens", "tok/s", "tok/CPU s", "vs ar at B", "vs ar (CPU s)",
+            "latency median s", "latency p90 s", "MAT", "draft fwd/round", "rounds", "lossless"]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+    print("\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                    ["| " + " | ".join(fmt(r[c] if c != "dataset" else Path(r[c]).name) for c in cols) + " |" for r in rows]))
+    for k, v in gain.items():
+        print(f"graft over eagle3, {k}: {v * 100:+.1f}% tokens/s ({gain_cpu[k] * 100:+.1f}% tokens per CPU second)")
+    if graft_thresholds:
+        print(f"graft's batch variant replaced draft nodes below thresholds {graft_thresholds}")
+    for d, t in alone.items():
+        print(f"ar alone (the single-request engine, one prompt after another), {Path(d).name}: "
+              f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_cpu_s']:.1f} tokens per CPU second")
+    print(f"\ntarget pass ({'ms' if eng.cuda else 'CPU ms'}) over B trees of {nodes} nodes against B one-token steps, "
+          f"after 128 tokens a request:")
+    for B, c in cost.items():
+        print(f"B={B}: B tokens {c[1]:.2f} ms ({c[1] / B:.2f} a request), B trees {c[nodes]:.2f} ms "
+              f"({c[nodes] / c[1]:.2f}x B tokens)")
+    report = {"meta": {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "device": str(a.device)},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "limit": a.limit,
+        "batch": sizes, "execution": "compiled" if eng.compiling else "eager",
+        "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed},
+        "thresholds": {str(c): round(t, 4) for c, t in graft_thresholds.items()},
+        "budgets": {m: c.budget for m, c in cfgs.items() if m in E.NEEDS_HEAD},
+        "graft_over_eagle3": gain, "graft_over_eagle3_cpu": gain_cpu, "ar_alone_tokens_per_s": alone,
+        "pass_timer": "wall" if eng.cuda else "process CPU time", "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
+        "pass_context": 128, "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
+        "rows": rows}
+    if mismatches:
+        log(f"{len(mismatches)} outputs differ from ar alone: NOT lossless" +
+            ("" if eng.dtype == torch.float32 else f" (or near-ties of {dtype} rounding: --dtype float32 checks exactly)"))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, separators=(",", ":")))
     return report
 
 

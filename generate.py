@@ -2,16 +2,20 @@
 
     python generate.py --ckpt Qwen/Qwen3-8B --method graft --chat --prompt "Write a haiku"
     python generate.py                      # the shipped demo pair, compared with plain decoding
+    python generate.py --prompts FILE --batch 4 --method graft     # many prompts, 4 per target pass
+
 
 The algorithm is in graft.py (the round) and engine.py (the steps and the loop); this file only reads
 the command line (cli.py), loads the pair, warms up (calibrate.py) and prints. Methods: engine.METHODS.
 """
+import dataclasses
 import json
 import os
 import sys
 
 import torch
 
+from batch import BATCH_METHODS, BatchEngine
 from calibrate import needs_warmup, warm_up
 from cli import (DEMO_WARMUP_RUNS, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, build_engine, check_args,
                  config_from_args, render_round, run)
@@ -33,6 +37,10 @@ def parse_args(argv=None):
                         "bfloat16, else stdlib)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None, help="the prompt: the whole file, as written (UTF-8)")
+    p.add_argument("--prompts", default=None,
+                   help="many prompts: a text file with one per line, or .jsonl (with --batch; results in input order)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"requests per target pass (batch.py; methods {', '.join(BATCH_METHODS)}; no streaming)")
     add_engine_flags(p)
     p.add_argument("--compare", action="store_true", help="also run ar and print the speedup")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -49,6 +57,7 @@ def main(argv=None):
         raise GraftError("give --prompt or --prompt-file, not both")
     if a.prompt_file is not None:
         a.prompt = read_text(a.prompt_file)
+    many = check_batch_args(a)
     if a.demo is not None and a.ckpt is not None:
         raise GraftError("give --demo or --ckpt, not both")
     if a.ckpt is None:  # the demo: a shipped pair, Graft compared with plain decoding
@@ -77,11 +86,12 @@ def main(argv=None):
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     eng = build_engine(a.ckpt, draft if method in NEEDS_HEAD else None, a.device, dtype, a.max_seq_len,
                        a.draft_top_k, a.depth, compile=a.compile, attention=a.attention, chunk=a.prefill_chunk)
-    text = a.prompt or ""
-    ids = eng.tokenizer.apply_chat(text) if a.chat else eng.tokenizer.encode(text)
-    if len(ids) + a.max_new_tokens > eng.model.max_seq_len:
-        raise GraftError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
-                         f"--max-seq-len ({eng.model.max_seq_len})")
+    enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+    ids = enc(a.prompt or "") if many is None else None
+    for x in [ids] if many is None else (many := [enc(t) for t in many]):
+        if len(x) + a.max_new_tokens > eng.model.max_seq_len:
+            raise GraftError(f"prompt ({len(x)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
+                             f"--max-seq-len ({eng.model.max_seq_len})")
     cfg = config_from_args(a)
     if needs_warmup(method, a.auto_budget) and a.warmup > 0:
         wp = read_prompts(a.warmup_file) if a.warmup_file else None
@@ -91,6 +101,8 @@ def main(argv=None):
     elif a.auto_budget and method in CALIBRATED:
         print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
+    if many is not None:
+        return run_batch(a, eng, method, cfg, many, s)
     m = make_method(eng, method, cfg)
     base = make_method(eng, "ar") if a.compare and method != "ar" else None
     how = ("compiled (CUDA graphs)" if eng.cuda else "compiled (inductor)") if eng.compiling else "eager"
@@ -143,6 +155,58 @@ def main(argv=None):
         print(json.dumps(out))
     return out
 
+
+def check_batch_args(a):
+    """--prompts / --batch, checked before any model loads. Returns the prompts' texts, or None."""
+    if a.prompts is None and a.batch is None:
+        return None
+    if a.prompts is None or a.batch is None:
+        raise GraftError("--prompts FILE and --batch B go together")
+    if a.prompt is not None:
+        raise GraftError("give --prompt/--prompt-file or --prompts, not both")
+    if a.batch < 1:
+        raise GraftError(f"--batch must be >= 1, got {a.batch}")
+    if a.method is not None and a.method not in BATCH_METHODS:
+        raise GraftError(f"--batch runs the methods {', '.join(BATCH_METHODS)}, not {a.method!r}")
+    if a.show_tree:
+        raise GraftError("--show-tree shows one request's rounds: not with --batch")
+    texts = read_prompts(a.prompts)
+    if not texts:
+        raise GraftError(f"--prompts {a.prompts}: no prompts in the file")
+    return texts
+
+
+def run_batch(a, eng, method, cfg, prompts: list, s: Sampling) -> dict:
+    """--prompts FILE --batch B: every prompt through batch.BatchEngine, B per target pass (no
+    streaming); each result printed in input order, then the totals (and with --compare ar's)."""
+    err = sys.stderr
+    # the batch variant reads its own calibration (batch.py), unless --thresholds gives one
+    cfg = dataclasses.replace(config_from_args(a), budget=cfg.budget)
+    be = BatchEngine(eng, method, a.batch, cfg)
+    res = be.run(prompts, a.max_new_tokens, s, eng.tokenizer.eos_ids)
+    texts = [eng.tokenizer.decode(r.tokens) for r in res.requests]
+    for i, (r, t) in enumerate(zip(res.requests, texts)):
+        if not a.json:
+            print(f"--- [{i}] {len(r.tokens)} tokens, MAT {r.mat:.2f}, latency {r.finished_s:.2f}s\n{t}")
+    st = res.stats()
+    print(f"[{method}, batch {a.batch}, eager] {st['tokens']} tokens of {st['requests']} requests in {st['seconds']:.2f}s "
+          f"= {st['tokens_per_s']:.1f} tokens/s, latency median {st['latency_median_s']:.2f}s p90 "
+          f"{st['latency_p90_s']:.2f}s, MAT {st['mat']:.2f}, {st['draft_forwards_per_round']:.2f} draft forwards/round",
+          file=err)
+    out = {"method": method, "batch": a.batch, **st,
+           "results": [{"tokens": r.tokens, "text": t, "mat": round(r.mat, 4), "latency_s": round(r.finished_s, 4)}
+                       for r, t in zip(res.requests, texts)]}
+    if a.compare and method != "ar":
+        b = BatchEngine(eng, "ar", a.batch, cfg).run(prompts, a.max_new_tokens, s, eng.tokenizer.eos_ids)
+        same = [r.tokens for r in b.requests] == [r.tokens for r in res.requests]
+        bs = b.stats()
+        print(f"[ar, batch {a.batch}] {bs['tokens_per_s']:.1f} tokens/s; {method} "
+              f"{st['tokens_per_s'] / bs['tokens_per_s']:.2f}x, identical output: {same}", file=err)
+        out.update(ar_tokens_per_s=bs["tokens_per_s"], speedup=round(st["tokens_per_s"] / bs["tokens_per_s"], 3),
+                   lossless=same)
+    if a.json:
+        print(json.dumps(out))
+    return out
 
 
 def meaning(res, base, cuda: bool) -> str:

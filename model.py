@@ -165,6 +165,13 @@ class KVCache:
         for t in self.k + self.v:
             t.index_copy_(2, dst, t.index_select(2, src))
 
+    def move_rows_each(self, src: torch.Tensor, dst: torch.Tensor):
+        """move_rows per request: src, dst (B, n), request b's rows src[b] become its rows dst[b]."""
+        for t in self.k + self.v:
+            B, H, _, D = t.shape
+            t.scatter_(2, dst[:, None, :, None].expand(B, H, -1, D),
+                       t.gather(2, src[:, None, :, None].expand(B, H, -1, D)))
+
     def tensors(self) -> list:
         return self.k + self.v
 
@@ -212,11 +219,16 @@ class Attention(nn.Module):
             # Padding rows (keep False) write zeros: a row nobody may see must still be finite, since
             # with full attention its keys and values meet the mask's zero weights (0 * NaN = NaN).
             kc, vc = kv
-            if keep is not None:
-                k = torch.where(keep[:, None], k, 0.0)
-                v = torch.where(keep[:, None], v, 0.0)
-            kc.index_copy_(2, rows, k)
-            vc.index_copy_(2, rows, v)
+            if keep is not None:      # (T,), or (B, T) for a batch of requests
+                keep = keep[:, None] if keep.dim() == 1 else keep[:, None, :, None]
+                k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+            if rows.dim() == 1:
+                kc.index_copy_(2, rows, k)
+                vc.index_copy_(2, rows, v)
+            else:                     # (B, T): every request writes at its own rows
+                at = rows[:, None, :, None].expand_as(k)
+                kc.scatter_(2, at, k)
+                vc.scatter_(2, at, v)
             n_keys = mask.shape[-1]
             k, v = kc[:, :, :n_keys], vc[:, :, :n_keys]
         elif steps_kv is not None:
@@ -346,9 +358,9 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None):
         """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
 
-        With `rows` (T,): the T new rows are written there in `cache` (default: the model's own) and
+        With `rows` (T,), or (B, T) per request: the T new rows are written there in `cache` (default: the model's own) and
         attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend);
-        `keep` (T,) bool marks the real rows (padding writes zeros to the cache, see Attention).
+        `keep` (T,) or (B, T) bool marks the real rows (padding writes zeros to the cache, see Attention).
         Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
         capture=True, the EAGLE-3 features (B, T, n*dim): the residual stream at the input of the
         layers in self.capture_layers (2, L//2 and L-3 unless a head declares others; L = the output of

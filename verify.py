@@ -197,12 +197,13 @@ class Verified:
 
 
 def rows_finite(logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """() bool: every logit of every real row (valid (N,) True; default all) is finite. logits (N, V).
+    """() bool, or (B,) for a batch: every logit of every real row (valid (N,) or (B, N) True; default
+    all) is finite. logits (N, V) or (B, N, V).
     Checked through each row's float32 sum: a NaN or an inf anywhere makes its row's sum non-finite,
     and one reduction costs ~1/80 of isfinite over every element (measured on a CPU: 0.9 against 73 ms
     for a 128 x 49152 prefill chunk). A finite row could only overflow the sum with logits near 1e34."""
-    ok = torch.isfinite(logits.sum(-1, dtype=torch.float32))                     # (N,)
-    return (ok if valid is None else ok | ~valid).all()
+    ok = torch.isfinite(logits.sum(-1, dtype=torch.float32))                     # (..., N)
+    return (ok if valid is None else ok | ~valid).all(-1)
 
 
 def verify(model, tree: Tree, L: torch.Tensor, cols: torch.Tensor, sampling: Sampling, seed: torch.Tensor,

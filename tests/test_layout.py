@@ -1,6 +1,6 @@
 """The layout (README, "Reading the code"): imports go one way, and the algorithm stays small.
 
-    model <- draft, verify <- graft <- engine <- calibrate        the algorithm, in reading order
+    model <- draft, verify <- graft <- engine <- batch <- calibrate   the algorithm, in reading order
     checkpoint, gguf_checkpoint, tokenizer                        loaders: the model (and the head) only
     data, cli                                                     serve the faces
     generate, bench, train                                        the faces: never one another
@@ -9,14 +9,15 @@ import ast
 
 from conftest import ROOT
 
-CORE = ["model", "draft", "verify", "graft", "engine", "calibrate"]
+CORE = ["model", "draft", "verify", "graft", "engine", "batch", "calibrate"]
 LOADERS = ["checkpoint", "gguf_checkpoint", "tokenizer"]
 SERVING = ["data", "cli"]
 FACES = ["generate", "bench", "train"]
 # what each may import from the project
 ALLOWED = {
     "model": set(), "draft": {"model"}, "verify": {"model"}, "graft": {"model", "draft", "verify"},
-    "engine": {"model", "draft", "verify", "graft"}, "calibrate": {"model", "draft", "verify", "graft", "engine"},
+    "engine": {"model", "draft", "verify", "graft"}, "batch": {"model", "draft", "verify", "graft", "engine"},
+    "calibrate": {"model", "draft", "verify", "graft", "engine", "batch"},
     **{m: {"model", "draft"} | set(LOADERS) - {m} for m in LOADERS},
     "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data"},
     **{f: set(CORE) | set(LOADERS) | set(SERVING) for f in FACES},
