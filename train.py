@@ -37,7 +37,7 @@ from checkpoint import hf_model_args, load_head, load_model, read_config, save_h
 from model import GraftError, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
-from verify import Sampling, choose
+from verify import Sampling
 from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
 from calibrate import cache_dir
 
@@ -263,7 +263,7 @@ def target_views(target, seqs: list, k: int, batch_tokens: int, log) -> list:
     (n, 3*Ht) float16, and its next-token distribution at every position as the top k entries, ids
     (n, k) int32 and log-probs (n, k) float16. The target runs once over the data instead of once per
     training step (for a 135M target on a CPU that is most of the time a step would take)."""
-    out, t0 = [], time.time()
+    t0 = time.time()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     views = [None] * len(seqs)
     i = 0

@@ -2,7 +2,6 @@
 cuts real texts into exact windows (labels stay the target's), and bad paths are one-line errors
 before the target runs. Each run is a few steps of a 64-wide head (a second or two on one thread)."""
 import json
-import os
 
 import pytest
 import torch
