@@ -35,7 +35,7 @@ from functools import partial
 
 import torch
 
-from engine import Engine, Proposer, method_config, prefill
+from engine import Engine, Proposer, lookup, method_config, prefill
 from graft import MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, build_template
 from model import GraftError, KVCache
 from verify import Sampling, position_noise, rows_finite, warp
@@ -671,17 +671,6 @@ class BatchEngine:
         del r.ctx
         self._slots[b], self._active_host[b] = None, 0
         self.free(b)
-
-
-def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
-    """Prompt lookup (engine.PromptLookup.lookup): the tokens after the newest earlier match of the
-    last 3, 2 or 1 tokens."""
-    for n in range(min(ngram, len(ctx) - 1), 0, -1):
-        tail = ctx[-n:]
-        for s in range(len(ctx) - n - 1, -1, -1):
-            if ctx[s:s + n] == tail:
-                return ctx[s + n:s + n + n_tokens]
-    return []
 
 
 @torch.no_grad()

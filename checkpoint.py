@@ -116,6 +116,25 @@ def read_rope(cfg: dict, what: str, default_theta: float = 10000.0) -> tuple:
     return theta, dict(scaling)
 
 
+def read_heads(c: Fields, what: str) -> tuple:
+    """(hidden_size, num_attention_heads, num_key_value_heads, head_dim) of a config (a target's or a
+    head's layer), checked: the query heads a multiple of the KV heads, head_dim given or a divisor of
+    the width, and even (RoPE rotates pairs). Errors: GraftError naming the field."""
+    dim, n_heads = c.int("hidden_size"), c.int("num_attention_heads")
+    n_kv = c.int("num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise GraftError(f"{what}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    head_dim = c.int("head_dim", None)
+    if head_dim is None:
+        if dim % n_heads:
+            raise GraftError(f"{what}: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
+                             f"and there is no head_dim")
+        head_dim = dim // n_heads
+    if head_dim % 2:
+        raise GraftError(f"{what}: head_dim {head_dim} is odd; RoPE rotates pairs")
+    return dim, n_heads, n_kv, head_dim
+
+
 def hf_model_args(cfg, what: str = "config.json") -> ModelArgs:
     """Read a transformers config.json (Llama or Qwen3), checking every field it uses.
 
@@ -137,18 +156,7 @@ def hf_model_args(cfg, what: str = "config.json") -> ModelArgs:
     for flag in ("mlp_bias", "use_sliding_window"):
         if c.get(flag, bool, False):
             raise GraftError(f"{what}: {flag}=true is not supported")
-    dim, n_heads = c.int("hidden_size"), c.int("num_attention_heads")
-    n_kv = c.int("num_key_value_heads", n_heads)
-    if n_heads % n_kv:
-        raise GraftError(f"{what}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-    head_dim = c.int("head_dim", None)
-    if head_dim is None:
-        if dim % n_heads:
-            raise GraftError(f"{what}: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
-                             f"and there is no head_dim")
-        head_dim = dim // n_heads
-    if head_dim % 2:
-        raise GraftError(f"{what}: head_dim {head_dim} is odd; RoPE rotates pairs")
+    dim, n_heads, n_kv, head_dim = read_heads(c, what)
     vocab = c.int("vocab_size")
     layers = c.int("num_hidden_layers")
     theta, scaling = read_rope(cfg, what)
@@ -426,16 +434,7 @@ def head_config(cfg, what: str = "draft head config.json") -> HeadConfig:
     lc = Fields(layer_cfg, what)
     if lc.get("hidden_act", str, "silu") != "silu":
         raise GraftError(f"{what}: hidden_act {layer_cfg['hidden_act']!r} is not supported (only silu)")
-    H, nh = lc.int("hidden_size"), lc.int("num_attention_heads")
-    nkv = lc.int("num_key_value_heads", nh)
-    if nh % nkv:
-        raise GraftError(f"{what}: num_attention_heads {nh} is not a multiple of num_key_value_heads {nkv}")
-    hd = lc.int("head_dim", None)
-    if hd is None and H % nh:
-        raise GraftError(f"{what}: hidden_size {H} is not a multiple of num_attention_heads {nh}")
-    hd = hd or H // nh
-    if hd % 2:
-        raise GraftError(f"{what}: head_dim {hd} is odd; RoPE rotates pairs")
+    H, nh, nkv, hd = read_heads(lc, what)
     V = c.int("vocab_size", None) or lc.int("vocab_size")
     theta, scaling = read_rope(layer_cfg, what)
     layer = ModelArgs(arch="llama", vocab_size=lc.int("vocab_size", V), dim=H, n_layers=1, n_heads=nh,

@@ -356,6 +356,17 @@ class Plain(Proposer):
         return Verified(None, nxt[0], None, None, None, None, finite, accepted=[], bonus_id=got[0], from_retrieval=[])
 
 
+def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
+    """Prompt lookup: up to n_tokens tokens that followed the newest earlier occurrence of the last
+    ngram, ngram-1, ..., 1 tokens of ctx (a host list of token ids); [] when none recurs."""
+    for n in range(min(ngram, len(ctx) - 1), 0, -1):
+        tail = ctx[-n:]
+        for s in range(len(ctx) - n - 1, -1, -1):
+            if ctx[s:s + n] == tail:
+                return ctx[s + n:s + n + n_tokens]
+    return []
+
+
 class PromptLookup(Proposer):
     """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
     committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over the context."""
@@ -376,13 +387,7 @@ class PromptLookup(Proposer):
         self.context = list(prompt)
 
     def lookup(self) -> list:
-        ctx = self.context
-        for n in range(min(self.ngram, len(ctx) - 1), 0, -1):
-            tail = ctx[-n:]
-            for s in range(len(ctx) - n - 1, -1, -1):
-                if ctx[s:s + n] == tail:
-                    return ctx[s + n:s + n + self.n_tokens]
-        return []
+        return lookup(self.context, self.ngram, self.n_tokens)
 
     def round(self, root: torch.Tensor) -> Verified:
         e = self.eng

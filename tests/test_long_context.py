@@ -25,8 +25,8 @@ has_stdlib = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is
 GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)
 
 
-def stdlib_text(min_chars: int) -> str:
-    """The longest stdlib file at least min_chars long (deterministic: size, then path)."""
+def stdlib_text() -> str:
+    """The longest stdlib file (deterministic: size, then path)."""
     root = sysconfig.get_paths()["stdlib"]
     files = sorted(stdlib_files(root), key=lambda f: (-Path(f).stat().st_size, f))
     return Path(files[0]).read_text(errors="replace")
@@ -52,7 +52,7 @@ def seeded(eng, method: str, ids: list, chunk: int) -> ContinuationMatrix:
 @pytest.mark.parametrize("method", ["graft", "recycle"])
 def test_chunked_prefill_seeds_the_matrix_as_one_pass_would(stdlib_engine, method):
     eng = stdlib_engine
-    ids = eng.tokenizer.encode(stdlib_text(20000))[:1500]
+    ids = eng.tokenizer.encode(stdlib_text())[:1500]
     eng.reserve(1536, 16)                            # room for one 1536-token chunk
     chunks, whole = seeded(eng, method, ids, 128), seeded(eng, method, ids, 1536)
     eng.chunk = E.PREFILL_CHUNK
@@ -65,7 +65,7 @@ def test_chunked_prefill_seeds_the_matrix_as_one_pass_would(stdlib_engine, metho
 @has_stdlib
 def test_every_prompt_position_reaches_the_matrix_from_the_prefill_passes(stdlib_engine, monkeypatch):
     eng = stdlib_engine
-    ids = eng.tokenizer.encode(stdlib_text(20000))[:700]
+    ids = eng.tokenizer.encode(stdlib_text())[:700]
     calls = []
     step = eng._prefill
     monkeypatch.setattr(eng, "_prefill", lambda *a, **k: calls.append(1) or step(*a, **k))
@@ -120,7 +120,7 @@ def test_every_method_lossless_at_the_end_of_a_4k_context(long_tiny, s):
 @has_stdlib
 def test_a_trained_pair_is_lossless_with_a_2k_prompt_of_real_code(stdlib_engine):
     eng = stdlib_engine
-    ids = eng.tokenizer.encode(stdlib_text(20000))[:2048 - 48]
+    ids = eng.tokenizer.encode(stdlib_text())[:2048 - 48]
     base = E.generate(eng, E.make_method(eng, "ar"), ids, 48, GREEDY, eng.tokenizer.eos_ids)
     for m in ("eagle3", "prune", "graft", "recycle", "pld"):
         r = E.generate(eng, E.make_method(eng, m), ids, 48, GREEDY, eng.tokenizer.eos_ids)
@@ -143,7 +143,7 @@ def test_head_agreement_is_what_a_rounds_first_draft_token_would_do(stdlib_engin
     that very row, and verifies: its best level-1 token against the target's choice after the root."""
     H = load_script("head_by_position")
     eng = stdlib_engine
-    ids = eng.tokenizer.encode(stdlib_text(20000))[:300]
+    ids = eng.tokenizer.encode(stdlib_text())[:300]
     hits = H.agreement(eng, ids)
     assert hits.shape == (len(ids) - 2,)
     assert 0.2 < hits.float().mean() < 1.0          # a trained head on its own domain: far from chance
@@ -163,7 +163,7 @@ def test_head_agreement_is_what_a_rounds_first_draft_token_would_do(stdlib_engin
 def test_continuation_agreement_counts_only_generated_rows(stdlib_engine):
     H = load_script("head_by_position")
     eng = stdlib_engine
-    text = stdlib_text(20000)
+    text = stdlib_text()
     rows = H.on_continuations(eng, [text], [64, 256], new_tokens=16)
     assert [(r["context"], r["rows"]) for r in rows] == [(64, 15), (256, 15)]     # tokens after the first generated one
 
