@@ -18,9 +18,9 @@ from functools import lru_cache
 import torch
 
 from draft import select
-from engine import (CALIBRATED, CPU_COMPILE, METHODS, NEEDS_MATRIX, PRUNING, WARMUP_PROMPTS, Engine, Sampling,
-                    compile_warmup, generate, pass_cost, robust_costs, sync, time_passes)
-from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, PRIOR_HIT_RATES, Config, ContinuationMatrix, Graft, Recycle,
+from engine import (CPU_COMPILE, WARMUP_PROMPTS, Engine, Request, compile_warmup, pass_cost, robust_costs, run,
+                    sync, time_passes)
+from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_HIT_RATES, Calibration, Config, ContinuationMatrix,
                    Template, build_template, graft_trees, with_root)
 from verify import Tree
 
@@ -170,7 +170,7 @@ def accepted_by(tree: Tree, truth: list) -> int:
     is `truth` (host ints): the deepest root path spelling a prefix of it. Greedy choices are a
     function of the path, so this is what verifying the tree would have accepted. (On the host: the
     calibration asks it thousands of times about trees of a few dozen nodes.)"""
-    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    tokens, parents, valid = (x.reshape(-1).tolist() for x in (tree.tokens, tree.parents, tree.valid))   # one tree
     depth = [0] * len(tokens)           # a node's depth when its whole root path matches truth, else -1
     for i in range(1, len(tokens)):     # parents first: a node's parent was decided before it
         d = depth[parents[i]] if 0 <= parents[i] < i else -1
@@ -183,16 +183,17 @@ def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
     draft nodes kept and R retrieved: its candidates (rec["scores"/"tokens"/"parents"], slots past the
     stage's levels left out), grafted with the first K + R nodes of its retrieval (rec["retrieved"],
     best-first, so a smaller template is a prefix of a larger one)."""
-    scores = rec["scores"].clone()
+    scores = rec["scores"].clone()[None]
     if stage is not None:
-        scores[k + stage * k * k:] = float("-inf")                   # levels not drafted by then
-    d_tok, d_par, _ = select(scores, rec["tokens"], rec["parents"], K)
-    root = torch.tensor(rec["root"])
+        scores[:, k + stage * k * k:] = float("-inf")                # levels not drafted by then
+    d_tok, d_par, _, rank = select(scores, rec["tokens"][None], rec["parents"][None], K + R)
+    kept = rank < K
+    root, yes = torch.tensor([rec["root"]]), torch.ones(1, dtype=torch.bool)
     if not R:
-        yes = torch.ones_like(d_tok, dtype=torch.bool)
-        return with_root(root, d_tok, d_par, yes, ~yes, 1 + K)
+        return with_root(root, *graft_trees(d_tok, d_par, kept, None, None, None, None), yes)
     tpl = _template(tuple(rates), K + R)
-    return with_root(root, *graft_trees(d_tok, d_par, rec["retrieved"][:K + R], tpl, R), 1 + K + R)
+    return with_root(root, *graft_trees(d_tok, d_par, kept, rec["retrieved"][None, :K + R], tpl, torch.tensor([-1]),
+                                        torch.tensor([R])), yes)
 
 
 @lru_cache(maxsize=256)
@@ -213,94 +214,109 @@ def needs_warmup(method: str, auto_budget: bool) -> bool:
     """Whether a method needs the warm-up: for the continuation matrix (graft, recycle, the
     ablations), its thresholds (prune, graft), or, under --budget auto, its budget (every method that
     has one: those with a head)."""
-    return method in NEEDS_MATRIX | PRUNING or (auto_budget and method in CALIBRATED)
+    cls = METHODS[method]
+    return cls.needs_matrix or bool(cls.settings.get("prune")) or (auto_budget and cls.calibrated is not None)
+
+
+def warmup_method(cfg: Config, drafter_geometry, auto_budget: bool) -> tuple:
+    """(name, Config) of the method the warm-up runs, for the engine's room (engine.room): the dense
+    tree at the largest budget it may choose, or recycle without a head."""
+    if drafter_geometry is None:
+        return "recycle", cfg
+    k, D = drafter_geometry
+    budgets = [b for b in AUTO_BUDGETS if b <= k + (D - 1) * k * k] if auto_budget else [cfg.budget]
+    return "eagle3", dataclasses.replace(cfg, budget=max(budgets))
 
 
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
             use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
-            auto_budget: bool = False):
-    """Fill the continuation matrix, measure per-rank hit rates and calibrate the thresholds by running
-    a few generations with the dense tree (GRAFT.md sections 3, 4, 6).
+            auto_budget: bool = False) -> Calibration:
+    """Fill the continuation matrix (engine.matrix, the prior every request starts from), measure
+    per-rank hit rates and calibrate the thresholds by running a few generations with the dense tree
+    (GRAFT.md sections 3, 4, 6), on the engine's B slots. Returns the Calibration the methods read.
 
     Both calibrations are computed, for each calibrated method (eagle3, prune, graft; the ablations use
     graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)
-    that maximise the expected tokens/s on this machine (graft.throughput); "youden" maximises Youden's
-    J per checkpoint at cfg.budget. `calibration` selects which one the engine uses by default
-    (engine.calibration; method_config reads it). Cached per (target, head) and all that changes the
-    measured costs or the warm-up (state_path_for). A prompt too long for the cache is skipped, never
-    truncated; a warm-up in which no generation ran, or none left a round long enough to score
-    (usable_records), calibrates nothing (the thresholds never prune, with a warning) and is not
-    cached. Sets
-    engine.calibrations, engine.budget_curve, engine.hit_rates, and graft's choice in
-    engine.thresholds and engine.budget."""
+    that maximise the expected tokens/s on this machine (throughput_thresholds); "youden" maximises
+    Youden's J per checkpoint at cfg.budget. `calibration` is the one a "stop" method reads by default
+    (Calibration.chosen); "replace" reads Youden's (graft.POLICIES). Cached per (target, head) and all
+    that changes the measured costs or the warm-up (state_path_for). A prompt too long for the cache
+    is skipped, never truncated; a warm-up in which no generation ran, or none left a round long
+    enough to score (usable_records), calibrates nothing (the thresholds never prune, with a warning)
+    and is not cached."""
     log = log or (lambda s: None)
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
     path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
-                          engine.matrix.k, (d.top_k, d.depth) if d else None)
-    engine.calibration, engine.budget = calibration, cfg.budget
+                          engine.matrix.k, (d.top_k, d.depth) if d else None, engine.B)
 
-    def use(calibrations: dict, curve: dict):
-        engine.calibrations, engine.budget_curve = calibrations, curve
-        if d:
-            engine.thresholds = dict(calibrations[calibration]["graft"]["thresholds"])
-            engine.budget = calibrations[calibration]["graft"]["budget"]
-        else:
-            engine.thresholds = {}
+    def use(calibrations: dict, curve: dict, rates, spread) -> Calibration:
+        cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread)
+        log(f"warm-up: {calibration} calibration: graft budget {cal.budget or cfg.budget}, thresholds "
+            f"{ {c: round(t, 3) for c, t in cal.thresholds.items()} }, hit rates {[round(a, 3) for a in cal.hit_rates]}")
+        return cal
 
     if use_cache:
         got = load_state(path, engine.matrix, checkpoints)
         cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
         if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
-            engine.hit_rates = tuple(got["meta"].get("hit_rates") or PRIOR_HIT_RATES)
             spread = got["meta"].get("cost_spread")
-            engine.cost_spread = float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None
-            use(*cal)
-            log(f"warm-up: loaded from {path}: budget {engine.budget}, thresholds {engine.thresholds}")
-            return
-    wb = max(budgets) if budgets else cfg.budget
-    if d:      # the dense tree, learning the matrix, recording each round's candidates and confidences
-        m = Graft(engine, dataclasses.replace(cfg, budget=wb, prune=False, retrieve=False, ablation=None,
-                                              top_k=d.top_k, depth=d.depth), engine.matrix)
-    else:
-        m = Recycle(engine, cfg, engine.matrix)
+            log(f"warm-up: loaded from {path}")
+            return use(*cal, got["meta"].get("hit_rates"),
+                       float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None)
+    name, wcfg = warmup_method(cfg, (d.top_k, d.depth) if d else None, auto_budget)
+    m = engine.make(name, wcfg, matrix=engine.matrix)      # the dense tree, learning the prior matrix
+    if d:
+        m.record_tpl = build_template(PRIOR_HIT_RATES, 2 * wcfg.budget).to(engine.device)
+        engine.steps.static(*m.record_tpl.tensors())
     if engine.compiling:
         compile_warmup(engine, [m])
-    rec = m.recorder = Recorder(build_template(PRIOR_HIT_RATES, 2 * wb).to(engine.device))
-    ran, results = 0, []
+    records, reqs = [], []
+
+    def record(rnd, got):          # every round, before the next: what the calibration replays
+        rec = rnd.record
+        for b, g in enumerate(got):
+            if g is None:
+                continue
+            r = engine.slots[b].request
+            engine.matrix.record(rec["rank"][b], rnd.v.target[b], rnd.tree.valid[b])
+            if d:
+                records.append({"conf": {c: float(x[b]) for c, x in rec["conf"].items()}, "accepted": len(g[0]),
+                                "scores": rec["scores"][b].cpu(), "tokens": rec["tokens"][b].cpu(),
+                                "parents": rec["parents"][b].cpu(), "root": int(rnd.tree.tokens[b, 0]),
+                                "L": engine.slots[b].L - len(g[0]) - 1, "request": r,
+                                "retrieved": rec["retrieved"][b].cpu()})
+
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
-            first = len(rec.records)
-            res = generate(engine, m, ids, max_new_tokens, Sampling(), engine.tokenizer.eos_ids)
-            full = ids + res.tokens                 # what the target generated: each round's truth
-            for r in rec.records[first:] if d else ():
-                r["truth"] = full[r["L"] + 1:r["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
-            results.append(res)
-            ran += 1
-    m.recorder = None
+            reqs.append(Request(ids))
+    engine.clock.reset()
+    res = run(engine, m, reqs, max_new_tokens, engine.tokenizer.eos_ids, on_round=record, record=True) if reqs else None
+    times = engine.clock.read()
+    for r in records:              # what the target generated after each round's root: its truth
+        full = r["request"].ids + r["request"].tokens
+        r["truth"] = full[r["L"] + 1:r["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
     engine.matrix.refresh_fallback()
     rates = engine.matrix.hit_rates()
-    engine.hit_rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
-    calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in rec.records) for c in checkpoints))
-    short = calibrated and d is not None and not usable_records(rec.records, d.depth)
+    rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
+    ran = len(reqs)
+    calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in records) for c in checkpoints))
+    short = calibrated and d is not None and not usable_records(records, d.depth)
     if not calibrated or short:
-        engine.thresholds = {c: 0.0 for c in checkpoints}
-        engine.calibrations, engine.budget_curve, engine.cost_spread = {}, {}, None
         why = (f"ran {ran} of {len(prompts)} generations but left no round long enough to score (each needs "
                f"more than --depth {d.depth} tokens generated after it: every expected rate would be 0)" if short else
                f"ran {ran} of {len(prompts)} generations (prompts longer than --max-seq-len "
                f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped)")
         log(f"warning: warm-up {why}: nothing calibrated, so pruning is off (pass --thresholds to set it), "
             f"the budget stays {cfg.budget}, and nothing is cached")
-        return
-    calibrations, curve = {}, {}
+        return Calibration(hit_rates=rates)
+    calibrations, curve, spread = {}, {}, None
     if d:
-        youden = calibrate([(r["conf"], r["accepted"]) for r in rec.records], checkpoints)
-        options, spread = calibration_options(engine, cfg, rec.records, results, budgets or (cfg.budget,))
-        engine.cost_spread = spread
+        youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
+        options, spread = calibration_options(engine, cfg, records, res, times, budgets or (cfg.budget,), rates)
         log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
             f"go to the smaller")
         calibrations = {"throughput": {}, "youden": {}}
@@ -315,16 +331,15 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
                 f" -> budget {b}, thresholds { {c: round(t, 3) for c, t in taus.items()} }")
         log(f"warm-up: Youden's J thresholds { {c: round(t, 3) for c, t in youden.items()} } "
             f"(--calibration youden, budget {cfg.budget})")
-    use(calibrations, curve)
-    log(f"warm-up: {ran} of {len(prompts)} generations ran, {calibration} calibration: graft budget "
-        f"{engine.budget}, thresholds { {c: round(t, 3) for c, t in engine.thresholds.items()} }, hit rates "
-        f"{[round(a, 3) for a in engine.hit_rates]}")
+    log(f"warm-up: {ran} of {len(prompts)} generations ran")
+    cal = use(calibrations, curve, rates, spread)
     if use_cache:
-        save_state(path, engine.matrix, engine.thresholds,
-                   {"hit_rates": list(engine.hit_rates), "generations": ran, "cost_spread": engine.cost_spread,
+        save_state(path, engine.matrix, cal.thresholds if d else {},
+                   {"hit_rates": list(rates), "generations": ran, "cost_spread": spread,
                     "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
                                          for m, c in per.items()} for n, per in calibrations.items()},
                     "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
+    return cal
 
 
 def read_calibrations(meta: dict, checkpoints) -> tuple | None:
@@ -340,33 +355,11 @@ def read_calibrations(meta: dict, checkpoints) -> tuple | None:
     if checkpoints is None:
         return (cal, curve) if not cal else None
     ok = set(cal) == set(CALIBRATIONS) and all(
-        set(per) == set(CALIBRATED.values()) and all(
+        set(per) == {c.calibrated for c in METHODS.values() if c.calibrated} and all(
             c["budget"] >= 1 and set(c["thresholds"]) == (set() if m == "eagle3" else set(checkpoints))
             and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
             for m, c in per.items()) for per in cal.values())
     return (cal, curve) if ok else None
-
-
-class Recorder:
-    """The warm-up's one hook into a round (Graft.recorder, Recycle.recorder), called after verification
-    and before the matrix learns. It counts the rank at which the matrix held each real node's true
-    next token (ContinuationMatrix.record: the hit rates), and for a drafted round keeps what the
-    calibration replays: the confidence at every checkpoint, the accepted length, the candidates, and
-    the retrieval under the root from `template` as this round saw it (after the update the matrix
-    would already hold the target's answer for this very round). Host reads: warm-up only."""
-
-    def __init__(self, template):
-        self.template, self.records = template, []
-
-    def __call__(self, method, conf: dict, tree, v):
-        e, d = method.eng, getattr(method, "d", None)
-        method.matrix.record(tree.tokens, v.target, tree.valid)          # (the matrix: eager, outside the steps)
-        if d is None:
-            return
-        self.records.append({"conf": {c: float(x) for c, x in conf.items()}, "accepted": int(v.A),
-                             "scores": d.scores.cpu().clone(), "tokens": d.tokens.cpu().clone(),
-                             "parents": d.parents.cpu().clone(), "root": e.root_id, "L": e.L_host,
-                             "retrieved": method.matrix.retrieve(tree.tokens[0], self.template).cpu()})   # the root
 
 
 def usable_records(records: list, depth: int) -> list:
@@ -376,20 +369,18 @@ def usable_records(records: list, depth: int) -> list:
 
 
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, results: list, budgets) -> tuple:
-    """({method: {budget: (rounds, cost)}}, spread): the options as graft.choose_budget reads them,
-    for eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
+def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dict, budgets, rates) -> tuple:
+    """({method: {budget: (rounds, cost)}}, spread): the options as choose_budget reads them, for
+    eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
     tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
-    would have accepted (graft.stage_tree, matched against what the target generated); cost: seconds
-    per round per stage, from this engine's own steps: draft forwards (timed in the warm-up), each
-    stage's assembly, the verify pass at B + 1 nodes (pass_cost: fastest of interleaved samples,
-    monotone in B), and the update."""
+    would have accepted (stage_tree, matched against what the target generated); cost: seconds per
+    round per stage, from this engine's own steps: draft forwards (timed in the warm-up: `times`, its
+    clock's seconds per phase, over res, the warm-up's Run), the assembly, the verify pass at B + 1
+    nodes (pass_cost: fastest of interleaved samples, monotone in B), and the update."""
     d = eng.drafter
     k, D = d.top_k, d.depth
-    forwards = sum(r.draft_forwards for r in results)
-    t_fwd = sum(r.times.get("draft", 0.0) for r in results) / max(forwards, 1)
-    n_rounds = max(sum(r.rounds for r in results), 1)
-    t_upd = sum(r.times.get("update", 0.0) for r in results) / n_rounds
+    t_fwd = times.get("draft", 0.0) / max(res.draft_forwards, 1)
+    t_upd = times.get("update", 0.0) / max(res.rounds, 1)
     timing = {}
     _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, stats=timing)
     usable = usable_records(records, D)
@@ -403,25 +394,25 @@ def calibration_options(eng: Engine, cfg: Config, records: list, results: list, 
 
     out = {"eagle3": {}, "prune": {}, "graft": {}}
     for b in budgets:
+        t_asm = assembly_seconds(eng, dataclasses.replace(cfg, budget=b), rates)
         for method in out:
-            c = dataclasses.replace(cfg, budget=b, ablation=None, keep=None, top_k=k, depth=D, **METHODS[method])
+            c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d)
             stages = c.stages()
-            t_asm = assembly_seconds(eng, c)
-            cost = {s: (D if s is None else s + 1) * t_fwd + t_asm[s] + t_ver[b + 1] / 1000 + t_upd for s in stages}
+            cost = {s: (D if s is None else s + 1) * t_fwd + t_asm + t_ver[b + 1] / 1000 + t_upd for s in stages}
             rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
             out[method][b] = (rounds, cost)
     return out, timing["spread"]
 
 
-def assembly_seconds(eng: Engine, cfg: Config, repeats: int = 5) -> dict:
-    """Seconds of one keep-retrieve-graft step per stage, on the drafter's current candidates: the
-    fastest of `repeats` samples, the stages interleaved, each after an untimed call (as pass_cost)."""
-    g = Graft(eng, cfg, copy.deepcopy(eng.matrix), eng.hit_rates)
-    def one(s):
-        eng.mark_step()
-        g.assemble[s](eng.root)
-    samples = time_passes(one, list(g.assemble), repeats, sync=lambda: sync(eng.device))
-    return robust_costs(samples)[0]
+def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float:
+    """Seconds of one keep-retrieve-graft step (graft.assemble, one graph for every stage) on the
+    drafter's current candidates: the fastest of `repeats` samples, each after an untimed call."""
+    g = eng.make("graft", dataclasses.replace(cfg, policy="stop"), Calibration(hit_rates=rates), eng.matrix.copy())
+
+    def one(_):
+        eng.steps.mark()
+        eng.steps.assemble(g, eng.root, eng.active)
+    return robust_costs(time_passes(one, [0], repeats, sync=lambda: sync(eng.device)))[0][0]
 
 
 # ----------------------------------------------------------------------------- set-up and warm-up
@@ -439,7 +430,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
     dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")
-    execution = (("compiled", engine.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
+    execution = (("compiled", engine.steps.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
                  else "eager")
     timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
               "window" if engine.window else "full"]

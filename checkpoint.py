@@ -412,7 +412,7 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
         model.lm_head.weight = model.embed_tokens.weight
     model.path = path
     model.eval()
-    model.setup_caches(n_cache)
+    model.max_seq_len = n_cache            # the engine allocates the caches, for as many requests as it serves
     return model
 
 

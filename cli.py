@@ -7,11 +7,10 @@ import sys
 import torch
 
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
-from checkpoint import DTYPES, load_head, load_model, resolve_checkpoint
+from checkpoint import DTYPES, free_memory, load_head, load_model, resolve_checkpoint
 from data import read_prompts
-from draft import Drafter
-from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, default_budget
-from graft import Config, ContinuationMatrix
+from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, default_budget, room
+from graft import METHODS, POLICIES, Config, ContinuationMatrix
 from model import GraftError
 from tokenizer import load_tokenizer
 from verify import MIN_TEMPERATURE
@@ -67,6 +66,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
     p.add_argument("--keep", default=None, help="draft nodes kept per checkpoint, e.g. 8,24,40")
     p.add_argument("--thresholds", default=None, help="override calibrated taus, e.g. 0.4,0.3,0.2")
+    p.add_argument("--policy", choices=tuple(POLICIES), default=None,
+                   help="how prune and graft prune: stop (drafting stops at a checkpoint below its threshold; "
+                        "reads --calibration) or replace (the full tree, nodes below their checkpoint's threshold "
+                        "replaced by retrieval; reads Youden's J); default: stop for one request, replace for a batch")
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"warm-up generations (0 = none; default {WARMUP_RUNS}, {DEMO_WARMUP_RUNS} for generate.py's demo)")
@@ -149,7 +152,8 @@ def numbers(flag: str, text: str, kind=int) -> list:
 
 def config_from_args(a) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
-    cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size)
+    cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size,
+                 policy=getattr(a, "policy", None))
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
@@ -159,33 +163,60 @@ def config_from_args(a) -> Config:
 
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
-                 backend: str = "inductor", check_lifetimes: bool = False) -> Engine:
-    """Load a target (and a head) and set up the engine. attention: "window" or "full" (default:
+                 backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
+                 methods: list | None = None) -> Engine:
+    """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
+    for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
+    budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
-    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes)."""
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). Errors:
+    GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
+    the memory there is (checked before they are allocated)."""
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
-    path = resolve_checkpoint(ckpt)
-    tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
-    if max_seq_len is None:
-        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, tok_context(path))
-    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
-    drafter = None
-    if draft:
-        head = load_head(draft, model)
-        if top_k > head.config.draft_vocab_size:
-            raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
-                             f"({head.config.draft_vocab_size} tokens)")
-        drafter = Drafter(head, model.max_seq_len, top_k=top_k, depth=depth, chunk=chunk)
-    matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
+    if type(batch) is not int or batch < 1:
+        raise GraftError(f"--batch must be a positive integer, got {batch!r}")
     if attention is None:
         attention = "full" if compile and str(device).startswith("cuda") else "window"
     if attention not in ("window", "full"):
         raise GraftError(f"--attention must be window or full, got {attention!r}")
     if compile and attention == "window" and str(device).startswith("cuda"):
         raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
-    return Engine(model, tok, drafter, matrix, compile=compile, window=attention == "window", chunk=chunk,
-                  backend=backend, check_lifetimes=check_lifetimes)
+    path = resolve_checkpoint(ckpt)
+    tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, tok_context(path))
+    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
+    head = None
+    if draft:
+        head = load_head(draft, model)
+        if top_k > head.config.draft_vocab_size:
+            raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
+                             f"({head.config.draft_vocab_size} tokens)")
+    if methods is None:
+        methods = [(m, Config(budget=max(AUTO_BUDGETS))) for m in METHODS]
+    nodes, longest = room([(m, c) for m, c in methods if head is not None or not METHODS[m].needs_head],
+                          (top_k, depth), batch)
+    check_batch_memory(model, head, batch, max(nodes, longest, chunk, 64), matrix_k, DTYPES[dtype], device)
+    matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
+    return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
+                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes)
+
+
+def check_batch_memory(model, head, batch: int, slack: int, matrix_k: int, dtype, device):
+    """Refuse (GraftError, one line) a batch whose caches would not fit the memory there is: per request
+    the target's and the head's KV caches and two continuation matrices (a method's and the prior's)."""
+    a, size = model.args, torch.empty(0, dtype=dtype).element_size()
+    rows = model.max_seq_len + slack
+    per = 2 * a.n_layers * a.n_kv_heads * a.head_dim * rows * size + 2 * (a.vocab_size + 1) * (matrix_k * 4 + 1)
+    if head is not None:
+        c = head.config.layer
+        per += 2 * c.n_kv_heads * c.head_dim * rows * size
+    free = free_memory(device)
+    if free is not None and batch * per > free:
+        raise GraftError(f"--batch {batch} needs {batch * per / 2**30:.1f} GiB of caches ({per / 2**20:.0f} MiB a "
+                         f"request at --max-seq-len {model.max_seq_len}), more than the {free / 2**30:.1f} GiB free "
+                         f"on {device}: lower --batch or --max-seq-len")
 
 
 def tok_context(path: str) -> int:

@@ -546,44 +546,24 @@ STORIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared
 
 @torch.no_grad()
 def continue_batch(model, prompts: list, new_tokens: int, sampling, eos_ids=(), pad: int = 0) -> list:
-    """The target's own continuations of a batch of token lists, decoded together.
-
-    Prompts are left-padded to a common length; each row's positions start at its first real token
-    and padded columns are masked out, so every row decodes exactly as it would alone.
-    `sampling`: one Sampling for all rows, or a list with one per row (e.g. different seeds)."""
+    """The target's own continuations of a batch of token lists, decoded together: plain decoding
+    (`ar`) through the engine, one slot per prompt, so every row decodes exactly as it would alone.
+    `sampling`: one Sampling for all rows, or a list with one per row (e.g. different seeds). Returns
+    each prompt followed by its continuation (at most new_tokens; it stops after an EOS). (pad: unused,
+    kept for callers.)"""
+    from engine import Engine, Request, run
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    B, dev = len(prompts), model.embed_tokens.weight.device
-    n = max(len(p) for p in prompts)
-    S = n + new_tokens
+    if new_tokens <= 0:
+        return [list(p) for p in prompts]
     prev = model.max_seq_len
-    model.setup_caches(S, batch=B)          # just what this batch needs; restored at the end
-    offset = torch.tensor([n - len(p) for p in prompts], device=dev)                 # (B,)
-    ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts], device=dev)      # (B, n)
-    col = torch.arange(S, device=dev)
-    valid = col[None, :] >= offset[:, None]                                          # (B, S) real columns
-    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
-    rows = torch.arange(n, device=dev)
-    # a padded row sees itself, so no attention row is empty (an all-masked softmax may give NaN)
-    mask = ((causal[:n, :n][None] & valid[:, None, :n]) | torch.eye(n, dtype=torch.bool, device=dev))[:, None]
-    logits = model(ids, (rows[None] - offset[:, None]).clamp(min=0), rows, mask)
-    out = [list(p) for p in prompts]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
-    for i in range(new_tokens):
-        pos = n + i - offset                                                          # (B,) next position
-        nxt = torch.stack([choose(logits[b, -1:], pos[b:b + 1], samplings[b])[0] for b in range(B)])
-        nxt = torch.where(done, pad, nxt)
-        for b, t in enumerate(nxt.tolist()):
-            if not done[b]:
-                out[b].append(t)
-        done |= torch.isin(nxt, eos)
-        if bool(done.all()) or i == new_tokens - 1:
-            break
-        r = torch.tensor([n + i], device=dev)
-        m = (causal[n + i:n + i + 1, :n + i + 1][None] & valid[:, None, :n + i + 1])[:, None]  # (B,1,1,S')
-        logits = model(nxt[:, None], (n + i - offset)[:, None], r, m)
-    model.setup_caches(prev, batch=1)
-    return out
+    model.max_seq_len = max(len(p) for p in prompts) + new_tokens
+    try:
+        eng = Engine(model, None, None, None, batch=len(prompts))
+        reqs = [Request(list(p), s, i) for i, (p, s) in enumerate(zip(prompts, samplings))]
+        run(eng, eng.make("ar"), reqs, new_tokens, eos_ids)
+    finally:
+        model.max_seq_len = prev
+    return [r.ids + r.tokens for r in reqs]
 
 
 @torch.no_grad()

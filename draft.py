@@ -43,11 +43,11 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(a.dim, a.intermediate_size)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None):
+    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None):
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
-        hidden = residual + self.self_attn(x, rope, rows, mask, kv, steps_kv, keep)
+        hidden = residual + self.self_attn(x, rope, rows, mask, kv, steps_kv, keep, slots)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -65,20 +65,23 @@ class Eagle3(nn.Module):
         self.rope = None
         self.cache: KVCache | None = None
 
-    def setup_caches(self, rows: int):
+    def setup_caches(self, rows: int, batch: int = 1) -> KVCache:
+        """The head's KV cache for `batch` requests of `rows` rows (rounded up), and its RoPE table."""
         p = self.fc.weight
         a = self.config.layer
         rows = cache_rows(rows)
         self.rope = rope_table(a, rows).to(p.device)
-        self.cache = KVCache(1, 1, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
+        self.cache = KVCache(1, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
+        return self.cache
 
     def forward(self, hidden, ids, positions, rows=None, mask=None, fused: bool = True, steps_kv=None, cache=None,
-                keep=None):
+                keep=None, slots=None):
         """hidden (B, T, 3*Ht) target features (fused=True) or (B, T, H) the head's own output;
-        ids (B, T) the token *after* each feature. With rows (T,): written there in `cache` (default
-        the head's own), attention over rows 0..n_keys-1 under mask (T, n_keys). Returns the pre-norm
-        output (B, T, H). steps_kv: earlier unrolled steps' keys/values (training only, see train.py);
-        keep (T,) bool: the real rows (padding writes zeros to the cache)."""
+        ids (B, T) the token *after* each feature. With rows (B, T): written there in `cache` (default
+        the head's own; at its requests `slots`, default all), attention over rows 0..n_keys-1 under
+        mask (B, T, n_keys). Returns the pre-norm output (B, T, H). steps_kv: earlier unrolled steps'
+        keys/values (training only, see train.py); keep (B, T) bool: the real rows (padding writes
+        zeros to the cache)."""
         if fused:
             hidden = self.fc(hidden)
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
@@ -87,8 +90,10 @@ class Eagle3(nn.Module):
         emb = self.embed_tokens(ids).to(hidden.dtype)
         kv = None
         if rows is not None:
-            kv = (cache if cache is not None else self.cache).layer(0)
-        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv, keep)
+            kv = (cache if cache is not None else self.cache, 0)
+            if mask.dim() == 3:
+                mask = mask[:, None]                                   # (B, 1, T, n_keys)
+        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv, keep, slots)
 
     def logprobs(self, out_hidden):
         """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""
@@ -101,122 +106,118 @@ class Eagle3(nn.Module):
 # ----------------------------------------------------------------------------- tree drafting
 
 class Drafter:
-    """Tree drafting (EAGLE-2/3) as static-shaped steps against the head's own KV cache, kept in step
-    with the target's.
+    """Tree drafting (EAGLE-2/3) for B requests at once, as static-shaped steps against the head's
+    own KV cache (B, ...), kept in step with the target's.
 
-    Rows 0..Ld-1 of the head's cache hold committed draft rows (row t = target feature t + token t+1,
+    Request b's rows 0..Ld[b]-1 hold its committed draft rows (row t = target feature t + token t+1,
     position t); the rows after them are the round's scratch: the extend rows, then one block of top_k
-    rows per level. Every candidate of a full tree has a fixed slot in (C,) buffers, C = k + (D-1)k^2:
-    level 1 (the root's k children) first, then k^2 per level; slots not drafted yet score -inf.
-    A round is `extend` (the accepted path, which also expands level 1) and `level` up to D-1 times;
-    each returns the best path's probability so far, which the host reads only at checkpoints."""
+    rows per level. Every candidate of a full tree has a fixed slot in (B, C) buffers,
+    C = k + (D-1)k^2: level 1 (the root's k children) first, then k^2 per level; slots not drafted yet
+    score -inf. A round is `extend` (the accepted path, which also expands level 1) and `level` up to
+    D-1 times; each returns every request's best path probability so far (B,), which the host reads
+    only at checkpoints."""
 
-    def __init__(self, head: Eagle3, max_seq_len: int, top_k: int = 10, depth: int = 8, max_path: int = 16,
-                 chunk: int = 128):
-        self.head, self.top_k, self.depth = head, top_k, depth
-        self.setup(max_seq_len, max_path, chunk)
-
-    def setup(self, max_seq_len: int, max_path: int, chunk: int):
-        """Allocate the head's cache and the round's buffers: room for max_seq_len committed rows and,
-        after them, an extend of max_path rows, a prefill chunk, or the levels' scratch rows."""
-        k, D, dev = self.top_k, self.depth, self.head.fc.weight.device
-        self.max_seq_len, self.P, self.chunk = max_seq_len, max_path, chunk
+    def __init__(self, head: Eagle3, batch: int, max_seq_len: int, top_k: int = 10, depth: int = 8,
+                 max_path: int = 16, chunk: int = 128):
+        k, D, dev = top_k, depth, head.fc.weight.device
+        self.head, self.top_k, self.depth, self.P = head, top_k, depth, max_path
         self.C = k + (D - 1) * k * k
-        self.head.setup_caches(max_seq_len + max(max_path, chunk, (D - 1) * k) + 1)
-        self.Ld = torch.zeros((), dtype=torch.long, device=dev)           # committed draft rows
-        self.Ld_host = 0                                                   # and its mirror on the host
-        self.scores = torch.full((self.C,), float("-inf"), device=dev)   # cumulative path log-prob
-        self.tokens = torch.zeros(self.C, dtype=torch.long, device=dev)  # target ids
-        self.parents = torch.full((self.C,), -1, dtype=torch.long, device=dev)
-        H = self.head.config.layer.dim
-        self.beam_s = torch.zeros(k, device=dev)                          # the beam: best k of the level
-        self.beam_tok = torch.zeros(k, dtype=torch.long, device=dev)
-        self.beam_h = torch.zeros(k, H, dtype=self.head.fc.weight.dtype, device=dev)
-        self.beam_at = torch.zeros(k, dtype=torch.long, device=dev)       # their candidate slots
-        self.seen = torch.zeros(k, max((D - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch rows seen
+        # room for max_seq_len committed rows and, after them, an extend, a prefill chunk or the levels' scratch
+        self.cache = head.setup_caches(max_seq_len + max(max_path, chunk, (D - 1) * k) + 1, batch)
+        z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)
+        H, dt = head.config.layer.dim, head.fc.weight.dtype
+        self.Ld = z(batch)                                                        # committed draft rows
+        self.scores = torch.full((batch, self.C), float("-inf"), device=dev)      # cumulative path log-prob
+        self.tokens, self.parents = z(batch, self.C), z(batch, self.C) - 1         # target ids; -1 = the root
+        self.beam_s, self.beam_tok = z(batch, k, dtype=torch.float32), z(batch, k)  # the beam: best k of the level
+        self.beam_h, self.beam_at = z(batch, k, H, dtype=dt), z(batch, k)           # its outputs, candidate slots
+        self.seen = z(batch, k, max((D - 1) * k, 1), dtype=torch.bool)            # scratch rows each beam node sees
 
     def buffers(self) -> list:
         return [self.Ld, self.scores, self.tokens, self.parents, self.beam_s, self.beam_tok, self.beam_h,
-                self.beam_at, self.seen] + self.head.cache.tensors()
+                self.beam_at, self.seen, self.head.rope] + self.cache.tensors()
 
-    def reset(self):
-        self.Ld.zero_()
-        self.Ld_host = 0
-
-    def prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: int, cols: torch.Tensor):
-        """Committed rows for a chunk of the prompt: feats (c, 3*Ht), ids (c,) the token after each;
-        the first n are real (the rest pad the chunk). Ld advances by n."""
-        c, dev = ids.numel(), ids.device
-        rows = self.Ld + torch.arange(c, device=dev)
-        mask = attention_mask(torch.ones(c, c, dtype=torch.bool, device=dev).tril_(), self.Ld, cols)
-        self.head(feats[None], ids[None], rows, rows, mask, fused=True, keep=torch.arange(c, device=dev) < n)
-        self.Ld.add_(n)
+    def prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, slot: torch.Tensor, cols: torch.Tensor):
+        """Committed rows of request `slot` (1,) for a chunk of its prompt: feats (1, c, 3*Ht), ids (1, c)
+        the token after each; the first n (0-d) are real (the rest pad the chunk). Its Ld advances by n."""
+        c, dev = ids.shape[1], ids.device
+        L = self.Ld.index_select(0, slot)                                          # (1,)
+        rows = L[:, None] + torch.arange(c, device=dev)                            # (1, c)
+        mask = attention_mask(torch.ones(c, c, dtype=torch.bool, device=dev).tril_(), L, cols)
+        self.head(feats, ids, rows, rows, mask, fused=True, cache=self.cache,
+                  keep=(torch.arange(c, device=dev) < n)[None], slots=slot)
+        self.Ld.index_add_(0, slot, n.view(1))
 
     def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Read the accepted path, then draft level 1. feats (P, 3*Ht) of the root and accepted nodes,
-        ids (P,) the token after each (the last real one is the new root); the first n (0-d) are real.
-        The hidden state at row n-1 drafts the root's top_k children. Returns conf_0 (0-d)."""
-        head, k, dev = self.head, self.top_k, ids.device
-        P = ids.numel()
-        rows = self.Ld + torch.arange(P, device=dev)
+        """Read each request's accepted path, then draft level 1. feats (B, P, 3*Ht) of the root and the
+        accepted nodes, ids (B, P) the token after each (the last real one is the new root); the first
+        n[b] of row b are real (0: an empty slot). The hidden state at row n-1 drafts the root's top_k
+        children. Returns conf_0 (B,)."""
+        head, k = self.head, self.top_k
+        B, P = ids.shape
+        dev = ids.device
+        rows = self.Ld[:, None] + torch.arange(P, device=dev)                      # (B, P)
         mask = attention_mask(torch.ones(P, P, dtype=torch.bool, device=dev).tril_(), self.Ld, cols)
-        keep = torch.arange(P, device=dev) < n                                     # the path; the rest pads
-        out = head(feats[None], ids[None], rows, rows, mask, fused=True, keep=keep)[0]   # (P, H)
-        h_root = out.index_select(0, (n - 1).view(1))                              # (1, H)
+        keep = torch.arange(P, device=dev)[None] < n[:, None]                      # the path; the rest pads
+        out = head(feats, ids, rows, rows, mask, fused=True, cache=self.cache, keep=keep)       # (B, P, H)
+        h_root = out.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # (B, H)
         self.Ld.add_(n)
-        s, t = head.logprobs(h_root).topk(k, dim=-1)                               # (1, k)
+        s, t = head.logprobs(h_root).topk(k, dim=-1)                               # (B, k)
+        tok = head.to_target(t)
         self.scores.fill_(float("-inf"))
-        self.scores[:k] = s[0]
-        self.tokens[:k] = head.to_target(t[0])
-        self.parents[:k] = -1
-        self.beam_s.copy_(s[0])
-        self.beam_tok.copy_(self.tokens[:k])
-        self.beam_h.copy_(h_root.expand(k, -1))
-        self.beam_at.copy_(torch.arange(k, device=dev))
+        self.scores[:, :k] = s
+        self.tokens[:, :k] = tok
+        self.parents[:, :k] = -1
+        self.beam_s.copy_(s)
+        self.beam_tok.copy_(tok)
+        self.beam_h.copy_(h_root[:, None].expand(-1, k, -1))
+        self.beam_at.copy_(torch.arange(k, device=dev).expand(B, k))
         self.seen.zero_()
-        return s[0, 0].exp()
+        return s[:, 0].exp()
 
     def level(self, i: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Draft level i+2 from the beam at level i+1 (i: 0-d, 0..D-2): one head forward over the k
-        beam nodes (rows Ld + i*k.., position Ld + i), top_k children each, scored by their
-        cumulative log-prob; the best k become the next beam. Returns conf_{i+1} (0-d)."""
-        head, k, dev = self.head, self.top_k, i.device
-        ar = torch.arange(k, device=dev)
-        block = torch.arange(self.seen.shape[1], device=dev) // k == i             # this level's rows
-        seen = self.seen | (block[None, :] & (torch.arange(self.seen.shape[1], device=dev) % k == ar[:, None]))
-        rows = self.Ld + i * k + ar
-        mask = attention_mask(seen, self.Ld, cols)                                 # (k, n_keys)
-        out = head(self.beam_h[None], self.beam_tok[None], (self.Ld + i).expand(k), rows, mask, fused=False)[0]
-        ps, pt = head.logprobs(out).topk(k, dim=-1)                                # (k, k)
-        cu = (self.beam_s[:, None] + ps).flatten()                                 # cumulative path log-probs
-        tok = head.to_target(pt).flatten()
+        """Draft level i+2 of every request from its beam at level i+1 (i: 0-d, 0..D-2): one head
+        forward over the B x k beam nodes (rows Ld + i*k.., position Ld + i), top_k children each, scored
+        by their cumulative log-prob; the best k of each request become its next beam. Returns
+        conf_{i+1} (B,)."""
+        head, k = self.head, self.top_k
+        B, _, W = self.seen.shape
+        dev = i.device
+        ar, cw = torch.arange(k, device=dev), torch.arange(W, device=dev)
+        seen = self.seen | ((cw // k == i)[None, :] & (cw % k == ar[:, None]))[None]   # (B, k, W): + own row
+        rows = self.Ld[:, None] + i * k + ar[None]                                 # (B, k)
+        mask = attention_mask(seen, self.Ld, cols)                                 # (B, k, n_keys)
+        out = head(self.beam_h, self.beam_tok, (self.Ld + i)[:, None].expand(B, k), rows, mask, fused=False,
+                   cache=self.cache)                                               # (B, k, H)
+        ps, pt = head.logprobs(out).topk(k, dim=-1)                                # (B, k, k)
+        cu = (self.beam_s[:, :, None] + ps).reshape(B, k * k)                      # cumulative path log-probs
+        tok = head.to_target(pt).reshape(B, k * k)
         at = k + i * k * k + torch.arange(k * k, device=dev)                       # this level's slots
-        self.scores.index_copy_(0, at, cu)
-        self.tokens.index_copy_(0, at, tok)
-        self.parents.index_copy_(0, at, self.beam_at.repeat_interleave(k))
-        best, sel = cu.topk(k)                                                     # next beam
+        self.scores.index_copy_(1, at, cu)
+        self.tokens.index_copy_(1, at, tok)
+        self.parents.index_copy_(1, at, self.beam_at.repeat_interleave(k, dim=1))
+        best, sel = cu.topk(k, dim=1)                                              # next beam
         self.beam_s.copy_(best)
-        self.beam_tok.copy_(tok.index_select(0, sel))
-        self.beam_h.copy_(out.index_select(0, sel // k))
-        self.beam_at.copy_(at.index_select(0, sel))
-        self.seen.copy_(seen.index_select(0, sel // k))
-        return best[0].exp()
+        self.beam_tok.copy_(tok.gather(1, sel))
+        self.beam_h.copy_(out.gather(1, (sel // k)[:, :, None].expand(-1, -1, out.shape[-1])))
+        self.beam_at.copy_(at[sel])
+        self.seen.copy_(seen.gather(1, (sel // k)[:, :, None].expand(-1, -1, W)))
+        return best[:, 0].exp()
+
+
+def level_of(slots: torch.Tensor, k: int) -> torch.Tensor:
+    """The draft level (1-based) of candidate slots (any shape)."""
+    return torch.where(slots < k, 1, (slots - k) // (k * k) + 2)
 
 
 def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> tuple:
-    """The best n candidates as a tree: (tokens (n,), parents (n,), slots (n,)) with parents indexing
-    into the selection (-1 = the root), parents first. A stable sort keeps a parent ahead of a child
-    with an equal score, so the selection is always prefix-closed (GRAFT.md section 2, step 2)."""
-    order = torch.sort(scores, descending=True, stable=True).indices[:n]
-    sel = torch.sort(order).values                                  # slot order = parents first
-    par = parents.index_select(0, sel)
+    """The best n candidates of every request as a tree: scores, tokens, parents (B, C) ->
+    (tokens (B, n), parents (B, n), slots (B, n), rank (B, n)), parents indexing into the selection
+    (-1 = the root), parents first; rank: a node's place in the score order (0 = best). A stable sort
+    keeps a parent ahead of a child with an equal score, so the best K of the selection (rank < K) are
+    prefix-closed for every K (GRAFT.md section 2, step 2)."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    sel, back = torch.sort(order, dim=1)                            # slot order = parents first
+    par = parents.gather(1, sel)
     pos = torch.searchsorted(sel, par.clamp(min=0))
-    return tokens.index_select(0, sel), torch.where(par < 0, -1, pos), sel
-
-
-def deepest(slots: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Index within a selection (slots from `select`) of the end of its best deepest path: the
-    highest-scoring node on the deepest selected level (the tail ablation grafts retrieval there)."""
-    level = torch.where(slots < k, 1, (slots - k) // (k * k) + 2)
-    key = torch.where(level == level.max(), scores.index_select(0, slots), float("-inf"))
-    return key.argmax()
+    return tokens.gather(1, sel), torch.where(par < 0, -1, pos), sel, back

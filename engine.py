@@ -1,34 +1,35 @@
-"""The engine: the target's steps, eager or compiled, the decoding loop, and the methods' table.
+"""The engine: B request slots over one target (and head), its compiled steps, and the decoding loop.
 
-gpt-fast's shape: `prefill_chunk` and `decode_one_token` (verify.py) are flat functions, compiled in
-one place (Engine.__init__ and Engine.compile); a round of any method is a few static-shaped steps
-with one host sync. Every method is a proposer (verify.Proposer): each round it proposes a tree under
-the root, the one verifier commits the longest path the target agrees with plus one bonus token, and
-it learns. "The engine knows nothing about tokenization" (nanochat): it takes and returns token ids.
-  ar       the root alone: plain decoding (`Plain`, decode_one_token)
-  eagle3   dense EAGLE-3 tree (budget 60, top_k 10, 8 levels)             (graft.Graft, configured)
-  prune    EAGLE-3 stopped at calibrated checkpoints; freed slots left empty (ECHO-style)
-  graft    prune, then fill the freed slots from the continuation matrix (this project's point)
-  recycle  Token Recycling: an 80-node retrieval tree from the continuation matrix, no draft head
-  pld      prompt lookup: copy up to 10 tokens after the last match of the newest 1-3 tokens
-  graft-fixed  fixed 40/20 draft/retrieval split, full drafting, no calibration (ablation)
-  graft-root   dense 60-node draft plus a 20-node retrieval subtree at the root (ablation)
-  graft-tail   dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)
-Loading a checkpoint is the faces' business (cli.build_engine); calibration is calibrate.py's.
+A single request is a batch of one (nano-vllm, SGLang): every step carries a leading batch dimension,
+and `generate` is `run` with one prompt. gpt-fast's shape: the steps are flat functions (verify.verify,
+verify.decode, prefill_chunk, the drafter's extend and level, graft.assemble and graft.learn), bound
+and compiled in one visible place (Engine.__init__); a round of any method is a few static-shaped
+steps with one host sync (graft.Method.round). "The engine knows nothing about tokenization"
+(nanochat): it takes and returns token ids. The methods, what each needs, and the round are graft.py's;
+loading a checkpoint is the faces' business (cli.build_engine); calibration is calibrate.py's.
+
+What a slot holds: the request (its prompt, sampling and counts) and, on the host, the mirrors of its
+device state (`Slot`: committed rows L, head rows Ld, pending path length), kept in step in one place
+(Engine.admit, Engine.commit, Engine.free). On the device, with a leading B: the KV caches, L, the next
+roots, which slots are active, and each request's sampling parameters (SlotSampling). An empty slot
+still runs through the static-shaped steps: its tree is all padding (zeros written, never accepted, L
+stays 0), so it influences no other row.
 """
 import dataclasses
+import math
 import statistics
 import time
 import types
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from draft import Drafter
-from graft import Config, ContinuationMatrix, Graft, Recycle
-from model import GraftError, attention_mask
-from verify import (Clock, Proposer, Sampling, Tree, Verified, chain, choose, commit, decode_one_token, rows_finite,
+from graft import METHODS, Calibration, Config, ContinuationMatrix, Method, assemble, learn, recycle_tree, update
+from model import GraftError, KVCache, attention_mask, cache_rows, rope_table
+from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
                     token_hash, verify)
 
 
@@ -62,39 +63,52 @@ WARMUP_PROMPTS = [
 ]
 
 
-# ----------------------------------------------------------------------------- the target's steps
+# ----------------------------------------------------------------------------- the target's prefill step
 
-def prefill_chunk(model, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, cols: torch.Tensor,
-                  capture: bool) -> tuple:
-    """C prompt tokens (the first n real, the rest padding) at rows L..L+C-1, causal among themselves
-    and over the committed rows. Returns logits (C, V) and features (C, 3*dim) or None; L advances by n."""
-    C, dev = tokens.numel(), tokens.device
-    rows = L + torch.arange(C, device=dev)
-    mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), L, cols)
-    out = model(tokens[None], rows, rows, mask, capture, keep=torch.arange(C, device=dev) < n)
-    L.add_(n)
-    return (out[0][0], out[1][0]) if capture else (out[0], None)
+def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, slot: torch.Tensor,
+                  cols: torch.Tensor, capture: bool, smp: SlotSampling, mode: tuple, root: torch.Tensor) -> tuple:
+    """C prompt tokens (1, C) of the request in slot `slot` (1,) (the first n real, the rest padding) at
+    its rows L[slot]..L[slot]+C-1, causal among themselves and over its committed rows; its L advances
+    by n, and root[slot] receives the target's choice after the last real token (the first generated
+    token, once the last chunk has run). Returns logits (1, C, V), features (1, C, 3*dim) or None, and
+    whether the real rows' logits were finite (1,)."""
+    C, dev = tokens.shape[1], tokens.device
+    Ls = L.index_select(0, slot)                                                   # (1,)
+    rows = Ls[:, None] + torch.arange(C, device=dev)                               # (1, C)
+    mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), Ls, cols)
+    keep = torch.arange(C, device=dev)[None] < n
+    out = model(tokens, rows, rows, mask, capture, cache, keep=keep, slots=slot)
+    logits, feats = out if capture else (out, None)
+    last = logits.gather(1, (n - 1).view(1, 1, 1).expand(1, 1, logits.shape[-1]))   # (1, 1, V)
+    one = SlotSampling.__new__(SlotSampling)          # the request's own sampling row
+    for name in ("temperature", "top_p", "top_k", "seed", "greedy"):
+        setattr(one, name, getattr(smp, name).index_select(0, slot))
+    root.index_copy_(0, slot, choose(last, (Ls + n)[:, None], one, mode)[:, 0])
+    L.index_add_(0, slot, n.view(1))
+    return logits, feats, rows_finite(logits, keep)
 
 
 # ----------------------------------------------------------------------------- the engine
 #
 # The CUDA-graph contract (torch.compile mode="reduce-overhead", cudagraph trees), which every step
 # below follows on any device and the CPU suite checks (tests/test_gpu_contract.py):
-#   1. An output of a compiled step lives until the next generation begins (Engine.mark_step: before
-#      every round and every prefill chunk) or until the same step runs again. What must outlive it is
-#      written into a static buffer inside the step (the next root: Engine.root, written by verify and
-#      decode) or cloned (the prompt's last feature, the warm-up's confidences).
+#   1. An output of a compiled step lives until the next generation begins (Steps.mark: before every
+#      round and every prefill chunk) or until the same step runs again. What must outlive it is
+#      written into a static buffer inside the step (the next roots: Engine.root, written by verify,
+#      decode and prefill) or cloned (the prompt's last feature, the warm-up's confidences).
 #      Checked by check_lifetimes=True: every output is poisoned (NaN, an out-of-range id) as soon as
 #      it expires, and every method must stay lossless.
 #   2. Every tensor a step reads that lives across rounds (caches, round state, RoPE tables, column
-#      indices, the token hash, templates) is allocated once and declared with Engine.static; on a GPU
+#      indices, the token hash, templates, a method's buffers) is allocated once and declared with
+#      Steps.static; on a GPU
 #      that marks its address static, so a replay reads it in place instead of copying it in.
 #   3. Nothing in a step syncs with the host; a round makes one transfer (verify.commit) plus one per
 #      checkpoint reached, and host values reach the device by fills of static buffers, not copies.
 #   4. A cache row a query may not see is zero or was written by a real node whose logits were checked:
-#      padding rows write zeros, and with full attention begin() zeroes the caches.
-#   5. Each step has its own code object, so its graphs live in a dynamo cache of their own (Engine.compile),
+#      padding rows and empty slots write zeros, and the caches start zeroed.
+#   5. Each step has its own code object, so its graphs live in a dynamo cache of their own (Steps.compile),
 #      and the verify step takes the tree size as a dynamic dimension: one compile serves every budget.
+#      Requests coming and going change data only (lengths, seeds, which slots are active): no recompile.
 
 
 def own_code(fn, name: str, codes: dict):
@@ -153,14 +167,14 @@ class OutputLifetimes:
     generation begins and when the step runs again. Outputs that share storage with an argument or a
     static buffer are state, not outputs, and are left alone."""
 
-    def __init__(self, eng: "Engine"):
-        self.eng, self.live = eng, {}
+    def __init__(self, steps: "Steps"):
+        self.steps, self.live = steps, {}
 
     def wrap(self, step, name: str):
         def run(*args, **kwargs):
             self.expire(name)
             out = step(*args, **kwargs)
-            keep = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs)) + self.eng.statics}
+            keep = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs)) + self.steps.statics}
             self.live[name] = [t for t in tensors_in(out) if t.untyped_storage().data_ptr() not in keep]
             return out
         return run
@@ -174,59 +188,32 @@ class OutputLifetimes:
             self.expire(name)
 
 
-class Engine:
-    """A target with its tokenizer, optional head and continuation matrix, and how its steps run:
-    eager, or compiled (inductor on a CPU, CUDA graphs on a GPU), with attention over a window of the
-    cache that grows with the context (`window`, a CPU's fastest) or over the whole cache (static
-    shapes, what CUDA graphs need). It owns the device-side round state: the committed length L, the
-    next root, the sampling seed, and the clock of the round's phases. check_lifetimes: poison every
-    step output when it expires (OutputLifetimes; tests)."""
 
-    def __init__(self, model, tokenizer, drafter: Drafter | None, matrix: ContinuationMatrix,
-                 compile: bool = False, window: bool = True, chunk: int = PREFILL_CHUNK, backend="inductor",
-                 check_lifetimes: bool = False):
-        self.model, self.tokenizer, self.drafter, self.matrix = model, tokenizer, drafter, matrix
-        self.thresholds, self.hit_rates = None, None
-        p = model.embed_tokens.weight
-        self.device, self.dtype = p.device, p.dtype
-        self.cuda = self.device.type == "cuda"
-        self.compiling, self.window, self.chunk, self.backend = compile, window, chunk, backend
-        self.statics = []                                   # what lives across rounds (contract rule 2)
-        self.step_names, self._codes = set(), {}            # every step compile() made, and their code objects
+
+class Steps:
+    """The compiled steps, a table of their own: how they run (eager, or compiled: inductor on a CPU,
+    CUDA graphs through torch.compile's reduce-overhead mode on a GPU), the tensors they read across
+    rounds (statics, contract rule 2), and the generation marks (rule 1). Engine.__init__ fills it.
+    check_lifetimes: poison every step output when it expires (OutputLifetimes; tests)."""
+
+    def __init__(self, device, compiling: bool, backend: str = "inductor", check_lifetimes: bool = False):
+        self.cuda = torch.device(device).type == "cuda"
+        self.compiling, self.backend = compiling, backend
+        self.statics, self.names, self._codes = [], set(), {}
         self.lifetimes = OutputLifetimes(self) if check_lifetimes else None
-        new = lambda: torch.zeros((), dtype=torch.long, device=self.device)
-        self.L, self.L_host = new(), 0                      # committed rows, on the device and its host mirror
-        self.root, self.root_id = new(), None               # the next round's root (written by the steps)
-        self.seed = new()
-        self._n, self._head_n = new(), new()                # real tokens of a prefill chunk (filled, not copied)
-        self.sampling = Sampling()
-        self.clock = Clock(self.device)
         self.compile_seconds = 0.0
-        self.budget = None                                  # what the warm-up chose (--budget auto)
-        self.calibration = "throughput"                     # the warm-up's: which calibration the methods use,
-        self.calibrations, self.budget_curve = {}, {}       # both of them per method, and rate by budget
-        self.cost_spread = None                             # the warm-up's timing spread (graft.robust_costs)
-        if compile:        # one graph per (step, shape): a run has a few dozen, each compiled once
+        if compiling:      # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
             if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
                 torch._dynamo.config.fail_on_recompile_limit_hit = True     # never fall back to eager silently
-        self._cols = self._head_cols = None
-        self.static(self.L, self.root, self.seed, self._n, self._head_n, *matrix.buffers(),
-                    token_hash(model.args.vocab_size, self.device))    # sampling's table: read, never built, in a graph
-        self.reserve(1, 1)
-        self._decode = self.compile(partial(decode_one_token, model), "decode")
-        self._verify = self.compile(partial(verify, model), "verify")
-        self._prefill = self.compile(partial(prefill_chunk, model), "prefill")
-        self._head_prefill = self.compile(drafter.prefill, "head_prefill") if drafter else None
 
-    # -- compilation
-    def compile(self, fn, name: str):
-        """fn as it runs on this engine: itself, or compiled (a CPU gets inductor; a GPU gets CUDA
-        graphs through torch.compile's reduce-overhead mode), with a code object of its own (own_code).
-        One graph per shape: P, stage, sampling; the verify step's tree size is dynamic."""
-        fn = own_code(fn, name, self._codes)
-        self.step_names.add(name)
+    def compile(self, fn, name: str, *bound):
+        """fn (with its first arguments `bound`) as it runs: itself, or compiled, with a code object of
+        its own (own_code). One graph per static shape and setting (sampling mode, method); the tree
+        size of verify and the window of every step are dynamic."""
+        fn = own_code(partial(fn, *bound) if bound else fn, name, self._codes)
+        self.names.add(name)
         if not self.compiling:
             step = fn
         elif self.backend != "inductor":       # tests: "aot_eager" traces and functionalises, no codegen
@@ -246,7 +233,7 @@ class Engine:
                 if self.compiling and self.cuda:
                     torch._dynamo.mark_static_address(t)
 
-    def mark_step(self):
+    def mark(self):
         """A new generation of step outputs begins (before every round and every prefill chunk): CUDA
         graph trees may now reuse the memory of the previous generation's outputs."""
         if self.compiling and self.cuda:
@@ -254,237 +241,40 @@ class Engine:
         if self.lifetimes:
             self.lifetimes.new_generation()
 
-    def reserve(self, nodes: int, path: int):
-        """Make room in the caches for rounds of `nodes` tree nodes and `path` accepted rows (done when
-        a method is set up, before anything is compiled)."""
-        need = max(nodes, path, self.chunk)
-        m = self.model
-        if self._cols is None or m.cache.rows < m.max_seq_len + need:
-            m.setup_caches(m.max_seq_len, slack=max(need, 64))
-            self._cols = torch.arange(m.cache.rows, device=self.device)
-            self.static(*m.cache.tensors(), m.rope, self._cols)
-        d = self.drafter
-        if d is not None and (self._head_cols is None or d.P < path):
-            d.setup(m.max_seq_len, max(path, d.P), self.chunk)
-            self._head_cols = torch.arange(d.head.cache.rows, device=self.device)
-            self.static(*d.buffers(), d.head.rope, self._head_cols)
-
-    def cols(self, n: int, head: bool = False) -> torch.Tensor:
-        """The cache rows a step reads: 0..n-1 (window: a size that varies, compiled once as a
-        dynamic dimension), or all of them (static)."""
-        full = self._head_cols if head else self._cols
-        if not self.window:
-            return full
-        c = full[:n]
-        if self.compiling:
-            torch._dynamo.mark_dynamic(c, 0)
-        return c
-
-    def variant(self, compile: bool, window: bool | None = None) -> "Engine":
-        """Another engine on the same model, head, tokenizer and warm-up (compiled beside eager, for
-        a comparison in one process)."""
-        d = self.drafter
-        drafter = Drafter(d.head, self.model.max_seq_len, d.top_k, d.depth, d.P, self.chunk) if d else None
-        window = (not (compile and self.cuda)) if window is None else window
-        e = Engine(self.model, self.tokenizer, drafter, self.matrix, compile, window, self.chunk, self.backend,
-                   self.lifetimes is not None)
-        e.thresholds, e.hit_rates, e.budget = self.thresholds, self.hit_rates, self.budget
-        e.calibration, e.calibrations, e.budget_curve = self.calibration, self.calibrations, self.budget_curve
-        return e
-
-    # -- the steps every method uses
-    def begin(self, sampling: Sampling):
-        self.sampling = sampling
-        self.seed.fill_(sampling.seed)
-        self.L.zero_()
-        self.L_host = 0
-        self.clock.reset()
-        if not self.window:          # full attention reads every row: none may hold a previous run's junk
-            for t in self.model.cache.tensors() + (self.drafter.head.cache.tensors() if self.drafter else []):
-                t.zero_()
-
-    def prefill(self, tokens: torch.Tensor, n: int, capture: bool) -> tuple:
-        self._n.fill_(n)
-        out = self._prefill(tokens, self.L, self._n, self.cols(self.L_host + tokens.numel()), capture)
-        self.L_host += n
-        return out
-
-    def head_prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: int):
-        d = self.drafter
-        self._head_n.fill_(n)
-        self._head_prefill(feats, ids, self._head_n, self.cols(d.Ld_host + ids.numel(), head=True))
-        d.Ld_host += n
-
-    def decode(self) -> tuple:
-        """decode_one_token after self.root, which then holds the next token."""
-        return self._decode(None, self.L, self.cols(self.L_host + 1), self.sampling, self.seed, root=self.root)
-
-    def verify(self, tree, P: int, capture: bool = False) -> Verified:
-        """verify() at the committed length; the bonus lands in self.root. The tree size is a dynamic
-        dimension of the compiled step (one graph for every budget)."""
-        if self.compiling:
-            for t in (tree.tokens, tree.parents, tree.valid):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self._verify(tree, self.L, self.cols(self.L_host + tree.tokens.numel()), self.sampling, self.seed,
-                            P, capture, root=self.root)
-
 
 # torch.compile settings on a CPU (inductor's defaults: graphs go to the FX graph cache, so a second
 # run starts fast). Measured against max-autotune with freezing in the README.
 CPU_COMPILE = {}
 
 
-# ----------------------------------------------------------------------------- methods
-
-class Plain(Proposer):
-    """ar: the root alone, one token a round through decode_one_token."""
-    source = None                       # --show-tree: no candidates
-
-    def __init__(self, eng: Engine):
-        self.eng = eng
-
-    def round(self, root: torch.Tensor) -> Verified:
-        if root is not self.eng.root:
-            self.eng.root.copy_(root)
-        self.last_tree = chain(root.view(1))
-        nxt, finite = self.eng.decode()
-        self.eng.clock.mark("verify")
-        got = torch.stack([nxt[0], finite.long()]).tolist()     # the round's one host sync
-        if not got[1]:
-            raise GraftError("the target's logits are not finite (NaN or inf) in this pass: the model overflows "
-                             "in this dtype or its weights are broken")
-        return Verified(None, nxt[0], None, None, None, None, finite, accepted=[], bonus_id=got[0], from_retrieval=[])
-
-
-def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
-    """Prompt lookup: up to n_tokens tokens that followed the newest earlier occurrence of the last
-    ngram, ngram-1, ..., 1 tokens of ctx (a host list of token ids); [] when none recurs."""
-    for n in range(min(ngram, len(ctx) - 1), 0, -1):
-        tail = ctx[-n:]
-        for s in range(len(ctx) - n - 1, -1, -1):
-            if ctx[s:s + n] == tail:
-                return ctx[s + n:s + n + n_tokens]
-    return []
-
-
-class PromptLookup(Proposer):
-    """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
-    committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over the context."""
-    source = "copied"                   # --show-tree: the nodes are copied from the context
-
-    def __init__(self, eng: Engine, cfg: Config):
-        self.eng, self.ngram, self.n_tokens = eng, cfg.pld_ngram, cfg.pld_tokens
-        self.N = self.P = cfg.pld_tokens + 1
-        eng.reserve(self.N, self.P)
-        # the chain is built on the host: it reaches the device as one asynchronous copy from pinned
-        # memory into a static buffer (row 0 tokens, row 1 whether the node is real), not a blocking one
-        self.host = torch.zeros(2, self.N, dtype=torch.long, pin_memory=eng.cuda)
-        self.chain = torch.zeros(2, self.N, dtype=torch.long, device=eng.device)
-        self.parents = torch.arange(self.N, device=eng.device) - 1
-        eng.static(self.chain, self.parents)
-
-    def start(self, prompt: list):
-        self.context = list(prompt)
-
-    def lookup(self) -> list:
-        return lookup(self.context, self.ngram, self.n_tokens)
-
-    def round(self, root: torch.Tensor) -> Verified:
-        e = self.eng
-        self.context.append(e.root_id)
-        ids = [e.root_id] + self.lookup()
-        self.host.zero_()            # free to write: the last round's commit() waited for its copy
-        self.host[0, :len(ids)] = torch.tensor(ids)
-        self.host[1, :len(ids)] = 1
-        self.chain.copy_(self.host, non_blocking=True)
-        tree = self.last_tree = Tree(self.chain[0], self.parents, self.chain[1] > 0)
-        e.clock.mark("assemble")
-        v = e.verify(tree, self.P)
-        e.clock.mark("verify")
-        commit(v, tree)
-        e.clock.mark("update")
-        self.context += v.accepted
-        return v
-
-
-# name -> (proposer, what it changes in the round's Config); no method name is looked at after setup
-METHODS = {
-    "ar": "plain", "eagle3": dict(prune=False, retrieve=False), "prune": dict(retrieve=False), "graft": {},
-    "recycle": "recycle", "pld": "pld", "graft-fixed": dict(prune=False, ablation="fixed"),
-    "graft-root": dict(prune=False, ablation="root"), "graft-tail": dict(prune=False, ablation="tail"),
-}
-
-NEEDS_HEAD = {m for m, v in METHODS.items() if isinstance(v, dict)}
-
-NEEDS_MATRIX = {m for m, v in METHODS.items() if isinstance(v, dict) and v.get("retrieve", True)} | {"recycle"}
-
-PRUNING = {m for m, v in METHODS.items() if isinstance(v, dict) and v.get("prune", True)}     # calibrated
-
-
-CALIBRATED = {"eagle3": "eagle3", "prune": "prune", "graft": "graft", "graft-fixed": "graft", "graft-root": "graft",
-              "graft-tail": "graft"}       # method -> whose calibration it uses
-
-
-def method_config(eng: Engine, method: str, cfg: Config, auto_budget: bool, calibration: str | None = None) -> Config:
-    """cfg with what the warm-up calibrated for `method` (CALIBRATED): its thresholds unless cfg gives
-    some (--thresholds), and with auto_budget its budget. calibration: "throughput" or "youden"
-    (default: the warm-up's engine.calibration). Unchanged when nothing was calibrated."""
-    per = eng.calibrations.get(calibration or eng.calibration, {})
-    got = per.get(CALIBRATED.get(method))
-    if not got:
-        return cfg
-    if cfg.thresholds is None and got["thresholds"]:
-        cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
-    if auto_budget:
-        cfg = dataclasses.replace(cfg, budget=got["budget"])
-    return cfg
-
-
-def make_method(eng: Engine, method: str, cfg: Config | None = None, matrix: ContinuationMatrix | None = None) -> Proposer:
-    """The proposer of a method, set up on this engine (its steps compiled when the engine compiles).
-    matrix: its own continuation matrix (default: the engine's, shared)."""
-    cfg = cfg or Config()
-    matrix = matrix if matrix is not None else eng.matrix
-    eng.static(*matrix.buffers())
-    if method not in METHODS:
-        raise GraftError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
-    if method in NEEDS_HEAD and eng.drafter is None:
-        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
-    kind = METHODS[method]
-    if kind == "plain":
-        p = Plain(eng)
-    elif kind == "pld":
-        p = PromptLookup(eng, cfg)
-    elif kind == "recycle":
-        p = Recycle(eng, cfg, matrix, eng.hit_rates)
-    else:
-        if cfg.thresholds is None:           # the warm-up's calibration for this method, else the engine's
-            cfg = method_config(eng, method, cfg, auto_budget=False)
-        if cfg.thresholds is None and eng.thresholds is not None:
-            cfg = dataclasses.replace(cfg, thresholds=dict(eng.thresholds))
-        cfg = dataclasses.replace(cfg, **kind, top_k=eng.drafter.top_k, depth=eng.drafter.depth)
-        p = Graft(eng, cfg, matrix if method in NEEDS_MATRIX else None, eng.hit_rates)
-    p.name = method
-    return p
-
-
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- requests and slots
 
 @dataclass
-class Result:
-    tokens: list
-    prompt_tokens: int
-    seconds: float
+class Request:
+    """One prompt's generation. Its counts are of the tokens it returned (a round cut at EOS or
+    max_new_tokens counts what it kept: Spec-Bench's MAT)."""
+    ids: list
+    sampling: Sampling = Sampling()
+    index: int = 0
+    tokens: list = field(default_factory=list)
     rounds: int = 0
     committed: int = 0                   # tokens returned by decode rounds (bonus included)
+    accepted: int = 0                    # accepted candidate tokens (bonus excluded)
+    from_retrieval: int = 0              # accepted tokens that were retrieved nodes
     draft_forwards: int = 0
     verified: int = 0                    # real candidate nodes verified (root and padding excluded)
-    padded: int = 0                      # candidate slots the passes ran at (the tree's size N - 1, padding included)
-    from_retrieval: int = 0              # accepted tokens that were retrieved nodes
-    accepted: int = 0                    # accepted candidate tokens (bonus excluded)
-    syncs: int = 0                       # host syncs in decode rounds
+    padded: int = 0                      # candidate slots the passes ran at (N - 1, padding included)
+    syncs: int = 0                       # host syncs in its decode rounds
     stages: dict = field(default_factory=dict)
-    times: dict = field(default_factory=dict)   # seconds per phase: prefill, draft, assemble, verify, update
+    admitted_s: float = 0.0              # seconds after the run's start: prefill began
+    first_s: float = 0.0                 # first token
+    finished_s: float = 0.0              # last token: its latency (every prompt arrives at the start)
+    seconds: float = 0.0                 # generate(): the whole generation, prefill included
+    times: dict = field(default_factory=dict)   # generate(): seconds per phase (prefill, draft, assemble, verify, update)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
 
     @property
     def mat(self) -> float:
@@ -506,92 +296,378 @@ class Result:
                 "stages": {str(k): v for k, v in sorted(self.stages.items(), key=lambda kv: str(kv[0]))}}
 
 
+Result = Request          # what generate() returns: the one request, timed
+
+
+@dataclass
+class Slot:
+    """A slot's request and the host's mirrors of its device state, kept in step by the engine alone."""
+    request: Request | None = None
+    L: int = 0               # committed rows of the target's cache (Engine.L[b])
+    Ld: int = 0              # committed rows of the head's cache (Drafter.Ld[b])
+    pend: int = 0            # rows the head's next extend reads (the method's pend_n[b])
+
+
+@dataclass
+class Run:
+    """What run() returns: every request in input order, and the run's totals."""
+    requests: list
+    seconds: float
+    rounds: int                        # batched rounds (one target pass each)
+    draft_forwards: int                # head forwards over the batch, all rounds
+    prefill_seconds: float = 0.0
+    cpu_seconds: float = 0.0           # this process's CPU time over the run (time.process_time): on one
+                                       # thread, what the wall time would be on a core of its own
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.requests)
+
+    def stats(self) -> dict:
+        lat = sorted(r.finished_s for r in self.requests)
+        p90 = lat[min(len(lat) - 1, math.ceil(0.9 * len(lat)) - 1)] if lat else 0.0
+        rr = sum(r.rounds for r in self.requests)
+        return {"requests": len(self.requests), "tokens": self.tokens, "seconds": round(self.seconds, 4),
+                "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 3),
+                "tokens_per_cpu_s": round(self.tokens / max(self.cpu_seconds, 1e-9), 3),
+                "latency_median_s": round(statistics.median(lat), 4) if lat else 0.0, "latency_p90_s": round(p90, 4),
+                "mat": round(sum(r.committed for r in self.requests) / max(rr, 1), 4),
+                "rounds": self.rounds, "draft_forwards_per_round": round(self.draft_forwards / max(self.rounds, 1), 4),
+                "prefill_s": round(self.prefill_seconds, 4)}
+
+
+# ----------------------------------------------------------------------------- the engine
+
+def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
+    """(nodes, path): the largest tree and accepted path of the methods [(name, Config), ...] at this
+    B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one."""
+    nodes = path = 1
+    for name, cfg in methods:
+        cls = METHODS[name]
+        c = cls.configure(cfg, None, batch)
+        if drafter_geometry and cls.needs_head:
+            c = dataclasses.replace(c, top_k=drafter_geometry[0], depth=drafter_geometry[1])
+        N, P = cls.shape(c)
+        nodes, path = max(nodes, N), max(path, P)
+    return nodes, path
+
+
+class Engine:
+    """B request slots over a target with its tokenizer, optional head and continuation matrix (the
+    prior every request starts from), and how the steps run: eager or compiled, with attention over a
+    window of the cache that grows with the context (`window`, a CPU's fastest) or over the whole
+    cache (static shapes, what CUDA graphs need). Caches are allocated once, here, for trees of up to
+    `nodes` nodes and paths of `path` rows (room()). check_lifetimes: poison every step output when
+    it expires (tests)."""
+
+    def __init__(self, model, tokenizer, head, matrix: ContinuationMatrix, batch: int = 1, nodes: int = 1,
+                 path: int = 1, top_k: int = 10, depth: int = 8, compile: bool = False, window: bool = True,
+                 chunk: int = PREFILL_CHUNK, backend: str = "inductor", check_lifetimes: bool = False):
+        if batch < 1:
+            raise GraftError(f"--batch must be >= 1, got {batch}")
+        p = model.embed_tokens.weight
+        self.model, self.tokenizer, self.matrix, self.B = model, tokenizer, matrix, batch
+        self.window, self.chunk, self.room = window, chunk, (nodes, path)
+        self.steps = Steps(p.device, compile, backend, check_lifetimes)
+        a, S = model.args, model.max_seq_len
+        rows = cache_rows(S + max(nodes, path, chunk, 64))        # committed rows, then a round's scratch
+        if model.rope is None or model.rope.shape[0] < rows:
+            model.rope = rope_table(a, rows).to(p.device)
+        self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
+        self.drafter = Drafter(head, batch, S, top_k, depth, path, chunk) if head is not None else None
+        self.slots = [Slot() for _ in range(batch)]
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=p.device)
+        self.L, self.root, self.active = z(batch), z(batch), z(batch)   # committed rows, next roots, live slots
+        self.smp, self.mode = SlotSampling(batch, p.device), sampling_mode([])
+        self.clock = Clock(p.device)
+        # what the host fills (never copies) before a step: prefill's real length and slot, the level
+        # index of each draft level, and the rows a step may read (cols)
+        self.fills = types.SimpleNamespace(n=z(()), slot=z(1), level=[torch.full((), i, dtype=torch.long, device=p.device)
+                                                                       for i in range(depth)],
+                                           cols=torch.arange(rows, device=p.device),
+                                           head_cols=torch.arange(self.drafter.cache.rows, device=p.device) if head else None)
+        self.steps.static(*self.cache.tensors(), model.rope, self.L, self.root, self.active, *self.smp.tensors(),
+                          self.fills.n, self.fills.slot, *self.fills.level, self.fills.cols,
+                          token_hash(a.vocab_size, p.device),  # sampling's table: read, never built, in a graph
+                          *([self.fills.head_cols, *self.drafter.buffers()] if head is not None else []))
+        # The steps of a round, bound and compiled here and nowhere else (gpt-fast's one visible block):
+        # the target's three passes, the head's three, and the methods' own.
+        s, d = self.steps, self.drafter
+        s.prefill = s.compile(prefill_chunk, "prefill", model, self.cache)      # a prompt chunk into one slot
+        s.decode = s.compile(decode, "decode", model, self.cache)               # ar: one token per request
+        s.verify = s.compile(verify, "verify", model, self.cache)               # every tree, one pass
+        if d is not None:
+            s.head_prefill = s.compile(Drafter.prefill, "head_prefill", d)      # the head's rows of a prompt
+            s.extend = s.compile(Drafter.extend, "extend", d)                   # accepted paths + level 1
+            s.level = s.compile(Drafter.level, "level", d)                      # one more level
+            s.assemble = s.compile(assemble, "assemble", d)                    # keep, retrieve, graft
+        s.recycle_tree = s.compile(recycle_tree, "recycle_tree")                # Token Recycling's tree
+        s.learn = s.compile(learn, "learn")                                     # matrices, the head's next input
+        s.matrix_update = s.compile(update, "matrix_update")                    # a prompt chunk into a matrix
+
+    @property
+    def device(self):
+        return self.L.device
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def cuda(self) -> bool:
+        return self.steps.cuda
+
+    @property
+    def compiling(self) -> bool:
+        return self.steps.compiling
+
+    def requests(self) -> list:
+        return [s.request for s in self.slots]
+
+    def cols(self, n: int, head: bool = False) -> torch.Tensor:
+        """The cache rows a step reads: 0..(the longest slot's committed rows + n)-1 (window: a size
+        that varies, compiled once as a dynamic dimension), or all of them (static)."""
+        full = self.fills.head_cols if head else self.fills.cols
+        if not self.window:
+            return full
+        c = full[:max(s.Ld if head else s.L for s in self.slots) + n]
+        if self.compiling:
+            torch._dynamo.mark_dynamic(c, 0)
+        return c
+
+    def slot_index(self, b: int) -> torch.Tensor:
+        self.fills.slot.fill_(b)
+        return self.fills.slot
+
+    def variant(self, compile: bool, window: bool | None = None) -> "Engine":
+        """Another engine on the same model, head, tokenizer and matrix (compiled beside eager, for a
+        comparison in one process)."""
+        d = self.drafter
+        window = (not (compile and self.cuda)) if window is None else window
+        return Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
+                      *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
+                      self.steps.lifetimes is not None)
+
+    def make(self, name: str, cfg: Config | None = None, cal: Calibration | None = None,
+             matrix: ContinuationMatrix | None = None) -> Method:
+        """The method `name` (graft.METHODS) on this engine, with what the warm-up calibrated (cal) and
+        its own continuation matrix (default: the engine's, shared). Errors: GraftError for an unknown
+        name, a method that needs a head the engine lacks, or a tree larger than the caches' room."""
+        if name not in METHODS:
+            raise GraftError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+        cls = METHODS[name]
+        if cls.needs_head and self.drafter is None:
+            raise GraftError(f"--method {name} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
+        m = cls(self, cfg or Config(), cal, matrix)
+        if m.N > self.room[0] or m.P > self.room[1]:
+            raise GraftError(f"--method {name}: its tree ({m.N} nodes, paths of {m.P}) does not fit the room this "
+                             f"engine was built with ({self.room[0]}, {self.room[1]}): build it with engine.room()")
+        m.name = name
+        self.steps.static(*m.tensors())
+        return m
+
+    # -- a request's life in a slot
+    def admit(self, b: int, r: Request, method: Method) -> int:
+        """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits and
+        features go to the method (its matrix and the head read them). Returns the first token (one
+        host sync), which is also in self.root[b]."""
+        slot, C = self.slots[b], self.chunk
+        slot.request, slot.L, slot.Ld, slot.pend = r, 0, 0, 1
+        self.L[b], self.active[b] = 0, 1
+        if self.drafter is not None:
+            self.drafter.Ld[b] = 0
+        self.smp.set(b, r.sampling)
+        method.admit(self, b)
+        t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
+        finite = torch.ones(1, dtype=torch.bool, device=self.device)
+        mode = sampling_mode([r.sampling])
+        for s in range(0, len(r.ids), C):
+            n = min(C, len(r.ids) - s)
+            self.steps.mark()                      # each chunk is a generation of its own (the step replays)
+            chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])[None]
+            self.fills.n.fill_(n)
+            logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b),
+                                                   self.cols(C) if self.window else self.fills.cols,
+                                                   method.needs_head, self.smp, mode, self.root)
+            finite &= ok
+            slot.L += n
+            method.prompt_chunk(self, b, chunk, logits, feats, n)
+        method.prefilled(self, b)
+        got = torch.cat([self.root[b].view(1), finite.long()]).tolist()
+        if not got[1]:
+            raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
+                             "in this dtype or its weights are broken")
+        r.tokens = [got[0]]
+        self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
+        return got[0]
+
+    def head_prefill(self, b: int, feats, ids, n: int):
+        """The head's committed rows for a chunk of slot b's prompt (Drafter.prefill)."""
+        self.fills.n.fill_(n)
+        cols = self.fills.head_cols[:self.slots[b].Ld + ids.shape[1]] if self.window else self.fills.head_cols
+        if self.window and self.compiling:
+            torch._dynamo.mark_dynamic(cols, 0)
+        self.steps.head_prefill(feats, ids, self.fills.n, self.slot_index(b), cols)
+        self.slots[b].Ld += n
+
+    def advance_head(self):
+        """After an extend: every slot's head rows grew by the path it read."""
+        for s in self.slots:
+            if s.request is not None:
+                s.Ld += s.pend
+
+    def free(self, b: int, method: Method):
+        method.finish(self, b)
+        self.slots[b] = Slot()
+        self.L[b], self.active[b] = 0, 0
+        if self.drafter is not None:
+            self.drafter.Ld[b] = 0
+        self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
+
+    # -- one round for every slot
+    def step(self, method: Method, record: bool = False, full: bool = False) -> tuple:
+        """One round: the method proposes, the verifier checks every tree in one pass, the method
+        learns (graft.Method.round); then the round's one host transfer (verify.commit). Returns
+        (the Round, per slot (accepted tokens, bonus, retrieved flags of the accepted, real nodes) or
+        None for an empty slot)."""
+        self.steps.mark()                     # the last round's step outputs are dead from here on
+        rnd = method.round(self, record, full)
+        out = []
+        for b, (acc, bonus, ret, nodes, finite) in enumerate(commit(rnd.v, rnd.tree)):
+            s = self.slots[b]
+            if s.request is None:
+                out.append(None)
+                continue
+            if not finite:
+                raise GraftError(NOT_FINITE)
+            s.L += len(acc) + 1
+            s.pend = len(acc) + 1
+            out.append((acc, bonus, ret, nodes))
+        self.clock.mark("update")
+        return rnd, out
+
+
+# What the faces ask of a method name, read off the classes (graft.METHODS): nothing to keep in step.
+NEEDS_HEAD = {n for n, c in METHODS.items() if c.needs_head}
+NEEDS_MATRIX = {n for n, c in METHODS.items() if c.needs_matrix}
+PRUNING = {n for n, c in METHODS.items() if c.settings.get("prune")}
+CALIBRATED = {n: c.calibrated for n, c in METHODS.items() if c.calibrated}
+
+
+def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: bool,
+                  calibration: str | None = None) -> Config:
+    """cfg with what the warm-up calibrated for method `name`: with auto_budget its budget; with
+    `calibration` ("throughput" or "youden") that calibration's thresholds, unless cfg gives some
+    (--thresholds); without, the method reads the one its pruning policy names (graft.POLICIES).
+    Unchanged when nothing was calibrated."""
+    got = cal.get(CALIBRATED.get(name), calibration) if cal is not None else None
+    if not got:
+        return cfg
+    if calibration and cfg.thresholds is None and got["thresholds"]:
+        cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
+    if auto_budget:
+        cfg = dataclasses.replace(cfg, budget=got["budget"])
+    return cfg
+
+
+def make_method(eng: Engine, name: str, cfg: Config | None = None, cal: Calibration | None = None,
+                matrix: ContinuationMatrix | None = None) -> Method:
+    """eng.make(...): the method `name` set up on this engine."""
+    return eng.make(name, cfg, cal, matrix)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+@torch.no_grad()
+def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_ids=(), on_tokens=None,
+        on_round=None, record: bool = False, full: bool = False) -> Run:
+    """Decode every request (Request: token ids and sampling), B at a time: a finished request's slot
+    takes the next waiting one, prefilled between rounds. A request stops after an EOS or at
+    max_new_tokens. on_tokens(request) after each of its rounds (streaming); on_round(round, commits)
+    after every round (--show-tree, the warm-up's records with record=True). full: draft to full
+    depth (compile warm-up). Results in input order. Errors: GraftError for an empty prompt or one that
+    does not fit the cache, before anything runs."""
+    S = eng.model.max_seq_len
+    for r in requests:
+        if not r.ids:
+            raise GraftError("empty prompt")
+        if len(r.ids) + max_new_tokens > S:
+            raise GraftError(f"prompt ({len(r.ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
+                             f"--max-seq-len ({S})")
+    queue, eos = deque(requests), set(eos_ids)
+    rounds = forwards = 0
+    prefill_s = 0.0
+    t0, c0 = time.perf_counter(), time.process_time()
+    eng.clock.start()
+
+    def done(b, r):
+        if r.tokens[-1] in eos or len(r.tokens) >= max_new_tokens:
+            r.finished_s = time.perf_counter() - t0
+            eng.free(b, method)
+            return True
+        return False
+
+    while queue or any(eng.requests()):
+        for b in range(eng.B):                       # 1. refill free slots between rounds
+            while eng.slots[b].request is None and queue:
+                r = queue.popleft()
+                r.admitted_s = time.perf_counter() - t0
+                eng.admit(b, r, method)
+                r.first_s = time.perf_counter() - t0
+                prefill_s += r.first_s - r.admitted_s
+                eng.clock.mark("prefill")
+                if on_tokens:
+                    on_tokens(r)
+                done(b, r)
+        if not any(eng.requests()):
+            continue
+        rnd, got = eng.step(method, record, full)     # 2. one round for every slot
+        rounds += 1
+        forwards += rnd.forwards
+        if on_round:
+            on_round(rnd, got)
+        for b, g in enumerate(got):                  # 3. what each request returns
+            r = eng.slots[b].request
+            if g is None:
+                continue
+            acc, bonus, ret, nodes = g
+            new = acc + [bonus]                      # cut after an EOS and at max_new_tokens
+            cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            new = new[:min(cut, max_new_tokens - len(r.tokens))]
+            kept = min(len(new), len(acc))           # accepted tokens among those returned
+            r.rounds += 1
+            r.committed += len(new)
+            r.accepted += kept
+            r.from_retrieval += sum(ret[:kept])
+            r.draft_forwards += rnd.forwards
+            r.verified += nodes
+            r.padded += method.N - 1
+            r.syncs += rnd.syncs
+            r.stages[rnd.stages[b]] = r.stages.get(rnd.stages[b], 0) + 1
+            r.tokens += new
+            if on_tokens:
+                on_tokens(r)
+            done(b, r)
+    sync(eng.device)
+    return Run(list(requests), time.perf_counter() - t0, rounds, forwards, prefill_s, time.process_time() - c0)
+
+
+def generate(eng: Engine, method: Method, prompt_ids: list, max_new_tokens: int, sampling: Sampling = Sampling(),
+             eos_ids=(), on_tokens=None, on_round=None) -> Request:
+    """One prompt (token ids), alone: run() with a batch of one. on_tokens(tokens) after each round
+    (streaming); on_round(round, commits) too (--show-tree). Returns the Request with its tokens, counts,
+    seconds and the seconds per phase."""
+    r = Request(list(prompt_ids), sampling)
+    eng.clock.reset()
+    sync(eng.device)
+    res = run(eng, method, [r], max_new_tokens, eos_ids, on_tokens and (lambda q: on_tokens(q.tokens)), on_round)
+    r.seconds, r.times = res.seconds, eng.clock.read()
+    return r
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def prefill(eng: Engine, method: Proposer, ids: list) -> int:
-    """The prompt through the target in chunks of eng.chunk tokens (the last one padded), each chunk's
-    logits and features handed to the method (the matrix and the head read them); then the first
-    token. Returns it (and leaves it in eng.root, a static buffer, and eng.root_id)."""
-    C, dev = eng.chunk, eng.device
-    t = torch.tensor(ids, dtype=torch.long, device=dev)       # the prompt's one copy to the device
-    finite = torch.ones((), dtype=torch.bool, device=dev)
-    for s in range(0, len(ids), C):
-        n = min(C, len(ids) - s)
-        eng.mark_step()                           # each chunk is a generation of its own (the step replays)
-        chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])
-        logits, feats = eng.prefill(chunk, n, method.needs_features)
-        finite &= rows_finite(logits[:n])
-        method.prompt_chunk(chunk, logits, feats, n)
-        last = logits[n - 1:n]
-    root = choose(last, eng.L.view(1).clone(), eng.sampling, eng.seed)[0]      # L = len(ids): its position
-    eng.root.copy_(root)
-    got = torch.stack([root, finite.long()]).tolist()
-    if not got[1]:
-        raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
-                         "in this dtype or its weights are broken")
-    eng.root_id = got[0]
-    return got[0]
-
-
-@torch.no_grad()
-def generate(eng: Engine, method: Proposer, prompt_ids: list, max_new_tokens: int, sampling: Sampling,
-             eos_ids=(), on_tokens=None, on_round=None) -> Result:
-    """Decode up to max_new_tokens after the prompt with one method; stops after an EOS. The returned
-    counts are of the tokens returned (a round cut at EOS or max_new_tokens counts what it kept).
-    on_tokens(tokens) after each round; on_round(method, verified) too (--show-tree)."""
-    N = len(prompt_ids)
-    if N == 0:
-        raise GraftError("empty prompt")
-    if N + max_new_tokens > eng.model.max_seq_len:
-        raise GraftError(f"prompt ({N} tokens) + --max-new-tokens ({max_new_tokens}) exceeds --max-seq-len "
-                         f"({eng.model.max_seq_len})")
-    eng.begin(sampling)
-    sync(eng.device)
-    t0 = time.perf_counter()
-    eng.clock.start()
-    method.start(prompt_ids)
-    root = prefill(eng, method, prompt_ids)
-    eng.clock.mark("prefill")
-    res = Result(tokens=[root], prompt_tokens=N, seconds=0.0)
-    eos = set(eos_ids)
-    if on_tokens:
-        on_tokens(res.tokens)
-    while len(res.tokens) < max_new_tokens and root not in eos:
-        eng.mark_step()                     # the last round's step outputs are dead from here on
-        v = method.round(eng.root)
-        if on_round:
-            on_round(method, v)
-        A = len(v.accepted)
-        eng.L_host += A + 1
-        res.rounds += 1
-        res.verified += v.nodes
-        res.padded += method.N - 1
-        res.draft_forwards += v.draft_forwards
-        res.syncs += v.syncs
-        res.stages[v.stage] = res.stages.get(v.stage, 0) + 1
-        # what this round returns: the accepted tokens and the bonus, cut after an EOS and at
-        # max_new_tokens. Every count is of returned tokens (Spec-Bench's MAT), not of verified ones.
-        new = v.accepted + [v.bonus_id]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        new = new[:min(cut, max_new_tokens - len(res.tokens))]
-        kept = min(len(new), A)                      # accepted tokens among those returned
-        res.committed += len(new)
-        res.accepted += kept
-        res.from_retrieval += sum(v.from_retrieval[:kept])
-        res.tokens += new
-        root = eng.root_id = v.bonus_id     # (the device copy is in eng.root: verify wrote it)
-        if on_tokens:
-            on_tokens(res.tokens)
-        if res.tokens[-1] in eos:
-            break
-    sync(eng.device)
-    res.seconds = time.perf_counter() - t0
-    res.times = eng.clock.read()
-    return res
 
 
 # ----------------------------------------------------------------------------- costs, compile warm-up, checks
@@ -650,36 +726,39 @@ def monotone(costs: dict) -> dict:
 
 
 @torch.no_grad()
-def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
+def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
               timer=time.perf_counter, stats: dict | None = None) -> tuple:
-    """Milliseconds per target pass over a tree of N nodes after `context` committed tokens, through
-    the step decoding uses (compiled when the engine is): N=1 is decode_one_token, larger N the
-    verifier. The price of verifying a budget: on a GPU it barely grows with N; on a CPU it does,
-    which is what sets the best budget there. (cost_tree: every size shares one verify graph.)
-    Measured robustly (graft.time_passes, robust_costs, monotone): `repeats` samples of each N,
-    interleaved, each after an untimed pass; the fastest sample of each N; then the non-decreasing
-    fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when given, receives
-    "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a fraction). Returns
-    (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    """Milliseconds per target pass over B trees of N nodes (B: the engine's slots, each after
+    `context` committed tokens), through the steps decoding uses (compiled when the engine is): N=1 is
+    the decode step, larger N the verifier. The price of verifying a budget: on a GPU it barely grows
+    with N; on a CPU it does, which is what sets the best budget there. (cost_tree: every size shares
+    one verify graph.) Measured robustly (time_passes, robust_costs, monotone): `repeats` samples of
+    each N, interleaved, each after an untimed pass; the fastest sample of each N; then the
+    non-decreasing fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when
+    given, receives "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a
+    fraction). Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
     dev, m = eng.device, eng.model
-    context = max(1, min(context, m.max_seq_len - 1))
+    context = max(1, min(context, m.max_seq_len - max(sizes) - 1))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).to(dev)
-    eng.begin(Sampling())
-    prefill(eng, Plain(eng), ids[:context].tolist())         # once: every pass below is undone after it
-    trees = {n: cost_tree(ids[context:context + n]) for n in sizes}
+    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).tolist()
+    ar = eng.make("ar")
+    for b in range(eng.B):               # every slot holds the context: each pass below is undone after it
+        eng.admit(b, Request(ids[:context]), ar)
+    trees = {n: cost_tree(torch.tensor(ids[context:context + n], device=dev), eng.B) for n in sizes}
+    smp, mode = eng.smp, sampling_mode([Sampling()])
 
-    def one(n):                                      # one pass over n nodes
+    def one(n):                                      # one pass over n nodes per request
         tree, P = trees[n]
-        eng.mark_step()
+        eng.steps.mark()
         if n == 1 and not capture:
-            eng.root.copy_(tree.tokens[0])
-            eng.decode()
+            eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), smp, mode)
         else:
-            eng.verify(tree, P, capture)
+            eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), smp, mode, P, capture, eng.root)
         eng.L.fill_(context)                     # undo what the pass committed
 
     samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
+    for b in range(eng.B):
+        eng.free(b, ar)
     fastest, spread = robust_costs(samples)
     if stats is not None:
         stats.update(samples=samples, spread=spread)
@@ -692,42 +771,35 @@ def pass_cost(eng, sizes: list, context: int = 256, repeats: int = 20, capture: 
 COST_PATH = 10
 
 
-def cost_tree(tokens: torch.Tensor) -> tuple:
-    """A tree of N = tokens.numel() nodes for timing: a chain of min(N, COST_PATH) nodes from the root,
-    the others children of the root. Returns (tree, P). (The cost of a pass does not depend on the
-    tree's shape, only on N.)"""
+def cost_tree(tokens: torch.Tensor, batch: int = 1) -> tuple:
+    """A tree of N = tokens.numel() nodes for timing, the same for each of `batch` requests: a chain of
+    min(N, COST_PATH) nodes from the root, the others children of the root. Returns (tree, P). (The
+    cost of a pass does not depend on the tree's shape, only on N.)"""
+    from verify import Tree
     N, dev = tokens.numel(), tokens.device
     P = min(N, COST_PATH)
     idx = torch.arange(N, device=dev)
     parents = torch.where(idx < P, idx - 1, 0)
-    return Tree(tokens, parents, torch.ones(N, dtype=torch.bool, device=dev)), P
+    rows = lambda x: x[None].expand(batch, -1).contiguous()
+    return Tree(rows(tokens), rows(parents), torch.ones(batch, N, dtype=torch.bool, device=dev)), P
 
 
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
-    """Run every compiled step once before anything is timed: a short generation per method, and for
-    a pruning method one per stage (thresholds that force it). Returns the seconds it took, which is
-    what compilation costs (a second run reads inductor's FX graph cache). The continuation matrix is
-    left as it was: what these generations taught it would otherwise reach a warm-up's records."""
+    """Run every compiled step once before anything is timed: a short generation per method in every
+    slot, drafted to full depth (`full`: every draft level's graph). Returns the seconds it took, which
+    is what compilation costs (a second run reads inductor's FX graph cache). The continuation
+    matrices are left as they were: what these generations taught them would otherwise reach a
+    warm-up's records."""
     if not eng.compiling:
         return 0.0
     t0 = time.perf_counter()
-    kept = {k: v.clone() for k, v in eng.matrix.state_dict().items()}
     ids = eng.tokenizer.encode(WARMUP_PROMPTS[0])[:max(1, eng.model.max_seq_len - 16)] or [0]
     for m in methods:
-        forced = [None]
-        if isinstance(m, Graft) and m.thresholds:
-            forced += list(m.thresholds)
-        saved = dict(getattr(m, "thresholds", {}))
-        for stage in forced:
-            if stage is not None:      # prune at `stage`: never at the checkpoints before it, always at it
-                m.thresholds = {c: (0.0 if c < stage else 2.0) for c in saved}
-            elif saved:
-                m.thresholds = {c: 0.0 for c in saved}
-            generate(eng, m, ids, 8, sampling, ())
-        if saved:
-            m.thresholds = saved
-    eng.matrix.load_state_dict(kept)
-    eng.compile_seconds += time.perf_counter() - t0
+        kept = m.matrix.state_dict() if m.matrix is not None else None
+        run(eng, m, [Request(ids, sampling) for _ in range(eng.B)], 8, (), full=True)
+        if kept is not None:
+            m.matrix.load_state_dict(kept)
+    eng.steps.compile_seconds += time.perf_counter() - t0
     if log:
         log(f"compile: {time.perf_counter() - t0:.1f}s")
     return time.perf_counter() - t0
@@ -759,18 +831,20 @@ def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling,
     ctx = ids + base[:pos]
     keep = {}
 
-    class Last(Proposer):
-        def prompt_chunk(self, chunk, logits, feats, n):
-            keep["row"] = logits[n - 1].float().clone()
-    eng.begin(sampling)
-    prefill(eng, Last(), ctx)
+    class Last(Method):
+        def prompt_chunk(self, eng, b, chunk, logits, feats, n):
+            keep["row"] = logits[0, n - 1].float().clone()
+    last = Last(eng, Config())
+    eng.admit(0, Request(ctx, sampling), last)
+    eng.free(0, last)
     logits = keep["row"]                                                   # (V,) the scores of position len(ctx)
     if sampling.greedy:
         score, scale = logits.double(), 1.0
     else:
-        score = warp(logits[None], sampling)[0].double() + position_noise(
-            torch.tensor(sampling.seed, device=logits.device), torch.tensor([len(ctx)], device=logits.device),
-            logits.numel())[0]
+        t = lambda x, **kw: torch.tensor([x], device=logits.device, **kw)
+        mode = sampling_mode([sampling])
+        score = warp(logits[None, None], t(sampling.temperature), t(sampling.top_k), t(sampling.top_p), mode)[0, 0].double()
+        score = score + position_noise(t(sampling.seed), t(len(ctx)), logits.numel())[0]
         scale = 1.0 / sampling.temperature
     top = torch.topk(score, 2)
     a, b = base[pos], got[pos]

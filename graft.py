@@ -1,29 +1,40 @@
-"""Graft: the continuation matrix, retrieval templates, hybrid trees, and the round.
+"""Graft: the continuation matrix, retrieval templates, hybrid trees, and every method's round.
 
-Follows ../shared/GRAFT.md sections 2-6; names are the paper's. The pieces:
-  ContinuationMatrix   M [V, k]: the target's recent top-k next tokens after each token (section 3)
+Follows ../shared/GRAFT.md sections 2-7; names are the paper's. Every step takes a batch of B
+requests (a single request is a batch of one). The pieces:
+  ContinuationMatrix   M [V, k]: the target's recent top-k next tokens after each token (section 3);
+                       each request reads and writes its own copy (B, V+1, k)
   build_template       a static tree of ranks grown best-first from per-rank hit rates (section 4)
   graft_trees          kept draft nodes + retrieval subtree -> one tree of a fixed size (section 2.4)
-  graft_round          one decoding round, start to end: draft with checkpoints, keep, retrieve,
-                       graft, verify, update
-  Graft                the proposer that runs it; eagle3, prune and the ablations are configurations
-  Recycle              Token Recycling: a static retrieval tree, no draft head (a baseline)
-The thresholds the round prunes with are calibrated in calibrate.py (section 6). Every tensor step has a static shape, so each can be compiled (one graph per pruning stage).
+  assemble             keep, retrieve, graft: the round's trees, one per request (one graph per method)
+  Method               what a decoding method declares (head, matrix, budget, calibration) and its round;
+                       METHODS maps every --method name to its class
+The pruning thresholds are calibrated in calibrate.py (section 6). Graft prunes by one of two named
+policies (POLICIES): "stop" (drafting stops at a checkpoint whose confidence is below its threshold:
+the paper's batch-1 Graft) and "replace" (the full tree is drafted and its nodes whose path
+confidence is below their checkpoint's threshold are replaced by retrieved ones: the paper's batch
+variant, whose shapes do not depend on any request's confidence).
 """
 import heapq
-from dataclasses import dataclass
-from functools import partial
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from draft import deepest, select
-from verify import Proposer, Tree, Verified, commit
+from draft import level_of, select
+from verify import Tree, tree_mask
 
 CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test runs
 
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
 
 MAX_TEMPLATE_DEPTH = 9
+
+# Graft's pruning policies, each with the calibration it reads (calibrate.py computes both; None: the
+# warm-up's choice, --calibration). "replace" reads Youden's J: the throughput calibration prices the
+# drafting a pruned round saves, and a replacing round saves none (it always drafts to full depth), so
+# on a CPU it can say "prune at checkpoint 0 always" (tau 1.0), which would replace every draft node.
+POLICIES = {"stop": None, "replace": "youden"}
 
 
 def scaled_keep(budget: int, keep=KEEP, base: int = 60) -> tuple:
@@ -40,7 +51,10 @@ class ContinuationMatrix:
     written hold the fallback, the unigram top-k of the target's choices, so every lookup is a real
     token and a lookup is one gather. One extra row (index V) takes the writes of nodes that must not
     land anywhere (padding, duplicates that lost): updates keep a static shape. Per-rank hit rates
-    (how often M[t, r] was the target's actual next token) size the templates."""
+    (how often M[t, r] was the target's actual next token) size the templates.
+    This object is the prior: a request admitted to a slot starts from a copy of it (Method.admit)
+    and, when it ends, leaves what it learned here (Method.finish), so one request after another
+    learns as a single matrix would; in a batch the request that finishes last wins."""
 
     def __init__(self, vocab: int, k: int = 8, device="cpu"):
         self.k, self.vocab = k, vocab
@@ -50,39 +64,16 @@ class ContinuationMatrix:
         self.counts = torch.zeros(vocab + 1, dtype=torch.float64, device=device)   # target choices seen
         self.hits = torch.zeros(k + 1, dtype=torch.float64, device=device)      # per rank; [k] = miss
 
-    def buffers(self) -> list:
-        return [self.M, self.written, self.counts, self.hits]
+    def copy(self) -> "ContinuationMatrix":
+        c = ContinuationMatrix(self.vocab, self.k, self.M.device)
+        c.load_state_dict(self.state_dict())
+        return c
 
-    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(n,) tokens -> (n, k) continuations (the fallback for rows never written)."""
-        return self.M[tokens]
-
-    def record(self, tokens: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
-        """Count, before updating, at which rank the target's actual choice sat in each real node's row."""
-        match = self.rows(tokens) == target[:, None].int()                     # (n, k)
-        rank = torch.where(match.any(-1), match.int().argmax(-1), self.k)
-        self.hits.scatter_add_(0, rank, valid.double())
-        self.counts.scatter_add_(0, target, valid.double())
-
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor,
-               path: torch.Tensor | None = None, A: torch.Tensor | None = None):
-        """M[tokens_i] = topk(logits_i, k) for every real node i; the accepted path (path[:A+1]) is
-        written last so it wins when a token occurs at several nodes. Deterministic: one write per
-        distinct token; padding and the losers write the spare row V."""
-        n, dev = tokens.numel(), tokens.device
-        prio = torch.arange(n, device=dev)
-        if path is not None:                                                   # accepted rows win
-            on_path = torch.zeros(n, dtype=torch.long, device=dev).scatter(
-                0, path, (torch.arange(path.numel(), device=dev) <= A).long())
-            prio = prio + n * on_path
-        tok = torch.where(valid, tokens, self.vocab)
-        order = torch.argsort(tok * (2 * n) + prio)                            # by token, prio ascending
-        t_sorted = tok[order]
-        last = torch.ones_like(t_sorted, dtype=torch.bool)
-        last[:-1] = t_sorted[1:] != t_sorted[:-1]
-        rows = torch.where(last, t_sorted, self.vocab)
-        self.M[rows] = logits[order].topk(self.k, dim=-1).indices.int()
-        self.written[rows] = True
+    def record(self, rank: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+        """Count the ranks (matrix_ranks) at which the target's actual choices sat, and the choices
+        (real nodes only). rank, target, valid: any shape, alike. (The warm-up's statistics: eager.)"""
+        self.hits.scatter_add_(0, rank.flatten(), valid.flatten().double())
+        self.counts.scatter_add_(0, target.flatten(), valid.flatten().double())
 
     def refresh_fallback(self):
         """The fallback becomes the k tokens the target chose most often; unwritten rows take it."""
@@ -111,14 +102,51 @@ class ContinuationMatrix:
         self.fallback = sd["fallback"].to(dev)
         self.M[~self.written] = self.fallback
 
-    def retrieve(self, root: torch.Tensor, tpl: "Template") -> torch.Tensor:
-        """The template's tokens under `root` (0-d): node j gets M[token(parent j), rank j]. (n,)"""
-        n = tpl.size
-        buf = torch.empty(n + 1, dtype=torch.int32, device=self.M.device)      # [nodes..., root]
-        buf[n] = root                                                          # parent -1 reads the root
-        for idx, par, rank in tpl.levels:                                      # one gather per level
-            buf[idx] = self.M[buf[par], rank]
-        return buf[:n].long()
+
+def retrieve(M: torch.Tensor, under: torch.Tensor, tpl: "Template") -> torch.Tensor:
+    """The template's tokens under each request's node `under` (B,): node j gets M[token(parent j),
+    rank j] of that request's matrix M (B, V+1, k). One gather per level. Returns (B, n) long."""
+    B, n = under.shape[0], tpl.size
+    buf = torch.empty(B, n + 1, dtype=torch.long, device=M.device)           # [nodes..., the node under]
+    buf[:, n] = under                                                        # parent -1 reads it
+    bi = torch.arange(B, device=M.device)[:, None]
+    for idx, par, rank in tpl.levels:
+        buf[:, idx] = M[bi, buf[:, par], rank[None]].long()
+    return buf[:, :n]
+
+
+def update(M: torch.Tensor, written: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor,
+           path: torch.Tensor | None = None, A: torch.Tensor | None = None, slots: torch.Tensor | None = None):
+    """M[b, tokens[b, i]] = topk(logits[b, i], k) for every real node i of every request b; the
+    accepted path (path[b, :A[b]+1]) is written last so it wins when a token occurs at several
+    nodes. tokens, valid (B', N); logits (B', N, V); slots (B',): the requests' rows of M (B, V+1, k)
+    and written (B, V+1) (default: all, in order). Deterministic: one write per distinct token;
+    padding and the losers write the spare row V."""
+    B, N = tokens.shape
+    V, k, dev = M.shape[1] - 1, M.shape[2], tokens.device
+    prio = torch.arange(N, device=dev)[None]
+    if path is not None:                                                       # accepted rows win
+        on_path = torch.zeros(B, N, dtype=torch.long, device=dev).scatter(
+            1, path, (torch.arange(path.shape[1], device=dev)[None] <= A[:, None]).long())
+        prio = prio + N * on_path
+    tok = torch.where(valid, tokens, V)
+    order = torch.argsort(tok * (2 * N) + prio, dim=1)                         # by token, prio ascending
+    t_sorted = tok.gather(1, order)
+    last = torch.cat([t_sorted[:, 1:] != t_sorted[:, :-1], torch.ones_like(t_sorted[:, :1], dtype=torch.bool)], 1)
+    rows = torch.where(last, t_sorted, V)
+    top = logits.topk(k, dim=-1).indices.int().gather(1, order[:, :, None].expand(-1, -1, k))
+    bi = (torch.arange(B, device=dev) if slots is None else slots)[:, None]
+    M[bi, rows] = top
+    written[bi, rows] = True
+
+
+def matrix_ranks(M: torch.Tensor, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The rank at which each node's row M[b, tokens[b, i]] held the target's actual choice (k: it did
+    not). tokens, target (B, N) -> (B, N) long. (The hit rates the templates are built from.)"""
+    B, k = tokens.shape[0], M.shape[2]
+    rows = M[torch.arange(B, device=M.device)[:, None], tokens]               # (B, N, k)
+    match = rows == target[..., None].int()
+    return torch.where(match.any(-1), match.int().argmax(-1), k)
 
 
 # ----------------------------------------------------------------------------- templates
@@ -174,59 +202,59 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
     return Template(long(parents), long(ranks), long(depth), levels)
 
 
+
 # ----------------------------------------------------------------------------- hybrid trees
 
-def graft_trees(d_tokens, d_parents, r_tokens, tpl: Template, free: int, anchor=-1) -> tuple:
-    """Merge the kept draft tree (K nodes) and a retrieval subtree into one tree of K + `free` slots.
+def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free) -> tuple:
+    """Merge each request's kept draft nodes and its retrieval subtree into one tree of n slots.
 
-    d_parents index the draft nodes (-1 = root); the retrieval subtree hangs under `anchor` (-1 = the
-    root, or the index of a draft node, an int or a 0-d tensor). A retrieved node that repeats a
-    sibling's token is merged into it (its children attach there) and costs no slot; the slots go to
-    the first `free` unmerged template nodes, in template order, so the result is prefix-closed and
-    contains the whole draft tree. Slots left over (too many merges) are padding.
-    Returns (tokens, parents, valid, retrieved), each (K + free,), without the root: parents index the
-    result, -1 = root. Static shapes: no nonzero, no data-dependent sizes."""
-    dev = d_tokens.device
-    K, n = d_tokens.numel(), r_tokens.numel()
-    if not torch.is_tensor(anchor):                           # (a host int: a fill, never a copy to the device)
-        anchor = torch.full((), anchor, dtype=torch.long, device=dev)
-    hid = torch.empty(n, dtype=torch.long, device=dev)       # hybrid id: draft index, or K + j if new
-    merged = torch.zeros(n, dtype=torch.bool, device=dev)
-    for idx, par, _ in tpl.levels:                            # level by level: parents are resolved
-        ph = torch.where(par < 0, anchor, hid[par.clamp(min=0)])                             # (m,)
-        same = (d_parents[None, :] == ph[:, None]) & (d_tokens[None, :] == r_tokens[idx][:, None])  # (m, K)
-        hit = same.any(-1)
-        merged[idx] = hit
-        hid[idx] = torch.where(hit, same.int().argmax(-1), K + idx)
-    new = ~merged
-    take = new & (new.cumsum(0) <= free)                      # the first `free` unmerged nodes
-    slot = torch.cumsum(take, 0) - 1 + K                      # their index in the result
-    ph = torch.where(tpl.parents < 0, anchor, hid[tpl.parents.clamp(min=0)])
-    # a parent that is new maps through its slot; a merged one is already a draft index
-    p_new = torch.where(ph >= K, slot[(ph - K).clamp(min=0, max=n - 1)], ph)
-    dst = torch.where(take, slot, K + free)                   # the untaken write a spare slot, dropped
-    tokens = torch.cat([d_tokens, torch.zeros(free + 1, dtype=torch.long, device=dev)])
-    parents = torch.cat([d_parents, torch.full((free + 1,), -1, dtype=torch.long, device=dev)])
-    valid = torch.cat([torch.ones(K, dtype=torch.bool, device=dev), torch.zeros(free + 1, dtype=torch.bool, device=dev)])
-    tokens[dst], parents[dst], valid[dst] = r_tokens, p_new, take
-    retrieved = torch.arange(K + free, device=dev) >= K
-    return tokens[:-1], parents[:-1], valid[:-1], retrieved & valid[:-1]
-
-
-def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, N: int) -> Tree:
-    """Prepend the root to a root-less tree (parents -1 = the root) and pad it to N nodes."""
-    dev = root.device
-    pad = N - 1 - tokens.numel()
-    z = lambda dtype, v=0: torch.full((pad,), v, dtype=dtype, device=dev)
-    one = lambda x: x.view(1)
-    return Tree(torch.cat([one(root), tokens, z(torch.long)]),
-                torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), torch.where(parents < 0, 0, parents + 1),
-                           z(torch.long, -1)]),
-                torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, z(torch.bool)]),
-                torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), retrieved, z(torch.bool)]))
+    d_tok, d_par, kept (B, n): the selected draft candidates (select: parents first, d_par indexing
+    them, -1 = the root) and which of them each request keeps (a prefix-closed set); r_tok (B, n) the
+    template's retrieved tokens (None: no retrieval), hung under `anchor` (B,) (-1 = the root, or the
+    index of a kept draft node). The kept nodes come first, compacted in order; a retrieved node that
+    repeats a kept sibling's token is merged into it (its children attach there) and costs no slot;
+    the first free[b] (B,) unmerged template nodes, in template order, take the next slots, so the
+    result is prefix-closed. Slots left over are padding. Returns (tokens, parents, valid, retrieved),
+    each (B, n), without the root: parents index the result, -1 = root. Static shapes throughout."""
+    B, n = d_tok.shape
+    dev = d_tok.device
+    kpos = kept.cumsum(1) - 1                                             # a kept node's index in the result
+    d_parc = torch.where(d_par >= 0, kpos.gather(1, d_par.clamp(min=0)), -1)
+    d_dst = torch.where(kept, kpos, n)                                    # the dropped write a spare slot
+    r_vals = (None,) * 4
+    if r_tok is not None:
+        hid = torch.zeros(B, n, dtype=torch.long, device=dev)            # hybrid id: draft index, or n + j if new
+        merged = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        for idx, par, _ in tpl.levels:                                    # level by level: parents are resolved
+            ph = torch.where(par[None] < 0, anchor[:, None], hid[:, par.clamp(min=0)])
+            same = kept[:, None, :] & (d_par[:, None, :] == ph[:, :, None]) & (d_tok[:, None, :] == r_tok[:, idx][:, :, None])
+            hit = same.any(-1)
+            merged[:, idx] = hit
+            hid[:, idx] = torch.where(hit, same.int().argmax(-1), n + idx[None])
+        new = ~merged
+        take = new & (new.cumsum(1) <= free[:, None])                     # the first free[b] unmerged nodes
+        slot = kept.sum(1, keepdim=True) + take.cumsum(1) - 1             # their index in the result
+        ph = torch.where(tpl.parents[None] < 0, anchor[:, None], hid[:, tpl.parents.clamp(min=0)])
+        as_draft = torch.where(ph >= 0, kpos.gather(1, ph.clamp(0, n - 1)), -1)
+        r_par = torch.where(ph >= n, slot.gather(1, (ph - n).clamp(0, n - 1)), as_draft)
+        r_dst = torch.where(take, slot, n)
+        r_vals = (r_tok, r_par, take, take)
+    out = []
+    for (d_val, fill), r_val in zip(((d_tok, 0), (d_parc, -1), (kept, False), (torch.zeros_like(kept), False)), r_vals):
+        t = torch.full((B, n + 1), fill, dtype=d_val.dtype, device=dev).scatter(1, d_dst, d_val)
+        out.append((t if r_val is None else t.scatter(1, r_dst, r_val))[:, :n])
+    return tuple(out)
 
 
-# ----------------------------------------------------------------------------- the round
+def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, active: torch.Tensor) -> Tree:
+    """Prepend the roots (B,) to root-less trees (B, n) (parents -1 = the root). An empty slot
+    (active (B,) False) gets a tree that is all padding."""
+    col = lambda x: x[:, None]
+    return Tree(torch.cat([col(root), tokens], 1),
+                torch.cat([torch.full_like(col(root), -1), torch.where(parents < 0, 0, parents + 1)], 1),
+                torch.cat([col(active), valid & col(active)], 1),
+                torch.cat([torch.zeros_like(col(active)), retrieved], 1))
+
 
 @dataclass
 class Config:
@@ -241,9 +269,10 @@ class Config:
     checkpoints: tuple = CHECKPOINTS
     keep: tuple | None = None          # draft nodes kept when pruned at each checkpoint (default scaled 8/24/40)
     thresholds: dict | None = None     # tau per checkpoint (default: calibrated in warm-up)
-    prune: bool = True
+    prune: bool = True                 # (prune, retrieve, ablation: set by the method, graft.METHODS)
     retrieve: bool = True
     ablation: str | None = None        # "fixed", "root" or "tail"
+    policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: stop at B = 1, else replace)
     matrix_k: int = 8
     recycle_size: int = 80
     pld_ngram: int = 3
@@ -273,179 +302,441 @@ class Config:
         return out
 
 
-class Graft(Proposer):
-    """EAGLE-3 drafting with checkpoints, grafted with retrieval (and, as configurations of the same
-    round, eagle3, prune and the ablations). Holds the compiled steps of its round: the head's
-    `extend` and `level`, one `assemble` per pruning stage, and `learn`."""
-    needs_features = True
 
-    def __init__(self, eng, cfg: Config, matrix: ContinuationMatrix | None = None, hit_rates=None):
-        self.eng, self.cfg, self.d, self.matrix = eng, cfg, eng.drafter, matrix
-        self.thresholds = {c: float((cfg.thresholds or {}).get(c, 0.0)) for c in cfg.checkpoints} if cfg.prune else {}
+
+@dataclass
+class Calibration:
+    """What the warm-up measured (calibrate.warm_up), handed to the methods that read it (make_method):
+    per calibration ("throughput", "youden") and calibrated method, {"budget", "thresholds", "rate"};
+    `chosen`: the calibration a "stop" method reads (--calibration); the matrix's per-rank hit rates;
+    the expected tokens/s by budget; the cost timings' relative spread. Empty: nothing calibrated."""
+    methods: dict = field(default_factory=dict)
+    chosen: str = "throughput"
+    hit_rates: tuple = PRIOR_HIT_RATES
+    budget_curve: dict = field(default_factory=dict)
+    cost_spread: float | None = None
+
+    def get(self, method: str | None, kind: str | None = None) -> dict | None:
+        """{"budget", "thresholds", "rate"} of `method` under calibration `kind` (default: chosen)."""
+        return self.methods.get(kind or self.chosen, {}).get(method)
+
+    @property
+    def thresholds(self) -> dict:
+        return dict((self.get("graft") or {}).get("thresholds", {}))
+
+    @property
+    def budget(self) -> int | None:
+        return (self.get("graft") or {}).get("budget")
+
+
+# ----------------------------------------------------------------------------- methods
+
+@dataclass
+class Round:
+    """One round of every request, as the engine reads it: the trees, what the verifier returned,
+    per request the stage that pruned it (None: drafted to full depth, or no stages), the round's
+    draft forwards and host syncs; with record=True what the warm-up reads (`record`)."""
+    tree: Tree
+    v: object
+    stages: list
+    forwards: int = 0
+    syncs: int = 1
+    record: dict | None = None
+
+
+class Method:
+    """A decoding method: each round it proposes a tree per request under its root, the one verifier
+    (verify.verify) checks them all in one target pass, and the method learns from the verification.
+    A method declares what it needs on its class; METHODS maps each --method name to its class.
+    N: nodes verified per request and round (root included); P: the longest path a round can accept
+    (root included)."""
+    needs_head = False        # an EAGLE-3 head drafts (and verification captures its features)
+    needs_matrix = False      # a continuation matrix per request
+    has_budget = False        # the verification budget (--budget) sizes its tree
+    calibrated = None         # whose warm-up calibration it reads (calibrate.py); None: none
+    source = "draft"          # what proposes the nodes the matrix does not (--show-tree)
+    settings: dict = {}       # what it sets in the round's Config
+
+    def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
+        self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B), cal or Calibration()
+        self.N, self.P = self.shape(self.cfg)
+        self.matrix = None
+        if self.needs_matrix or matrix is not None:    # each request's own matrix (B, V+1, k), from the prior
+                                                       # (a method that reads none learns one when given it)
+            self.matrix = matrix if matrix is not None else eng.matrix
+            self.M = self.matrix.M[None].repeat(eng.B, 1, 1)
+            self.written = self.matrix.written[None].repeat(eng.B, 1)
+
+    @classmethod
+    def configure(cls, cfg: Config, drafter=None, batch: int = 1) -> Config:
+        """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B."""
+        cfg = replace(cfg, **cls.settings)
+        if drafter is not None and cls.needs_head:
+            cfg = replace(cfg, top_k=drafter.top_k, depth=drafter.depth)
+        if cfg.prune:
+            cfg = replace(cfg, policy=cfg.policy or ("stop" if batch == 1 else "replace"))
+        return cfg
+
+    @classmethod
+    def shape(cls, cfg: Config) -> tuple:
+        return 1, 1
+
+    def tensors(self) -> list:
+        """What lives across rounds (the engine declares it static)."""
+        return [self.M, self.written] if self.matrix is not None else []
+
+    # -- a request's life in slot b (host-side calls, around the compiled steps)
+    def admit(self, eng, b: int):
+        if self.matrix is not None:
+            self.M[b].copy_(self.matrix.M)
+            self.written[b].copy_(self.matrix.written)
+
+    def prompt_chunk(self, eng, b: int, ids, logits, feats, n: int):
+        """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, C, V), feats (1, C, F) or
+        None; the first n real. The matrix learns the prompt's continuations."""
+        if self.matrix is not None:
+            eng.steps.matrix_update(self.M, self.written, ids, logits, torch.arange(ids.shape[1], device=ids.device)[None] < n,
+                                    slots=eng.slot_index(b))
+
+    def prefilled(self, eng, b: int):
+        """Slot b's prompt is in the cache and its first token in eng.root[b]."""
+
+    def finish(self, eng, b: int):
+        if self.matrix is not None:           # what the request learned becomes the prior
+            self.matrix.M.copy_(self.M[b])
+            self.matrix.written.copy_(self.written[b])
+
+    def round(self, eng, record: bool = False, full: bool = False) -> Round:
+        """Propose, verify, learn, for every slot (device work; the engine commits). record: return what
+        the warm-up reads; full: draft to full depth whatever the confidences (compile warm-up)."""
+        raise NotImplementedError
+
+
+class Plain(Method):
+    """ar: the root alone, one token a round through the decode step."""
+    source = None
+
+    def round(self, eng, record=False, full=False) -> Round:
+        tree = Tree(eng.root[:, None].clone(), torch.full_like(eng.root[:, None], -1), eng.active[:, None] > 0)
+        v = eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode)
+        eng.clock.mark("verify")
+        return Round(tree, v, [None] * eng.B)
+
+
+def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
+    """Prompt lookup: up to n_tokens tokens that followed the newest earlier occurrence of the last
+    ngram, ngram-1, ..., 1 tokens of ctx (a host list of token ids); [] when none recurs."""
+    for n in range(min(ngram, len(ctx) - 1), 0, -1):
+        tail = ctx[-n:]
+        for s in range(len(ctx) - n - 1, -1, -1):
+            if ctx[s:s + n] == tail:
+                return ctx[s + n:s + n + n_tokens]
+    return []
+
+
+class PromptLookup(Method):
+    """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
+    committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over each request's
+    context; the chains reach the device as one asynchronous copy from pinned memory into a static
+    buffer (row 0 tokens, row 1 whether the node is real)."""
+    source = "copied"
+
+    def __init__(self, eng, cfg, cal=None, matrix=None):
+        super().__init__(eng, cfg, cal, matrix)
+        self.host = torch.zeros(2, eng.B, self.N, dtype=torch.long, pin_memory=eng.cuda)
+        self.chains = torch.zeros(2, eng.B, self.N, dtype=torch.long, device=eng.device)
+        self.parents = (torch.arange(self.N, device=eng.device) - 1).expand(eng.B, -1).contiguous()
+
+    @classmethod
+    def shape(cls, cfg):
+        return cfg.pld_tokens + 1, cfg.pld_tokens + 1
+
+    def tensors(self):
+        return [self.chains, self.parents]
+
+    def round(self, eng, record=False, full=False) -> Round:
+        self.host.zero_()            # free to write: the last round's commit waited for its copy
+        for b, r in enumerate(eng.requests()):
+            if r is not None:
+                ids = [r.tokens[-1]] + lookup(r.ids + r.tokens, self.cfg.pld_ngram, self.cfg.pld_tokens)
+                self.host[0, b, :len(ids)] = torch.tensor(ids)
+                self.host[1, b, :len(ids)] = 1
+        self.chains.copy_(self.host, non_blocking=True)
+        tree = Tree(self.chains[0], self.parents, self.chains[1] > 0)
+        eng.clock.mark("assemble")
+        v = eng.steps.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, False, eng.root)
+        eng.clock.mark("verify")
+        return Round(tree, v, [None] * eng.B)
+
+
+class Recycle(Method):
+    """Token Recycling: a static retrieval tree from each request's continuation matrix, no draft head."""
+    needs_matrix = True
+    source = "matrix"
+
+    def __init__(self, eng, cfg, cal=None, matrix=None):
+        super().__init__(eng, cfg, cal, matrix)
+        self.tpl = build_template(self.cal.hit_rates, self.cfg.recycle_size).to(eng.device)
+
+    @classmethod
+    def shape(cls, cfg):
+        return cfg.recycle_size + 1, 1 + len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels)
+
+    def tensors(self):
+        return super().tensors() + self.tpl.tensors()
+
+    def round(self, eng, record=False, full=False) -> Round:
+        st = eng.steps
+        tree = st.recycle_tree(self, eng.root, eng.active)
+        eng.clock.mark("assemble")
+        v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, False, eng.root)
+        eng.clock.mark("verify")
+        rec = {"rank": matrix_ranks(self.M, tree.tokens, v.target)} if record else None   # before it learns
+        st.learn(self, tree, v, eng.active)
+        eng.clock.mark("update")
+        return Round(tree, v, [None] * eng.B, record=rec)
+
+
+def recycle_tree(m: Recycle, root: torch.Tensor, active: torch.Tensor) -> Tree:
+    """Recycle's step: every request's template filled from its own matrix under its root."""
+    toks = retrieve(m.M, root, m.tpl)
+    yes = torch.ones_like(toks, dtype=torch.bool)
+    return with_root(root, toks, m.tpl.parents[None].expand_as(toks), yes, yes, active > 0)
+
+
+class Eagle3Tree(Method):
+    """eagle3: the dense EAGLE-3 tree, the best `budget` of a top_k x depth expansion. The methods
+    below are configurations of the same round (`settings`): prune (stopped or thinned at the
+    checkpoints, freed slots left empty, ECHO-style), graft (the freed slots filled by retrieval:
+    this project's point) and the ablations (GRAFT.md section 7)."""
+    needs_head = has_budget = True
+    calibrated = "eagle3"
+    settings = dict(prune=False, retrieve=False, ablation=None)
+
+    def __init__(self, eng, cfg, cal=None, matrix=None):
+        super().__init__(eng, cfg, cal, matrix)
+        cfg, dev, k = self.cfg, eng.device, self.cfg.top_k
+        self.policy = cfg.policy if cfg.prune else None
+        if self.policy not in (None, *POLICIES):
+            raise ValueError(f"unknown pruning policy {self.policy!r}: {', '.join(POLICIES)}")
         self.stages = cfg.stages()
-        rates = hit_rates or PRIOR_HIT_RATES
-        self.templates = {s: build_template(rates, K + R).to(eng.device) for s, (K, R) in self.stages.items() if R}
-        self.N = 1 + max(cfg.budget, *(K + R for K, R in self.stages.values()))
-        T = MAX_TEMPLATE_DEPTH if self.templates else 0
-        self.tail = cfg.ablation == "tail"
-        self.P = min(self.N, 1 + (cfg.depth + T if self.tail else max(cfg.depth, T)))
-        eng.reserve(self.N, self.P)
-        dev, Ht = eng.device, eng.model.args.dim
-        self.pend_feats = torch.zeros(self.P, len(eng.model.capture_layers) * Ht, dtype=eng.dtype, device=dev)
-        self.pend_ids = torch.zeros(self.P, dtype=torch.long, device=dev)
-        self.pend_n = torch.ones((), dtype=torch.long, device=dev)
-        self.level_index = [torch.full((), i, dtype=torch.long, device=dev) for i in range(cfg.depth)]
-        self.extend, self.level = eng.compile(self.d.extend, "extend"), eng.compile(self.d.level, "level")
-        self.assemble = {s: eng.compile(partial(self.assemble_stage, s), f"assemble_{s}") for s in self.stages}
-        self.learn = eng.compile(self.learn_step, "learn")
-        self.seed_matrix = eng.compile(matrix.update, "matrix_update") if matrix is not None else None
-        self.recorder = None             # warm-up: called once a round, after verification (calibrate.Recorder)
-        eng.static(self.pend_feats, self.pend_ids, self.pend_n, *self.level_index,
-                   *(t for tpl in self.templates.values() for t in tpl.tensors()))
+        self.checkpoints = cfg.checkpoints if cfg.prune else ()
+        got = cal.get(self.calibrated, POLICIES.get(self.policy)) if cal is not None and self.policy else None
+        thr = cfg.thresholds if cfg.thresholds is not None else (got or {}).get("thresholds", {})
+        self.thresholds = {c: float(thr.get(c, 0.0)) for c in self.checkpoints}
+        n = self.N - 1
+        # stop: per checkpoint the draft nodes it keeps and the candidate slots drafted by then, then
+        # the same for a round drafted to full depth; replace: log tau per candidate slot
+        stops = [*self.checkpoints, None] if self.policy == "stop" else [None]
+        self.keep = torch.tensor([self.stages[s][0] for s in stops], device=dev)
+        self.drafted = torch.tensor([k + (s if s is not None else cfg.depth - 1) * k * k for s in stops], device=dev)
+        self.taus = torch.tensor([self.thresholds[c] for c in stops[:-1]], dtype=torch.float64, device=dev)
+        self.log_tau = self.slot_thresholds().to(dev)
+        self.retrieves = any(R for _, R in self.stages.values()) or (self.policy == "replace" and cfg.retrieve)
+        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if self.retrieves else None
+        self.anchor = "deepest" if cfg.ablation == "tail" or self.policy == "replace" else "root"
+        self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
+        self.record_tpl = None           # the warm-up's: a retrieval under the root to record
+        # the head's next input, per request: the accepted path's features and the token after each
+        F = len(eng.model.capture_layers) * eng.model.args.dim
+        self.pend_feats = torch.zeros(eng.B, self.P, F, dtype=eng.dtype, device=dev)
+        self.pend_ids = torch.zeros(eng.B, self.P, dtype=torch.long, device=dev)
+        self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
 
-    # -- the prompt: the head's committed rows, and the matrix seeded from the prefill logits
-    def start(self, prompt: list):
-        self.d.reset()
+    @classmethod
+    def shape(cls, cfg):
+        n = max(K + R for K, R in cfg.stages().values())
+        T = MAX_TEMPLATE_DEPTH if cfg.retrieve or cfg.ablation else 0
+        deep = cfg.ablation == "tail" or (cfg.prune and cfg.retrieve and cfg.policy == "replace")
+        return 1 + n, min(1 + n, 1 + (cfg.depth + T if deep else max(cfg.depth, T)))
+
+    def tensors(self):
+        return super().tensors() + [self.keep, self.drafted, self.taus, self.log_tau, self.conf, self.pend_feats,
+                                    self.pend_ids, self.pend_n] + (
+            self.tpl.tensors() if self.tpl is not None else [])
+
+    def slot_thresholds(self) -> torch.Tensor:
+        """log tau per candidate slot (C,) for the replace policy: the threshold of the deepest
+        checkpoint the slot's level has passed (checkpoint c tests the best path at level c+1);
+        -inf = never replaced."""
+        k, D = self.cfg.top_k, self.cfg.depth
+        C = k + (D - 1) * k * k
+        out = []
+        for s in range(C):
+            lv = 1 if s < k else (s - k) // (k * k) + 2
+            passed = [c for c in sorted(self.thresholds) if c <= lv - 1] if self.policy == "replace" else []
+            tau = self.thresholds[passed[-1]] if passed else 0.0
+            out.append(math.log(tau) if tau > 0 else float("-inf"))
+        return torch.tensor(out, dtype=torch.float32)
+
+    # -- the prompt: the head's committed rows (row t pairs feature t with token t+1, eagle3.md 4.1)
+    def admit(self, eng, b):
+        super().admit(eng, b)
         self._last = None
-        self.pend_n_host = 1
 
-    def prompt_chunk(self, ids, logits, feats, n: int):
-        C, dev = ids.numel(), ids.device
-        if self.seed_matrix is not None:
-            self.seed_matrix(ids, logits, torch.arange(C, device=dev) < n)
-        # row t of the head pairs feature t with token t+1 (eagle3.md section 4.1)
+    def prompt_chunk(self, eng, b, ids, logits, feats, n):
+        super().prompt_chunk(eng, b, ids, logits, feats, n)
         if self._last is None:           # the first chunk: rows (f_0, p_1) .. (f_{n-2}, p_{n-1})
-            F, I, real = feats, torch.cat([ids[1:], ids[:1] * 0]), n - 1
+            F, I, real = feats, torch.cat([ids[:, 1:], ids[:, :1] * 0], 1), n - 1
         else:                            # later ones start with the previous chunk's last feature
-            F, I, real = torch.cat([self._last, feats[:-1]]), ids, n
-        self._last = feats[n - 1:n].clone()      # an output of the prefill step, read after its next replay
-        self.eng.head_prefill(F, I, real)
+            F, I, real = torch.cat([self._last, feats[:, :-1]], 1), ids, n
+        self._last = feats[:, n - 1:n].clone()      # an output of the prefill step, read after its next replay
+        eng.head_prefill(b, F, I, real)
+
+    def prefilled(self, eng, b):
+        """The first round's extend reads the prompt's last feature with the first token."""
+        self.pend_feats[b].zero_()
+        self.pend_feats[b, 0] = self._last[0, 0]
+        self.pend_ids[b].zero_()
+        self.pend_ids[b, 0] = eng.root[b]
+        self.pend_n[b] = 1
+        self._last = None
 
     # -- one round
-    def round(self, root: torch.Tensor) -> Verified:
-        if self._last is not None:       # the first round reads the prompt's last feature with the root
-            self.pend_feats.zero_()
-            self.pend_feats[0] = self._last[0]
-            self.pend_ids[0] = root
-            self.pend_n.fill_(1)
-            self._last = None
-        return graft_round(self, root)
+    def round(self, eng, record=False, full=False) -> Round:
+        d, st = eng.drafter, eng.steps
+        # 1. draft with checkpoints: the head reads each request's accepted path and drafts level by
+        #    level; at checkpoint c (a host sync) a request whose best path's probability is below tau_c
+        #    stops (stop policy); drafting ends when every request has stopped
+        stages, forwards, syncs, conf = self.draft(eng, record or full, full)
+        eng.clock.mark("draft")
+        # 2-4. keep the best draft nodes, retrieve from each request's matrix, graft: one tree each
+        tree = st.assemble(self, eng.root, eng.active)
+        eng.clock.mark("assemble")
+        # 5. verify: one target pass over every tree, exact acceptance, KV compaction (the one verifier)
+        v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, True, eng.root)
+        eng.clock.mark("verify")
+        rec = self.recorded(eng, tree, v, conf) if record else None       # before the matrix learns
+        # 6. learn: the matrices learn every verified node's top-k; the head's next input is the path
+        st.learn(self, tree, v, eng.active)
+        eng.clock.mark("update")
+        return Round(tree, v, stages, forwards, syncs, rec)
 
-    def assemble_stage(self, stage, root: torch.Tensor) -> Tree:
-        """Keep, retrieve, graft: the K best draft nodes, R slots of retrieval hung under the root (or
-        the best deepest draft node), merged into one tree of N nodes. One graph per stage."""
-        d, (K, R) = self.d, self.stages[stage]
-        d_tok, d_par, slots = select(d.scores, d.tokens, d.parents, K)                     # keep
-        if not R:
-            return with_root(root, d_tok, d_par, torch.ones_like(d_tok, dtype=torch.bool),
-                             torch.zeros_like(d_tok, dtype=torch.bool), self.N)
-        tpl = self.templates[stage]
-        anchor = deepest(slots, d.scores, d.top_k) if self.tail else -1
-        under = d_tok.index_select(0, anchor.view(1))[0] if self.tail else root
-        r_tok = self.matrix.retrieve(under, tpl)                                             # retrieve
-        return with_root(root, *graft_trees(d_tok, d_par, r_tok, tpl, R, anchor), self.N)   # graft
+    def draft(self, eng, watch_all: bool, full: bool) -> tuple:
+        """Step 1. `extend` reads the accepted paths (the drafter's pending input) and drafts level 1;
+        each `level` drafts one more. After the forward that produced level c+1, checkpoint c compares
+        every request's best-path probability conf_c with tau_c (one host sync) and stops those below;
+        drafting ends when no active request goes on. The confidences go to self.conf for the
+        assembly (which applies the same test on the device). Returns (stage per slot: the checkpoint
+        that stopped it, or None; draft forwards; host syncs; {c: conf_c (B,)} when watch_all)."""
+        d, st, B = eng.drafter, eng.steps, eng.B
+        D, k = self.cfg.depth, self.cfg.top_k
+        going = [r is not None for r in eng.requests()]
+        stages, seen, syncs = [None] * B, {}, 0
+        conf = st.extend(self.pend_feats, self.pend_ids, self.pend_n, eng.cols(self.P, head=True))
+        eng.advance_head()
+        forwards = 1
+        cps = {c: i for i, c in enumerate(self.checkpoints)} if self.policy == "stop" else {}
+        for c in range(D):                                  # level c+1 exists now
+            if c in cps:
+                self.conf[:, cps[c]] = conf
+            if watch_all and c in self.cfg.checkpoints:
+                seen[c] = conf.clone()                      # (read after later levels replay their step)
+            if c in cps and not full:
+                got = conf.tolist()                         # the checkpoint's host sync
+                syncs += 1
+                for b in range(B):
+                    if going[b] and got[b] < self.thresholds[c]:
+                        going[b], stages[b] = False, c
+                if not any(going):
+                    return stages, forwards, syncs, seen
+            if c == D - 1:
+                break
+            conf = st.level(eng.fills.level[c], eng.cols((D - 1) * k, head=True))   # level c+2
+            forwards += 1
+        return stages, forwards, syncs, seen
 
-    def learn_step(self, tree: Tree, v: Verified):
-        """The matrix learns from every verified node; the head's next extend reads the accepted path."""
+    def recorded(self, eng, tree, v, conf) -> dict:
+        """What the warm-up reads of a round (calibrate.py), taken before the matrix learns (after, it
+        would already hold the target's answer for this very round)."""
+        d = eng.drafter
+        out = {"conf": conf, "scores": d.scores.clone(), "tokens": d.tokens.clone(), "parents": d.parents.clone()}
         if self.matrix is not None:
-            self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
-        nxt = torch.cat([tree.tokens.index_select(0, v.path[1:]), v.bonus.view(1)])       # token after each
-        self.pend_ids.copy_(torch.where(torch.arange(self.P, device=nxt.device) == v.A, v.bonus, nxt))
-        self.pend_feats.copy_(v.feats)
-        self.pend_n.copy_(v.A + 1)
+            out["rank"] = matrix_ranks(self.M, tree.tokens, v.target)
+            if self.record_tpl is not None:
+                out["retrieved"] = retrieve(self.M, tree.tokens[:, 0], self.record_tpl)
+        return out
 
 
-def graft_round(g: Graft, root: torch.Tensor) -> Verified:
-    """One Graft round, start to end (GRAFT.md section 2). root: the last committed token (0-d).
+def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree:
+    """Steps 2-4 of a round, for every request: keep, retrieve, graft (one graph per method).
 
-    One call per step; each tensor step is static-shaped and compiled when the engine compiles.
-    Host syncs: one per checkpoint reached (the pruning decision) and one at the end (commit)."""
-    e = g.eng
-    # 1. draft with checkpoints: the head reads the accepted path and drafts level by level; at each
-    #    checkpoint c a best-path probability below tau_c stops it (the round is pruned at stage c)
-    stage, conf, forwards = draft_with_checkpoints(g)
-    e.clock.mark("draft")
-    # 2-4. keep the K best draft nodes, retrieve R nodes from the continuation matrix under the root,
-    #    graft them into one hybrid tree of N nodes (Graft.assemble_stage, one graph per stage)
-    tree = g.last_tree = g.assemble[stage](root)
-    e.clock.mark("assemble")
-    # 5. verify: one target pass over the tree, exact acceptance, KV compaction (the one verifier)
-    v = e.verify(tree, g.P, capture=True)
-    e.clock.mark("verify")
-    if g.recorder is not None:          # warm-up only: what the calibration reads, before the matrix learns
-        g.recorder(g, conf, tree, v)
-    # 6. update: the matrix learns every verified node's top-k, the head's next input is the accepted
-    #    path; then the round's one transfer to the host
-    g.learn(tree, v)
-    commit(v, tree)
-    e.clock.mark("update")
-    g.pend_n_host = len(v.accepted) + 1
-    v.stage, v.draft_forwards, v.syncs = stage, forwards, 1 + len([c for c in conf if c in g.thresholds])
-    return v
-
-
-def draft_with_checkpoints(g: Graft) -> tuple:
-    """Step 1 of the round. The head's `extend` reads the accepted path (pend_*) and drafts level 1
-    (the root's top_k children); each `level` drafts one more. After the forward that produced level
-    c+1, checkpoint c compares the best path's probability conf_c with tau_c (a host sync); below it,
-    drafting stops. Returns (stage: the checkpoint that pruned, or None; {c: conf_c (0-d)} for the
-    checkpoints reached, plus every configured one while a recorder listens; draft forwards)."""
-    e, d, cfg = g.eng, g.d, g.cfg
-    k, D = d.top_k, cfg.depth
-    watch = set(g.thresholds) | (set(cfg.checkpoints) if g.recorder is not None else set())
-    conf = g.extend(g.pend_feats, g.pend_ids, g.pend_n, e.cols(d.Ld_host + g.P, head=True))
-    d.Ld_host += g.pend_n_host
-    seen, forwards = {}, 1
-    for c in range(D):                                   # level c+1 exists now
-        if c in watch:
-            seen[c] = conf.clone()                       # (read after later levels replay their step)
-            if c in g.thresholds and float(conf) < g.thresholds[c]:
-                return c, seen, forwards
-        if c == D - 1:
-            break
-        conf = g.level(g.level_index[c], e.cols(d.Ld_host + (D - 1) * k, head=True))        # draft level c+2
-        forwards += 1
-    return None, seen, forwards
+    keep: the best n candidates (select); a request keeps, under the stop policy, the best K of its
+    stage (the first checkpoint whose confidence, m.conf, is below its threshold, on levels drafted by
+    then), under the replace policy every node whose path confidence and its ancestors' pass their
+    checkpoint's threshold, otherwise the best K of the round's one stage. retrieve: the template from
+    the request's own matrix under the root (or, for the tail ablation and the replace policy, under
+    the best node of the deepest kept level). graft: the kept nodes and the retrieved ones, merged,
+    one tree of N nodes per request."""
+    n, k = m.N - 1, m.cfg.top_k
+    scores = d.scores
+    if m.policy == "stop":           # stage s per request: the first checkpoint below its threshold
+        below = torch.cat([m.conf.double() < m.taus, torch.ones_like(m.conf[:, :1], dtype=torch.bool)], 1)
+        s = below[:, :m.taus.numel() + 1].int().argmax(1)                          # (B,)
+        K = m.keep[s]
+        slot = torch.arange(scores.shape[1], device=scores.device)
+        scores = torch.where(slot[None] < m.drafted[s][:, None], scores, float("-inf"))   # levels not drafted
+    else:
+        K = m.keep[0].expand(root.shape[0])
+    d_tok, d_par, sel, rank = select(scores, d.tokens, d.parents, n)
+    score = scores.gather(1, sel)
+    if m.policy == "replace":        # a node whose path confidence, or an ancestor's, is below tau
+        low = score < m.log_tau[sel]
+        anc, _ = tree_mask(d_par, torch.ones_like(low), m.cfg.depth)
+        kept = ~(anc & low[:, None, :]).any(-1) & (rank < K[:, None])
+    else:
+        kept = rank < K[:, None]
+    r_tok = anchor = free = None
+    if m.tpl is not None:
+        if m.anchor == "deepest":    # the best node of the deepest kept level (-1: none kept, the root)
+            lv = torch.where(kept, level_of(sel, k), 0)
+            key = torch.where(kept & (lv == lv.max(1, keepdim=True).values), score, float("-inf"))
+            anchor = torch.where(kept.any(1), key.argmax(1), -1)
+        else:
+            anchor = torch.full_like(root, -1)
+        under = torch.where(anchor >= 0, d_tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
+        r_tok = retrieve(m.M, under, m.tpl)
+        free = n - kept.sum(1) if m.cfg.retrieve or m.cfg.ablation else torch.zeros_like(root)
+    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.tpl, anchor, free), active > 0)
 
 
-# ----------------------------------------------------------------------------- Token Recycling
+def learn(m: Method, tree: Tree, v, active: torch.Tensor):
+    """Step 6: each request's matrix learns every verified node's top-k (update); the head's next
+    extend reads each accepted path: the features of the root and the accepted nodes, and the token
+    after each (the last one the bonus)."""
+    if m.matrix is not None:
+        update(m.M, m.written, tree.tokens, v.logits, tree.valid, v.path, v.A)
+    if m.needs_head:
+        nxt = torch.cat([tree.tokens.gather(1, v.path[:, 1:]), v.bonus[:, None]], 1)        # (B, P)
+        at_bonus = torch.arange(m.P, device=nxt.device)[None] == v.A[:, None]
+        m.pend_ids.copy_(torch.where(at_bonus, v.bonus[:, None], nxt))
+        m.pend_feats.copy_(v.feats)
+        m.pend_n.copy_((v.A + 1) * active)
 
 
-class Recycle(Proposer):
-    """Token Recycling: a static retrieval tree from the continuation matrix, no draft head."""
-    source = "matrix"                   # --show-tree: every node retrieved
+class Prune(Eagle3Tree):
+    calibrated = "prune"
+    settings = dict(prune=True, retrieve=False, ablation=None)
 
-    def __init__(self, eng, cfg: Config, matrix: ContinuationMatrix, hit_rates=None):
-        self.eng, self.matrix = eng, matrix
-        tpl = build_template(hit_rates or PRIOR_HIT_RATES, cfg.recycle_size)       # on the host, then moved
-        self.N, self.P = cfg.recycle_size + 1, 1 + len(tpl.levels)
-        self.tpl = tpl.to(eng.device)
-        eng.reserve(self.N, self.P)
-        self.propose, self.learn = eng.compile(self.propose_step, "recycle_propose"), eng.compile(self.learn_step, "recycle_learn")
-        self.seed_matrix = eng.compile(matrix.update, "matrix_update")
-        eng.static(*self.tpl.tensors())
-        self.recorder = None             # warm-up: called once a round, after verification (calibrate.Recorder)
 
-    def prompt_chunk(self, ids, logits, feats, n: int):
-        self.seed_matrix(ids, logits, torch.arange(ids.numel(), device=ids.device) < n)
+class Graft(Eagle3Tree):
+    needs_matrix = True
+    calibrated = "graft"
+    settings = dict(prune=True, retrieve=True, ablation=None)
 
-    def propose_step(self, root: torch.Tensor):
-        toks = self.matrix.retrieve(root, self.tpl)
-        yes = torch.ones_like(toks, dtype=torch.bool)
-        return with_root(root, toks, self.tpl.parents, yes, yes, self.N)
 
-    def learn_step(self, tree, v: Verified):
-        self.matrix.update(tree.tokens, v.logits, tree.valid, v.path, v.A)
+class GraftFixed(Graft):
+    settings = dict(prune=False, retrieve=True, ablation="fixed")
 
-    def round(self, root: torch.Tensor) -> Verified:
-        e = self.eng
-        tree = self.last_tree = self.propose(root)
-        e.clock.mark("assemble")
-        v = e.verify(tree, self.P)
-        e.clock.mark("verify")
-        if self.recorder is not None:       # warm-up only: before the matrix learns
-            self.recorder(self, {}, tree, v)
-        self.learn(tree, v)
-        commit(v, tree)
-        e.clock.mark("update")
-        return v
+
+class GraftRoot(Graft):
+    settings = dict(prune=False, retrieve=True, ablation="root")
+
+
+class GraftTail(Graft):
+    settings = dict(prune=False, retrieve=True, ablation="tail")
+
+
+# name -> method; every method runs at every batch size, and nothing looks at a name after setup
+METHODS = {"ar": Plain, "eagle3": Eagle3Tree, "prune": Prune, "graft": Graft, "recycle": Recycle, "pld": PromptLookup,
+           "graft-fixed": GraftFixed, "graft-root": GraftRoot, "graft-tail": GraftTail}

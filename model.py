@@ -156,38 +156,49 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rows = rows
 
-    def layer(self, i: int) -> tuple:
-        return self.k[i], self.v[i]
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None):
+        """Layer i's new keys and values k, v (B', H_kv, T, D) at rows (B', T) of the requests `slots`
+        (B',) (None: every request, B' = B). One indexed write, whatever B' and T are."""
+        B, H, T, _ = k.shape
+        b = (torch.arange(B, device=k.device) if slots is None else slots)[:, None, None]      # (B', 1, 1)
+        h = torch.arange(H, device=k.device)[None, :, None]                                   # (1, H, 1)
+        self.k[i].index_put_((b, h, rows[:, None, :]), k)
+        self.v[i].index_put_((b, h, rows[:, None, :]), v)
+
+    def read(self, i: int, n_keys: int, slots: torch.Tensor | None) -> tuple:
+        """Layer i's cache rows 0..n_keys-1, (B', H_kv, n_keys, D) each: a view for every request, a
+        gathered copy for the requests `slots` (a prefill of one request)."""
+        k, v = self.k[i], self.v[i]
+        if slots is not None:
+            k, v = k.index_select(0, slots), v.index_select(0, slots)
+        return k[:, :, :n_keys], v[:, :, :n_keys]
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor):
-        """KV compaction: rows `src` (n,) become rows `dst` (n,) in every layer. Gathered first, so
-        overlapping source and destination rows are safe."""
-        for t in self.k + self.v:
-            t.index_copy_(2, dst, t.index_select(2, src))
-
-    def move_rows_each(self, src: torch.Tensor, dst: torch.Tensor):
-        """move_rows per request: src, dst (B, n), request b's rows src[b] become its rows dst[b]."""
+        """KV compaction: request b's rows src[b] become its rows dst[b] in every layer; src, dst (B, n).
+        Gathered first, so overlapping source and destination rows are safe."""
         for t in self.k + self.v:
             B, H, _, D = t.shape
-            t.scatter_(2, dst[:, None, :, None].expand(B, H, -1, D),
-                       t.gather(2, src[:, None, :, None].expand(B, H, -1, D)))
+            t.scatter_(2, dst[:, None, :, None].expand(B, H, -1, D), t.gather(2, src[:, None, :, None].expand(B, H, -1, D)))
 
     def tensors(self) -> list:
         return self.k + self.v
 
 
 def attention_mask(tree: torch.Tensor, L: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Which cache rows each of N new rows may read: (N, n_keys) bool, n_keys = cols.numel().
+    """Which cache rows each of N new rows of every request may read: (B, N, n_keys) bool.
 
-    The round's rows start at cache row L (the committed length, a 0-d tensor) and span W rows;
-    tree (N, W) says which of them each new row sees (itself and its ancestors; a causal triangle for
-    a prefill chunk). Committed rows (< L) are visible to all, rows past the round's to none. `cols` is
-    arange(n_keys): the whole cache (a static shape, for CUDA graphs) or just the rows up to the
-    round's last (a size that varies; on a CPU reading less is faster)."""
-    N, W = tree.shape
-    rel = cols[None, :] - L                                            # (1, n_keys): row - L
+    Request b's round starts at cache row L[b] (its committed length; L (B,)) and spans W rows;
+    tree (B, N, W) (or (N, W), the same for every request) says which of them each new row sees
+    (itself and its ancestors; a causal triangle for a prefill chunk). Committed rows (< L) are
+    visible to all, rows past the round's to none. `cols` is arange(n_keys): the whole cache (a
+    static shape, for CUDA graphs) or just the rows up to the round's last (a size that varies; on a
+    CPU reading less is faster)."""
+    B = L.shape[0]
+    tree = tree.expand(B, *tree.shape[-2:])
+    N, W = tree.shape[1:]
+    rel = cols[None, None, :] - L[:, None, None]                       # (B, 1, n_keys): row - L
     inside = (rel >= 0) & (rel < W)
-    seen = tree.gather(1, rel.clamp(0, W - 1).expand(N, -1))          # (N, n_keys)
+    seen = tree.gather(2, rel.clamp(0, W - 1).expand(B, N, -1))       # (B, N, n_keys)
     return (rel < 0) | (inside & seen)
 
 
@@ -205,7 +216,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None):
+    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -218,19 +229,12 @@ class Attention(nn.Module):
             # the new rows go into the cache first; then every query reads cache rows 0..n_keys-1.
             # Padding rows (keep False) write zeros: a row nobody may see must still be finite, since
             # with full attention its keys and values meet the mask's zero weights (0 * NaN = NaN).
-            kc, vc = kv
-            if keep is not None:      # (T,), or (B, T) for a batch of requests
-                keep = keep[:, None] if keep.dim() == 1 else keep[:, None, :, None]
+            cache, i = kv
+            if keep is not None:      # (T,) or (B, T)
+                keep = keep.reshape(-1, 1, T, 1)
                 k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
-            if rows.dim() == 1:
-                kc.index_copy_(2, rows, k)
-                vc.index_copy_(2, rows, v)
-            else:                     # (B, T): every request writes at its own rows
-                at = rows[:, None, :, None].expand_as(k)
-                kc.scatter_(2, at, k)
-                vc.scatter_(2, at, v)
-            n_keys = mask.shape[-1]
-            k, v = kc[:, :, :n_keys], vc[:, :, :n_keys]
+            cache.write(i, k, v, rows.expand(B, T), slots)
+            k, v = cache.read(i, mask.shape[-1], slots)
         elif steps_kv is not None:
             # EAGLE-3 training-time test: the keys of the earlier unrolled steps come first
             steps_kv.append((k, v))
@@ -246,7 +250,7 @@ def grouped_attention(q, k, v, mask):
     """Masked grouped-query attention without expanding K and V: the G = H / H_kv query heads that
     share a KV head become G*T query rows against it, and the mask is tiled to match.
 
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask (T, S), or (B, 1, T, S) for a batch, bool or additive
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask (B, 1, T, S) (or (T, S) for every request), bool or additive
     (no per-head masks). Returns (B, H, T, D).
     Why: with a mask, flash attention is out and the memory-efficient kernel takes no GQA (torch 2.11
     on CUDA), so `enable_gqa=True` lands on the math kernel, which copies K and V to every query head
@@ -325,8 +329,8 @@ class Block(nn.Module):
         sparse = bool(a.sparse_layers) and a.sparse_layers[i]
         self.mlp = MoE(a) if sparse else MLP(a.dim, a.intermediate_size)
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep)
+    def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None, slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep, slots=slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,12 +359,13 @@ class Transformer(nn.Module):
         self.rope = rope_table(a, rows).to(p.device)
         self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
-    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None):
-        """tokens (B, T); positions (T,) or (B, T) absolute positions for RoPE.
+    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None, slots=None):
+        """tokens (B, T); positions (B, T) absolute positions for RoPE ((T,): the same for every row).
 
-        With `rows` (T,), or (B, T) per request: the T new rows are written there in `cache` (default: the model's own) and
-        attention reads cache rows 0..n_keys-1 under `mask` (T, n_keys) bool (True = may attend);
-        `keep` (T,) or (B, T) bool marks the real rows (padding writes zeros to the cache, see Attention).
+        With `rows` (B, T) (or (T,)): the T new rows of each request are written there in `cache`
+        (default: the model's own), at the cache's requests `slots` (B,) (default: all, in order), and
+        attention reads cache rows 0..n_keys-1 under `mask` (B, T, n_keys) bool (True = may attend);
+        `keep` (B, T) bool marks the real rows (padding writes zeros to the cache, see Attention).
         Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
         capture=True, the EAGLE-3 features (B, T, n*dim): the residual stream at the input of the
         layers in self.capture_layers (2, L//2 and L-3 unless a head declares others; L = the output of
@@ -373,12 +378,14 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)                                 # (B, T, dim)
         # under CPU autocast (training) the activations' dtype varies by op: keep RoPE in float32 then
         rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]                                      # (B, 1, T, n_keys): every head alike
         mask = mask_bias(mask, x.dtype)
         feats, points = [], self.capture_layers
         for i, layer in enumerate(self.layers):
             if capture:
                 feats += [x] * points.count(i)
-            x = layer(x, rope, rows, mask, cache.layer(i) if rows is not None else None, keep)
+            x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots)
         if capture:                          # "the input of layer L": the last layer's output, before the norm
             feats += [x] * points.count(len(self.layers))
         logits = self.lm_head(self.norm(x))                           # (B, T, V)
