@@ -610,7 +610,7 @@ class Eagle3Tree(Method):
         # 6. learn: the matrices learn every verified node's top-k; the head's next input is the path
         st.learn(self, tree, v, eng.active)
         eng.clock.mark("update")
-        return Round(tree, v, stages, forwards, syncs, rec)
+        return Round(tree, v, stages, forwards, 1 + syncs, rec)      # commit's transfer + the checkpoints'
 
     def draft(self, eng, watch_all: bool, full: bool) -> tuple:
         """Step 1. `extend` reads the accepted paths (the drafter's pending input) and drafts level 1;
