@@ -374,45 +374,67 @@ def test_forward_unfused_skips_fc(head):
 # ----------------------------------------------------------------------------- drafting
 
 PROMPT = [1, 5, 9, 13, 22, 40, 3, 17, 8]
+PROMPT2 = [1, 30, 31, 2, 60, 7]                 # another request: another length, other tokens
 CHUNK, PATH = 16, 4
-
-
-def drafter_and_root(target, head, depth=8):
-    """A fresh Drafter that has read the prompt (prefill: rows (f_t, p_t+1)) and extended with the
-    prompt's last feature and the root, which drafts level 1. Returns (drafter, conf_0, feats, next ids)."""
-    n = len(PROMPT)
-    ids = torch.tensor(PROMPT)
-    pos = torch.arange(n)
-    target.setup_caches(64)
-    logits, feats = target(ids[None], pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), capture=True)
-    root = int(logits[0, -1].argmax())
-    dr = D.Drafter(head, max_seq_len=64, top_k=K, depth=depth, max_path=PATH, chunk=CHUNK)
-    nxt = torch.cat([ids[1:], torch.tensor([root])])
-    F = torch.zeros(CHUNK, 3 * HT)
-    F[:n - 1] = feats[0, :-1]
-    I = torch.zeros(CHUNK, dtype=torch.long)
-    I[:n - 1] = nxt[:-1]
-    dr.prefill(F, I, torch.tensor(n - 1), cols(dr))
-    conf = dr.extend(*pending(feats[0, -1:], nxt[-1:]), cols(dr))
-    return dr, conf, feats[0], nxt
 
 
 def cols(dr):
     return torch.arange(dr.head.cache.rows)
 
 
-def pending(feats, ids):
-    """Rows for extend, padded to PATH."""
-    F = torch.zeros(PATH, 3 * HT)
-    F[:len(ids)] = feats
-    I = torch.zeros(PATH, dtype=torch.long)
-    I[:len(ids)] = ids
-    return F, I, torch.tensor(len(ids))
+def target_pass(target, prompt):
+    """The target's prefill of a prompt: (its features (n, 3*Ht), the token after each: the prompt
+    shifted by one, then the root, the target's argmax after the prompt)."""
+    n = len(prompt)
+    ids = torch.tensor(prompt)
+    pos = torch.arange(n)
+    target.setup_caches(64)
+    logits, feats = target(ids[None], pos, pos, torch.ones(n, n, dtype=torch.bool).tril(), capture=True)
+    root = int(logits[0, -1].argmax())
+    return feats[0], torch.cat([ids[1:], torch.tensor([root])])
+
+
+def prefill_slot(dr, b, feats, nxt, lo, hi):
+    """The head's committed rows (f_t, p_t+1) for t in lo..hi-1 of request b, as one padded chunk."""
+    F = torch.zeros(1, CHUNK, 3 * HT)
+    F[0, :hi - lo] = feats[lo:hi]
+    I = torch.zeros(1, CHUNK, dtype=torch.long)
+    I[0, :hi - lo] = nxt[lo:hi]
+    dr.prefill(F, I, torch.tensor(hi - lo), torch.tensor([b]), cols(dr))
+
+
+def pending(rows):
+    """extend's input, one row per request: [(feats (n, 3*Ht), ids (n,)), ...] padded to PATH."""
+    B = len(rows)
+    F = torch.zeros(B, PATH, 3 * HT)
+    I = torch.zeros(B, PATH, dtype=torch.long)
+    for b, (f, i) in enumerate(rows):
+        F[b, :len(i)] = f
+        I[b, :len(i)] = i
+    return F, I, torch.tensor([len(i) for _, i in rows])
+
+
+def drafter_for(target, head, prompts, depth=8):
+    """A fresh Drafter of len(prompts) requests, each having read its prompt (prefill: rows (f_t, p_t+1))
+    and extended with the prompt's last feature and the root, which drafts level 1. Returns
+    (drafter, conf_0 (B,), [(feats, next ids) per request])."""
+    dr = D.Drafter(head, len(prompts), max_seq_len=64, top_k=K, depth=depth, max_path=PATH, chunk=CHUNK)
+    got = [target_pass(target, p) for p in prompts]
+    for b, (feats, nxt) in enumerate(got):
+        prefill_slot(dr, b, feats, nxt, 0, len(nxt) - 1)
+    conf = dr.extend(*pending([(f[-1:], n[-1:]) for f, n in got]), cols(dr))
+    return dr, conf, got
+
+
+def drafter_and_root(target, head, depth=8):
+    """drafter_for one request (PROMPT). Returns (drafter, conf_0 (1,), feats, next ids)."""
+    dr, conf, [(feats, nxt)] = drafter_for(target, head, [PROMPT], depth)
+    return dr, conf, feats, nxt
 
 
 def draft(dr, levels):
-    """Draft up to `levels` levels; returns the confidences conf_0 .. conf_{levels-1}."""
-    return [float(dr.level(torch.tensor(i), cols(dr))) for i in range(levels - 1)]
+    """Draft up to `levels` levels; returns the confidences conf_1 .. conf_{levels-1} of request 0."""
+    return [float(dr.level(torch.tensor(i), cols(dr))[0]) for i in range(levels - 1)]
 
 
 def level_slices(levels, k=K):
@@ -424,64 +446,63 @@ def level_slices(levels, k=K):
 
 def test_extend_reads_the_path_and_drafts_level_1(target, head):
     dr, conf, _, _ = drafter_and_root(target, head)
-    assert int(dr.Ld) == dr.Ld_host + len(PROMPT) == len(PROMPT)
-    h = dr.beam_h[:1]
+    assert dr.Ld.tolist() == [len(PROMPT)]                    # n - 1 prompt rows, then the root's
+    assert conf.shape == (1,)
+    h = dr.beam_h[0, :1]
     s, t = head.logprobs(h).topk(K, dim=-1)
-    assert torch.allclose(dr.scores[:K], s[0]) and torch.equal(dr.tokens[:K], head.to_target(t[0]))
-    assert (dr.parents[:K] == -1).all() and torch.isinf(dr.scores[K:]).all()
-    assert math.isclose(float(conf), math.exp(float(s[0, 0])), rel_tol=1e-6)
+    assert torch.allclose(dr.scores[0, :K], s[0]) and torch.equal(dr.tokens[0, :K], head.to_target(t[0]))
+    assert (dr.parents[0, :K] == -1).all() and torch.isinf(dr.scores[0, K:]).all()
+    assert math.isclose(float(conf[0]), math.exp(float(s[0, 0])), rel_tol=1e-6)
 
 
 def test_prefill_in_chunks_equals_one_chunk(target, head):
     dr, _, feats, nxt = drafter_and_root(target, head)
     n = len(PROMPT)
-    dr2 = D.Drafter(head, max_seq_len=64, top_k=K, depth=8, max_path=PATH, chunk=CHUNK)
+    dr2 = D.Drafter(head, 1, max_seq_len=64, top_k=K, depth=8, max_path=PATH, chunk=CHUNK)
     for lo, hi in ((0, 4), (4, n - 1)):
-        F = torch.zeros(CHUNK, 3 * HT)
-        F[:hi - lo] = feats[lo:hi]
-        I = torch.zeros(CHUNK, dtype=torch.long)
-        I[:hi - lo] = nxt[lo:hi]
-        dr2.prefill(F, I, torch.tensor(hi - lo), cols(dr2))
-    dr2.extend(*pending(feats[-1:], nxt[-1:]), cols(dr2))
-    assert int(dr2.Ld) == int(dr.Ld)
-    assert torch.allclose(dr2.scores[:K], dr.scores[:K], atol=1e-5)
+        prefill_slot(dr2, 0, feats, nxt, lo, hi)
+    dr2.extend(*pending([(feats[-1:], nxt[-1:])]), cols(dr2))
+    assert torch.equal(dr2.Ld, dr.Ld)
+    assert torch.allclose(dr2.scores[:, :K], dr.scores[:, :K], atol=1e-5)
 
 
 def test_draft_full_tree_shape(target, head):
     dr, _, _, _ = drafter_and_root(target, head)
     draft(dr, 8)
     C = K + 7 * K * K
-    assert dr.scores.shape == dr.tokens.shape == dr.parents.shape == (C,)
-    assert torch.isfinite(dr.scores).all()
-    assert int(dr.tokens.min()) >= 0 and int(dr.tokens.max()) < V
+    assert dr.scores.shape == dr.tokens.shape == dr.parents.shape == (1, C)
+    scores, tokens, parents = dr.scores[0], dr.tokens[0], dr.parents[0]
+    assert torch.isfinite(scores).all()
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < V
     # every token is a target id reachable from the draft vocabulary
     reach = set((torch.arange(VD) + head.d2t).tolist())
-    assert set(dr.tokens.tolist()) <= reach
+    assert set(tokens.tolist()) <= reach
     # parents: -1 for level 1, else a slot of the previous level
     sl = level_slices(8)
-    assert (dr.parents[sl[0]] == -1).all()
+    assert (parents[sl[0]] == -1).all()
     for prev, cur in zip(sl, sl[1:]):
-        p = dr.parents[cur]
+        p = parents[cur]
         assert (p >= prev.start).all() and (p < prev.stop).all()
     # a child's score never exceeds its parent's (log-probs <= 0)
-    ch = dr.parents >= 0
-    assert (dr.scores[ch] <= dr.scores[dr.parents[ch]] + 1e-6).all()
+    ch = parents >= 0
+    assert (scores[ch] <= scores[parents[ch]] + 1e-6).all()
 
 
 def test_draft_scores_match_sequential_decoding(target, head):
     # a level-3 candidate's score = sum of the head's log-probs along its path, decoded one row at a time
     dr, _, _, _ = drafter_and_root(target, head)
     draft(dr, 3)
+    scores, tokens, parents = dr.scores[0].clone(), dr.tokens[0].clone(), dr.parents[0].clone()
     inv = {int(t): d for d, t in enumerate((torch.arange(VD) + head.d2t).tolist())}
     n = len(PROMPT)
     lvl3 = level_slices(3)[2]
     checked = 0
     for c in range(lvl3.start, lvl3.stop, 5):
-        p2 = int(dr.parents[c])
-        p1 = int(dr.parents[p2])
-        toks = [int(dr.tokens[p1]), int(dr.tokens[p2]), int(dr.tokens[c])]
+        p2 = int(parents[c])
+        p1 = int(parents[p2])
+        toks = [int(tokens[p1]), int(tokens[p2]), int(tokens[c])]
         ref, _, _, _ = drafter_and_root(target, head)            # fresh draft cache
-        hid, score = ref.beam_h[:1], 0.0
+        hid, score = ref.beam_h[0, :1], 0.0
         for i, t in enumerate(toks):
             lp = head.logprobs(hid)[0]
             score += float(lp[inv[t]])
@@ -490,53 +511,115 @@ def test_draft_scores_match_sequential_decoding(target, head):
             row = torch.tensor([n + i])
             hid = head(hid[None], torch.tensor([[t]]), row, row, torch.ones(1, n + i + 1, dtype=torch.bool),
                        fused=False)[0]
-        assert math.isclose(score, float(dr.scores[c]), abs_tol=1e-4), (c, score, float(dr.scores[c]))
+        assert math.isclose(score, float(scores[c]), abs_tol=1e-4), (c, score, float(scores[c]))
         checked += 1
     assert checked >= 3
 
 
 def test_confidence_is_best_path_probability(target, head):
     dr, conf0, _, _ = drafter_and_root(target, head)
-    confs = [float(conf0)] + draft(dr, 8)
+    confs = [float(conf0[0])] + draft(dr, 8)
     for c, sl in enumerate(level_slices(8)):
-        assert math.isclose(confs[c], math.exp(float(dr.scores[sl].max())), rel_tol=1e-6), c
+        assert math.isclose(confs[c], math.exp(float(dr.scores[0, sl].max())), rel_tol=1e-6), c
+
+
+def test_drafting_a_batch_equals_each_request_alone(target, head):
+    """Two requests of different lengths drafted side by side (one extend, then each level for both)
+    leave, row by row, the candidates (scores, tokens, parents), the committed head rows and the
+    confidences that drafting each alone leaves."""
+    prompts = [PROMPT, PROMPT2]
+    dr, conf0, _ = drafter_for(target, head, prompts)
+    confs = [conf0.clone()] + [dr.level(torch.tensor(i), cols(dr)).clone() for i in range(7)]
+    assert dr.Ld.tolist() == [len(PROMPT), len(PROMPT2)] and conf0.shape == (2,)
+    assert not torch.equal(dr.tokens[0], dr.tokens[1])                      # two different trees
+    for b, p in enumerate(prompts):
+        one, c1, _ = drafter_for(target, head, [p])
+        alone = [c1] + [one.level(torch.tensor(i), cols(one)).clone() for i in range(7)]
+        assert torch.equal(one.tokens[0], dr.tokens[b]) and torch.equal(one.parents[0], dr.parents[b]), b
+        assert torch.allclose(one.scores[0], dr.scores[b], atol=1e-5), b
+        assert torch.allclose(torch.stack([c[0] for c in alone]), torch.stack([c[b] for c in confs]), rtol=1e-5), b
+        assert one.Ld.tolist() == [len(p)]
+
+
+def test_extend_of_an_empty_slot_reads_nothing(target, head):
+    """A slot with n = 0 (no request) beside a real one: the real request drafts what it drafts alone,
+    and the empty slot's committed rows do not move."""
+    dr = D.Drafter(head, 2, max_seq_len=64, top_k=K, depth=8, max_path=PATH, chunk=CHUNK)
+    feats, nxt = target_pass(target, PROMPT)
+    prefill_slot(dr, 1, feats, nxt, 0, len(nxt) - 1)
+    F, I, n = pending([(feats[:0], nxt[:0]), (feats[-1:], nxt[-1:])])
+    dr.extend(F, I, n, cols(dr))
+    for i in range(3):
+        dr.level(torch.tensor(i), cols(dr))
+    one, _, _ = drafter_for(target, head, [PROMPT])
+    for i in range(3):
+        one.level(torch.tensor(i), cols(one))
+    assert dr.Ld.tolist() == [0, len(PROMPT)]
+    assert torch.equal(dr.tokens[1], one.tokens[0]) and torch.allclose(dr.scores[1], one.scores[0], atol=1e-5)
 
 
 def test_select_is_prefix_closed_best_n(target, head):
     dr, _, _, _ = drafter_and_root(target, head)
     draft(dr, 8)
     for n in (1, 5, 20, 60, K + 7 * K * K):
-        toks, pars, slots = D.select(dr.scores, dr.tokens, dr.parents, n)
-        assert toks.shape == pars.shape == (n,)
+        toks, pars, slots, rank = D.select(dr.scores, dr.tokens, dr.parents, n)
+        assert toks.shape == pars.shape == slots.shape == rank.shape == (1, n)
+        toks, pars, slots, rank = toks[0], pars[0], slots[0], rank[0]
         assert ((pars == -1) | ((pars >= 0) & (pars < torch.arange(n)))).all(), pars.tolist()
         # the chosen slots are the n best scores, in slot (parents-first) order
-        best = torch.sort(torch.sort(dr.scores, descending=True, stable=True).indices[:n]).values
-        assert torch.equal(slots, best) and torch.equal(toks, dr.tokens[best])
+        order = torch.sort(dr.scores[0], descending=True, stable=True).indices[:n]
+        best = torch.sort(order).values
+        assert torch.equal(slots, best) and torch.equal(toks, dr.tokens[0, best])
         # parents map back to the same slots
-        assert torch.equal(torch.where(pars < 0, -1, best[pars.clamp(min=0)]), dr.parents[best])
+        assert torch.equal(torch.where(pars < 0, -1, best[pars.clamp(min=0)]), dr.parents[0, best])
+        # rank: the place in the score order; the best K of the selection are prefix-closed for every K
+        assert sorted(rank.tolist()) == list(range(n)) and torch.equal(slots[rank.argsort()], order)
+        for Kk in range(1, n + 1):
+            kept = rank < Kk
+            assert (~kept | (pars < 0) | kept[pars.clamp(min=0)]).all(), (n, Kk)
+
+
+def test_select_batch_rows_equal_each_alone(target, head):
+    dr, _, _ = drafter_for(target, head, [PROMPT, PROMPT2])
+    draft(dr, 4)
+    dr.scores[1, K + K * K:] = float("-inf")                # request 1 as if stopped after level 2
+    for n in (3, 12, 40):
+        got = D.select(dr.scores, dr.tokens, dr.parents, n)
+        for b in range(2):
+            alone = D.select(dr.scores[b:b + 1], dr.tokens[b:b + 1], dr.parents[b:b + 1], n)
+            for x, y in zip(got, alone):
+                assert torch.equal(x[b], y[0]), (n, b)
 
 
 def test_select_after_an_early_stop_takes_only_drafted_slots(target, head):
     dr, _, _, _ = drafter_and_root(target, head)
     draft(dr, 2)                                   # levels 1-2 drafted, the rest score -inf
-    toks, pars, slots = D.select(dr.scores, dr.tokens, dr.parents, K + K * K)
-    assert int(slots.max()) < K + K * K and torch.isfinite(dr.scores[slots]).all()
+    toks, pars, slots, _ = D.select(dr.scores, dr.tokens, dr.parents, K + K * K)
+    assert int(slots.max()) < K + K * K and torch.isfinite(dr.scores[0, slots[0]]).all()
 
 
 def test_select_ties_keep_parent_first():
     # node 2 (child of node 0) ties its parent's score: the parent must be selected first
-    s, t, p = torch.tensor([-0.5, -1.0, -0.5, -2.0]), torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 1])
-    toks, pars, _ = D.select(s, t, p, 2)
-    assert toks.tolist() == [10, 12] and pars.tolist() == [-1, 0]
-    toks, pars, _ = D.select(s, t, p, 1)
-    assert toks.tolist() == [10] and pars.tolist() == [-1]
+    s, t, p = T2([-0.5, -1.0, -0.5, -2.0], torch.float32), T2([10, 11, 12, 13]), T2([-1, -1, 0, 1])
+    toks, pars, _, rank = D.select(s, t, p, 2)
+    assert toks.tolist() == [[10, 12]] and pars.tolist() == [[-1, 0]] and rank.tolist() == [[0, 1]]
+    toks, pars, _, _ = D.select(s, t, p, 1)
+    assert toks.tolist() == [[10]] and pars.tolist() == [[-1]]
 
 
-def test_deepest_is_best_node_of_deepest_level():
-    k = 2                                          # slots: level 1 = 0,1; level 2 = 2..5; level 3 = 6..9
-    scores = torch.tensor([-1.0, -2.0, -1.5, -3.0, -2.5, -4.0, -3.5, -2.2, -9.0, -9.0])
-    slots = torch.tensor([0, 1, 2, 6, 7])
-    assert int(D.deepest(slots, scores, k)) == 4   # slot 7 (-2.2) beats slot 6 (-3.5) on level 3
+def T2(x, dtype=torch.long):
+    """One request's row as a batch of one."""
+    return torch.tensor([x], dtype=dtype)
+
+
+def test_level_of_slots():
+    # k = 2: slots of level 1 = 0, 1; level 2 = 2..5; level 3 = 6..9 (graft.assemble's "deepest" anchor
+    # is the best kept node of the deepest level it reads from here)
+    assert D.level_of(torch.arange(10), 2).tolist() == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    sl = level_slices(8)
+    lv = D.level_of(torch.arange(K + 7 * K * K).view(2, -1), K).flatten()        # any shape
+    for l, s in enumerate(sl, start=1):
+        assert (lv[s] == l).all(), l
 
 
 # ----------------------------------------------------------------------------- reduced vocabulary without d2t

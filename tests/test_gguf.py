@@ -302,6 +302,7 @@ def test_stories_gguf_gives_the_documented_text(tmp_path):
     path = write_gguf(tmp_path / "stories.gguf", *stories_parts())
     model, tok = CK.load_model(str(path)), TOK.load_tokenizer(str(path))
     assert model.args.n_kv_heads == 4 and model.args.tie_word_embeddings
+    model.setup_caches(model.max_seq_len)          # the model's own cache (one request), for the reference loop
     out = reference_greedy(model, tok.encode(""), 120)
     assert out[:64] == STORIES_IDS64
     assert tok.decode(out) == STORIES_TEXT
@@ -518,7 +519,9 @@ SMOL_GREEDY = [
 
 @pytest.fixture(scope="module")
 def smol():
-    return CK.load_model(str(SMOL), max_seq_len=128), TOK.load_tokenizer(str(SMOL))
+    model = CK.load_model(str(SMOL), max_seq_len=128)
+    model.setup_caches(model.max_seq_len)          # the model's own cache (one request), for the reference loop
+    return model, TOK.load_tokenizer(str(SMOL))
 
 
 @needs_smol

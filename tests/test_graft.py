@@ -1,7 +1,9 @@
 """graft.py: the continuation matrix, retrieval templates, threshold calibration and hybrid trees.
 
 Hand-made matrices, logits and trees with exact expected outputs, plus a few seeded property checks.
-CPU only, no model except the last section (the graft-tail anchor in generate.py).
+Every step takes a batch (B requests): a single request is a batch of one, and the batched tests
+check that row b equals the same call on request b alone. The round's assembly (graft.assemble) runs
+on a fake drafter's fixed candidates. CPU only, no model.
 """
 import random
 import sys
@@ -40,17 +42,23 @@ def ranked_logits(rankings: list, vocab: int = 10) -> torch.Tensor:
     return out
 
 
-# ----------------------------------------------------------------------------- ContinuationMatrix.update
+# ----------------------------------------------------------------------------- the continuation matrix: update
+
 def upd(cm, tokens, logits, path=None):
-    """update() with every node real; `path` the accepted path's nodes (root first)."""
+    """update() of one request (a batch of one) into cm's own M, every node real; `path` the accepted
+    path's nodes (root first)."""
     valid = torch.ones_like(tokens, dtype=torch.bool)
+    M, written = cm.M[None], cm.written[None]                  # views: the writes land in cm
     if path is None:
-        return cm.update(tokens, logits, valid)
-    return cm.update(tokens, logits, valid, path, torch.tensor(path.numel() - 1))
+        return GR.update(M, written, tokens[None], logits[None], valid[None])
+    return GR.update(M, written, tokens[None], logits[None], valid[None], path[None], T([path.numel() - 1]))
 
 
 def rec(cm, tokens, target):
-    cm.record(tokens, target, torch.ones_like(tokens, dtype=torch.bool))
+    """What the warm-up records for these nodes: the rank at which each node's row held the target's
+    choice (matrix_ranks), and the choices."""
+    rank = GR.matrix_ranks(cm.M[None], tokens[None], target[None])[0]
+    cm.record(rank, target, torch.ones_like(tokens, dtype=torch.bool))
 
 
 ROWS = [[9, 1, 4], [0, 3, 8], [6, 5, 2], [1, 2, 3]]      # the top-3 of each node's logits
@@ -97,14 +105,49 @@ def test_update_overwrites_rows_whole():
     assert cm.M[4].tolist() == [7, 8, 0]
 
 
+def test_update_padding_and_past_the_path_write_nothing():
+    # padding nodes (valid False) land in the spare row V; path entries past A are filler, not the path
+    cm = ContinuationMatrix(10, k=3)
+    valid = T([[True, False, True, True]], torch.bool)
+    GR.update(cm.M[None], cm.written[None], T([[2, 5, 2, 7]]), ranked_logits(ROWS)[None], valid,
+              T([[0, 2, 1]]), T([0]))                          # A = 0: only the root (node 0) is accepted
+    assert cm.M[2].tolist() == [9, 1, 4]                       # node 0 (on the path) beats node 2 (filler)
+    assert not cm.written[5] and cm.M[5].tolist() == [0, 1, 2]
+    assert cm.written[:10].nonzero().flatten().tolist() == [2, 7]
+
+
+def test_update_batch_rows_write_their_own_matrices():
+    """Three requests, each with its own matrix (B, V+1, k), tokens, path and padding, in one update:
+    each request's matrix is what updating it alone leaves; `slots` writes chosen requests' rows."""
+    g = torch.Generator().manual_seed(0)
+    B, N, Vv, k = 3, 6, 10, 3
+    tokens = torch.randint(0, Vv, (B, N), generator=g)
+    tokens[0, 3] = tokens[0, 1]                                # a repeated token in one request
+    logits = torch.randn(B, N, Vv, generator=g)
+    valid = torch.rand(B, N, generator=g) > 0.2
+    path, A = T([[0, 1, 3, 2, 4, 5], [0, 2, 1, 3, 4, 5], [0, 5, 4, 1, 2, 3]]), T([2, 0, 1])
+    prior = ContinuationMatrix(Vv, k)
+    M, W = prior.M[None].repeat(B, 1, 1), prior.written[None].repeat(B, 1)
+    GR.update(M, W, tokens, logits, valid, path, A)
+    for b in range(B):
+        m1, w1 = prior.M[None].clone(), prior.written[None].clone()
+        GR.update(m1, w1, tokens[b:b + 1], logits[b:b + 1], valid[b:b + 1], path[b:b + 1], A[b:b + 1])
+        assert torch.equal(M[b], m1[0]) and torch.equal(W[b], w1[0]), b
+    # slots: request 1's update written into row 2 of the batch's matrices, nothing else touched
+    M2, W2 = prior.M[None].repeat(B, 1, 1), prior.written[None].repeat(B, 1)
+    GR.update(M2, W2, tokens[1:2], logits[1:2], valid[1:2], path[1:2], A[1:2], slots=T([2]))
+    assert torch.equal(M2[2], M[1]) and torch.equal(W2[2], W[1])
+    assert torch.equal(M2[0], prior.M) and torch.equal(M2[1], prior.M) and not W2[:2].any()
+
+
 def test_unwritten_rows_fall_back_to_unigram_topk():
     cm = ContinuationMatrix(10, k=3)
     upd(cm, T([2]), ranked_logits([[6, 5, 2]]))
-    assert cm.rows(T([8, 2])).tolist() == [[0, 1, 2], [6, 5, 2]]       # before warm-up: arange(k)
+    assert cm.M[T([8, 2])].tolist() == [[0, 1, 2], [6, 5, 2]]       # before warm-up: arange(k)
     rec(cm, T([0, 0, 0, 0, 0, 0]), T([4, 4, 4, 9, 9, 1]))             # target choices: 4 x3, 9 x2, 1 x1
     cm.refresh_fallback()
     assert cm.fallback.tolist() == [4, 9, 1]
-    assert cm.rows(T([8, 3, 2])).tolist() == [[4, 9, 1], [4, 9, 1], [6, 5, 2]]
+    assert cm.M[T([8, 3, 2])].tolist() == [[4, 9, 1], [4, 9, 1], [6, 5, 2]]
     assert not cm.written[8]
 
 
@@ -127,6 +170,19 @@ def test_record_counts_per_rank_hits():
     assert cm.hits.tolist() == [2.0, 2.0, 2.0, 1.0]
 
 
+def test_matrix_ranks_batch_rows_read_their_own_matrices():
+    # the same tokens and targets against two requests' matrices: each row ranks in its own matrix
+    a, b = ContinuationMatrix(10, k=3), ContinuationMatrix(10, k=3)
+    upd(a, T([2, 5]), ranked_logits([[6, 5, 2], [0, 3, 8]]))
+    upd(b, T([2, 5]), ranked_logits([[5, 6, 1], [8, 9, 0]]))
+    M = torch.stack([a.M, b.M])
+    tokens, target = T([[2, 2, 5, 4], [2, 2, 5, 4]]), T([[5, 6, 8, 1], [5, 6, 8, 1]])
+    got = GR.matrix_ranks(M, tokens, target)
+    assert got.tolist() == [[1, 0, 2, 1], [0, 1, 0, 1]]
+    for r in range(2):
+        assert torch.equal(got[r], GR.matrix_ranks(M[r:r + 1], tokens[r:r + 1], target[r:r + 1])[0])
+
+
 def test_hit_rates_none_before_any_record():
     assert ContinuationMatrix(10, k=3).hit_rates() is None
 
@@ -141,6 +197,16 @@ def test_state_dict_round_trip():
         assert torch.equal(x, cm2.state_dict()[name]), name
     with pytest.raises(ValueError):
         ContinuationMatrix(12, k=3).load_state_dict(cm.state_dict())
+
+
+def test_copy_is_independent():
+    # a request starts from a copy of the prior: what the copy learns does not reach the original
+    cm = ContinuationMatrix(10, k=3)
+    upd(cm, T([2]), ranked_logits([[6, 5, 2]]))
+    c = cm.copy()
+    assert torch.equal(c.M, cm.M) and torch.equal(c.written, cm.written)
+    upd(c, T([4]), ranked_logits([[7, 8, 0]]))
+    assert c.M[4].tolist() == [7, 8, 0] and cm.M[4].tolist() == [0, 1, 2] and not cm.written[4]
 
 
 # ----------------------------------------------------------------------------- build_template
@@ -231,6 +297,13 @@ def test_build_template_prior_52_resembles_paper():
 
 # ----------------------------------------------------------------------------- retrieve
 
+def retrieve1(cm, under: int, tpl):
+    """retrieve() of one request (a batch of one) from cm's matrix."""
+    out = GR.retrieve(cm.M[None], T([under]), tpl)
+    assert out.shape == (1, tpl.size) and out.dtype == torch.long
+    return out[0]
+
+
 def test_retrieve_exact():
     cm = ContinuationMatrix(10, k=3)
     cm.M[3] = T([7, 1, 4], torch.int32)
@@ -238,23 +311,42 @@ def test_retrieve_exact():
     cm.M[2] = T([8, 9, 0], torch.int32)
     cm.written[[3, 7, 2]] = True
     tpl = build_template((0.5, 0.25), 4)                 # parents -1 -1 0 0, ranks 0 1 0 1
-    assert cm.retrieve(T(3), tpl).tolist() == [7, 1, 2, 5]
+    assert retrieve1(cm, 3, tpl).tolist() == [7, 1, 2, 5]
     tpl6 = build_template((0.5, 0.25), 6)                # + (parent 1, rank 0), (parent 2, rank 0)
     # node 4 hangs under token 1, whose row was never written: the fallback's rank 0 (0)
-    assert cm.retrieve(T(3), tpl6).tolist() == [7, 1, 2, 5, 0, 8]
+    assert retrieve1(cm, 3, tpl6).tolist() == [7, 1, 2, 5, 0, 8]
 
 
 def test_retrieve_random_matches_definition():
     g = torch.Generator().manual_seed(0)
     V, k = 30, 8
     cm = ContinuationMatrix(V, k)
-    cm.update(torch.arange(V), torch.randn(V, V, generator=g), torch.ones(V, dtype=torch.bool))
+    upd(cm, torch.arange(V), torch.randn(V, V, generator=g))
     tpl = build_template(GR.PRIOR_HIT_RATES, 52)
-    out = cm.retrieve(T(11), tpl)
-    assert out.dtype == torch.long and out.shape == (52,)
+    out = retrieve1(cm, 11, tpl)
+    assert out.shape == (52,)
     for j in range(52):
         par_tok = 11 if tpl.parents[j] < 0 else int(out[tpl.parents[j]])
         assert int(out[j]) == int(cm.M[par_tok, tpl.ranks[j]])
+
+
+def test_retrieve_batch_rows_read_their_own_matrices():
+    # three requests, each with its own matrix and its own node to hang under: row b is the retrieval
+    # of request b alone
+    g = torch.Generator().manual_seed(1)
+    V, k = 30, 8
+    cms = []
+    for b in range(3):
+        cm = ContinuationMatrix(V, k)
+        upd(cm, torch.arange(V), torch.randn(V, V, generator=g))
+        cms.append(cm)
+    tpl = build_template(GR.PRIOR_HIT_RATES, 40)
+    under = T([11, 11, 4])
+    got = GR.retrieve(torch.stack([c.M for c in cms]), under, tpl)
+    assert got.shape == (3, 40)
+    for b in range(3):
+        assert torch.equal(got[b], retrieve1(cms[b], int(under[b]), tpl)), b
+    assert not torch.equal(got[0], got[1])               # same node, other matrices
 
 
 # ----------------------------------------------------------------------------- youden / calibrate
@@ -330,12 +422,32 @@ def test_scaled_keep():
 
 # ----------------------------------------------------------------------------- graft_trees
 
-TPL4 = build_template((0.5, 0.25), 4)          # parents -1 -1 0 0, ranks 0 1 0 1
 D_TOK, D_PAR = T([10, 11, 20]), T([-1, -1, 0])  # root -> 10, 11; 10 -> 20
+RATES2 = (0.5, 0.25)                            # templates: parents -1 -1 0 0 1 2 ..., ranks 0 1 0 1 0 0 ...
 
 
-def run_graft(r_tokens, free, anchor=-1, d_tok=D_TOK, d_par=D_PAR, tpl=TPL4):
-    t, p, v, s = graft_trees(d_tok, d_par, T(r_tokens), tpl, free, anchor)
+def graft1(d_tok, d_par, kept, r_tok, tpl, anchor, free):
+    """graft_trees of one request (a batch of one): (tokens, parents, valid, retrieved), each (n,)."""
+    out = graft_trees(d_tok[None], d_par[None], kept[None], None if r_tok is None else r_tok[None], tpl,
+                      T([anchor]), T([free]))
+    assert all(x.shape == (1, d_tok.numel()) for x in out)
+    return tuple(x[0] for x in out)
+
+
+def selection(d_tok, d_par, free):
+    """A selection of K + free candidates: the K draft nodes (kept), then `free` the request drops
+    (tokens no template retrieves here, under the root)."""
+    return (torch.cat([d_tok, T([70 + j for j in range(free)])]), torch.cat([d_par, T([-1] * free)]),
+            torch.arange(d_tok.numel() + free) < d_tok.numel())
+
+
+def run_graft(r_tokens, free, anchor=-1, d_tok=D_TOK, d_par=D_PAR):
+    """The K draft nodes kept and `free` slots for retrieval: the template has K + free nodes (one per
+    slot), the first len(r_tokens) retrieving r_tokens, the rest tokens no draft node carries."""
+    n = d_tok.numel() + free
+    tpl = build_template(RATES2, n)
+    r_tok = T(list(r_tokens) + [90 + j for j in range(n - len(r_tokens))])
+    t, p, v, s = graft1(*selection(d_tok, d_par, free), r_tok, tpl, anchor, free)
     assert v.all()                                  # these cases fill every slot
     return t.tolist(), p.tolist(), s.tolist()
 
@@ -392,6 +504,20 @@ def test_graft_tail_anchor_merges_with_anchor_children():
     assert s == [False] * 4 + [True] * 2
 
 
+def test_graft_compacts_kept_nodes_out_of_the_selection():
+    # select's order is slot order: kept and dropped candidates interleave; the kept come first,
+    # in order, their parents re-indexed, and the dropped slots go to retrieval
+    d_tok, d_par = T([10, 77, 11, 78, 20]), T([-1, -1, -1, 1, 0])
+    kept = T([True, False, True, False, True], torch.bool)
+    tpl = build_template(RATES2, 5)
+    t, p, v, s = graft1(d_tok, d_par, kept, T([30, 31, 40, 41, 42]), tpl, -1, 2)
+    assert t.tolist() == [10, 11, 20, 30, 31] and p.tolist() == [-1, -1, 0, -1, -1] and v.all()
+    assert s.tolist() == [False] * 3 + [True] * 2
+    # the anchor indexes the selection: node 4 (token 20) is result node 2
+    t, p, v, s = graft1(d_tok, d_par, kept, T([30, 31, 40, 41, 42]), tpl, 4, 2)
+    assert t.tolist() == [10, 11, 20, 30, 31] and p.tolist() == [-1, -1, 0, 2, 2]
+
+
 def random_draft_tree(rng, K, vocab):
     toks, pars = [], []
     for i in range(K):
@@ -400,6 +526,26 @@ def random_draft_tree(rng, K, vocab):
         toks.append(rng.choice([t for t in range(vocab) if t not in used]))
         pars.append(p)
     return T(toks), T(pars)
+
+
+def random_selection(rng, d_tok, d_par, n, vocab):
+    """The K draft nodes (parents first) at random places among n candidates (the others dropped,
+    hanging under the root or under dropped ones). Returns (tokens, parents, kept, place of each kept)."""
+    K = d_tok.numel()
+    at = sorted(rng.sample(range(n), K))
+    tok, par, kept, junk = [], [], [], []
+    for i in range(n):
+        if i in at:
+            j = at.index(i)
+            tok.append(int(d_tok[j]))
+            par.append(-1 if d_par[j] < 0 else at[int(d_par[j])])
+            kept.append(True)
+        else:
+            tok.append(rng.randrange(vocab))
+            par.append(rng.choice([-1] + junk))
+            kept.append(False)
+            junk.append(i)
+    return T(tok), T(par), T(kept, torch.bool), at
 
 
 def children_distinct(root_tok, tokens, parents):
@@ -419,16 +565,18 @@ def test_graft_random_invariants(seed):
     vocab, k = 12, 4
     K = rng.randrange(1, 20)
     free = rng.randrange(1, 25)
+    n = K + free
     d_tok, d_par = random_draft_tree(rng, K, vocab)
+    sel_tok, sel_par, kept, at = random_selection(rng, d_tok, d_par, n, vocab)
     cm = ContinuationMatrix(vocab, k)
-    cm.update(torch.arange(vocab), torch.randn(vocab, vocab, generator=g), torch.ones(vocab, dtype=torch.bool))
-    tpl = build_template((0.6, 0.3, 0.2, 0.1), K + free)
+    upd(cm, torch.arange(vocab), torch.randn(vocab, vocab, generator=g))
+    tpl = build_template((0.6, 0.3, 0.2, 0.1), n)
     anchor = -1 if seed % 3 else rng.randrange(K)
     root = 3
-    r_tok = cm.retrieve(T(root if anchor < 0 else int(d_tok[anchor])), tpl)
-    t, p, v, s = graft_trees(d_tok, d_par, r_tok, tpl, free, anchor)
+    r_tok = retrieve1(cm, root if anchor < 0 else int(d_tok[anchor]), tpl)
+    t, p, v, s = graft1(sel_tok, sel_par, kept, r_tok, tpl, -1 if anchor < 0 else at[anchor], free)
     assert t.numel() == p.numel() == s.numel() == v.numel() == K + free
-    assert v.all()              # a draft node absorbs at most one template node: the K + free template fills
+    assert v.all()              # a draft node absorbs at most one template node: the K + free template fill
     assert torch.equal(t[:K], d_tok) and torch.equal(p[:K], d_par)
     assert s.tolist() == [False] * K + [True] * free
     assert ((p >= -1) & (p < torch.arange(K + free))).all()
@@ -438,48 +586,101 @@ def test_graft_random_invariants(seed):
         if anchor >= 0:
             assert p[i] >= 0                            # nothing retrieved hangs at the root
         par_tok = root if p[i] < 0 else int(t[p[i]])
-        assert int(t[i]) in cm.rows(T([par_tok]))[0].tolist()
+        assert int(t[i]) in cm.M[par_tok].tolist()
 
 
-def test_graft_leaves_padding_when_merges_exhaust_the_template():
-    # template of 2 nodes (ranks 0, 1 under the root), 2 free slots; both retrieved tokens are draft
-    # children of the root, so both merge: nothing new, the 2 slots are padding
-    tpl = build_template((0.5, 0.25), 2)
-    t, p, v, s = graft_trees(D_TOK, D_PAR, T([10, 11]), tpl, 2, -1)
-    assert v.tolist() == [True] * 3 + [False] * 2 and s.tolist() == [False] * 5
+def test_graft_merges_free_slots_for_later_template_nodes():
+    # both of the template's root nodes repeat draft children of the root and merge: the template has
+    # a node per slot, so the next template nodes (under the merged 10) take the 2 free slots
+    tpl = build_template(RATES2, 5)
+    t, p, v, s = graft1(*selection(D_TOK, D_PAR, 2), T([10, 11, 90, 91, 92]), tpl, -1, 2)
+    assert t.tolist() == [10, 11, 20, 90, 91] and p.tolist() == [-1, -1, 0, 0, 0]
+    assert v.all() and s.tolist() == [False] * 3 + [True] * 2
 
 
-# ----------------------------------------------------------------------------- the Graft proposer's stages
+def test_graft_leaves_padding_without_free_slots_or_retrieval():
+    # free = 0 (pruning without retrieval) or no template at all: the dropped candidates' slots are padding
+    sel = selection(D_TOK, D_PAR, 2)
+    tpl = build_template(RATES2, 5)
+    for r_tok, free in ((T([30, 31, 40, 41, 42]), 0), (None, 0), (None, 2)):
+        t, p, v, s = graft1(*sel, r_tok, tpl if r_tok is not None else None, -1, free)
+        assert t[:3].tolist() == [10, 11, 20] and p[:3].tolist() == [-1, -1, 0]
+        assert v.tolist() == [True] * 3 + [False] * 2 and not s.any()
+
+
+def test_graft_batch_rows_equal_each_request_alone():
+    """Four requests in one call, each with its own selection, kept set, retrieval, anchor and free
+    slots: row b of the result is graft_trees of request b alone."""
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    vocab, n = 12, 14
+    cm = ContinuationMatrix(vocab, 4)
+    upd(cm, torch.arange(vocab), torch.randn(vocab, vocab, generator=g))
+    tpl = build_template((0.6, 0.3, 0.2, 0.1), n)
+    rows = []
+    for b, K in enumerate((3, 7, 1, 10)):
+        d_tok, d_par = random_draft_tree(rng, K, vocab)
+        sel_tok, sel_par, kept, at = random_selection(rng, d_tok, d_par, n, vocab)
+        anchor = at[K - 1] if b % 2 else -1
+        r_tok = retrieve1(cm, 3 if anchor < 0 else int(sel_tok[anchor]), tpl)
+        rows.append((sel_tok, sel_par, kept, r_tok, anchor, n - K if b != 2 else 0))
+    st = lambda i: torch.stack([r[i] for r in rows])
+    got = graft_trees(st(0), st(1), st(2), st(3), tpl, T([r[4] for r in rows]), T([r[5] for r in rows]))
+    for b, (tk, pr, kp, rt, an, fr) in enumerate(rows):
+        alone = graft1(tk, pr, kp, rt, tpl, an, fr)
+        for x, y in zip(got, alone):
+            assert torch.equal(x[b], y), b
+    assert got[2].sum(1).tolist() == [n, n, 1, n]                    # request 2 retrieves nothing: padding
+
+
+def test_with_root_prepends_each_root_and_empties_inactive_slots():
+    tokens, parents = T([[10, 11, 20], [5, 6, 7]]), T([[-1, -1, 0], [-1, 0, 1]])
+    valid, retrieved = T([[True, True, False], [True, True, True]], torch.bool), T([[0, 1, 0], [0, 0, 1]], torch.bool)
+    tree = GR.with_root(T([99, 98]), tokens, parents, valid, retrieved, T([True, False], torch.bool))
+    assert tree.tokens.tolist() == [[99, 10, 11, 20], [98, 5, 6, 7]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1], [-1, 0, 1, 2]]
+    assert tree.valid.tolist() == [[True, True, True, False], [False] * 4]      # slot 1 is empty: all padding
+    assert tree.retrieved.tolist() == [[False, False, True, False], [False, False, False, True]]
+
+
+# ----------------------------------------------------------------------------- the round's assembly: keep, retrieve, graft
 
 class FakeDrafter:
-    """Stands in for draft.Drafter: fixed candidate buffers (what extend/level would have left)."""
+    """Stands in for draft.Drafter: fixed candidate buffers (B, C) (what extend/level would have left)."""
 
     def __init__(self, scores, tokens, parents, top_k, depth):
-        self.scores, self.tokens, self.parents = scores, tokens, parents
+        row = lambda x: x if x.dim() == 2 else x[None]
+        self.scores, self.tokens, self.parents = row(scores), row(tokens), row(parents)
         self.top_k, self.depth = top_k, depth
-
-    def extend(self, *a):
-        raise AssertionError("not drafted in this test")
-
-    level = extend
 
 
 class FakeEngine:
+    """What a method reads from engine.Engine when it is set up: the drafter, B, the prior matrix, the
+    device and dtype, and the target's feature width."""
     device, dtype = torch.device("cpu"), torch.float32
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, matrix=None):
         import types
-        self.drafter, self.model = drafter, types.SimpleNamespace(args=types.SimpleNamespace(dim=4),
-                                                                          capture_layers=(0, 1, 2))
+        self.drafter, self.B, self.matrix = drafter, drafter.scores.shape[0], matrix
+        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2))
 
-    def reserve(self, *a):
-        pass
 
-    def compile(self, fn, name=None):
-        return fn
+def set_stages(m, stages: list):
+    """Make request b's stage stages[b] under the stop policy: conf_c above tau_c at the checkpoints
+    before it, below at it (None: above everywhere)."""
+    for b, s in enumerate(stages):
+        for i, c in enumerate(m.checkpoints):
+            m.conf[b, i] = 0.0 if s is not None and c >= s else 1.0
 
-    def static(self, *a):
-        pass
+
+def assemble(d, m, roots, active=None):
+    active = torch.ones_like(roots) if active is None else active
+    return GR.assemble(d, m, roots, active)
+
+
+def rows_of(d, b):
+    """Request b's candidates alone (a FakeDrafter of one)."""
+    return FakeDrafter(d.scores[b], d.tokens[b], d.parents[b], d.top_k, d.depth)
 
 
 @torch.no_grad()
@@ -489,42 +690,126 @@ def test_graft_tail_anchor_is_deepest_draft_node():
     d = FakeDrafter(scores=T([-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6], torch.float32),
                     tokens=T([10, 11, 12, 13, 14, 15, 16, 17]), parents=T([-1, -1, 0, 0, 1, 1, 2, 2]),
                     top_k=2, depth=3)
-    cfg = GR.Config(budget=5, top_k=2, depth=3, prune=False, ablation="tail")
+    cfg = GR.Config(budget=5, top_k=2, depth=3)
     cm = ContinuationMatrix(64, 8)
-    g = GR.Graft(FakeEngine(d), cfg, cm)
+    g = GR.GraftTail(FakeEngine(d), cfg, matrix=cm)
+    assert g.anchor == "deepest" and g.cfg.ablation == "tail"
     a = g.stages[None][1]                           # retrieved nodes on top of the dense tree
-    tree = g.assemble_stage(None, T(30))
+    tree = assemble(d, g, T([30]))
+    assert tree.tokens.shape == (1, 1 + 5 + a)
+    tokens, parents, retrieved = tree.tokens[0], tree.parents[0], tree.retrieved[0]
     # budget 5 keeps slots 0, 1, 2, 3, 6: leaves 1 (depth 1), 3 (depth 2), 6 (depth 3, best path)
-    assert tree.tokens[:6].tolist() == [30, 10, 11, 12, 13, 16]
-    assert tree.retrieved.tolist() == [False] * 6 + [True] * a and tree.valid.all()
+    assert tokens[:6].tolist() == [30, 10, 11, 12, 13, 16]
+    assert retrieved.tolist() == [False] * 6 + [True] * a and tree.valid.all()
     # the retrieval subtree's top nodes hang under the anchor: tree index 5 = draft node 16
-    tops = {int(tree.parents[i]) for i in range(6, 6 + a) if not tree.retrieved[tree.parents[i]]}
-    assert tops == {5}, f"retrieval hangs under tree node(s) {tops}, tokens {tree.tokens.tolist()}"
-    assert (cm.rows(T([16]))[0].long() == tree.tokens[6]).any()     # retrieved from 16's row
+    tops = {int(parents[i]) for i in range(6, 6 + a) if not retrieved[parents[i]]}
+    assert tops == {5}, f"retrieval hangs under tree node(s) {tops}, tokens {tokens.tolist()}"
+    assert (cm.M[16].long() == tokens[6]).any()     # retrieved from 16's row
 
 
 @torch.no_grad()
-def test_every_stage_has_a_keep_size_and_n_nodes():
-    """An extra checkpoint (--checkpoints 0,1,5,6, no --keep) still has a keep size, and every stage's
-    tree has the same N nodes (padding where pruning freed slots and nothing retrieves)."""
-    k = 2
+def test_tail_anchor_is_per_request():
+    """Two requests: the first's best level-3 node is slot 6 (token 16), the second's slot 7 (token 17),
+    and the second's matrix differs: each request's retrieval hangs under its own deepest node, read
+    from its own matrix, as assembling it alone does."""
+    scores = T([[-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -0.3, -2.6],
+                [-0.1, -1.0, -0.2, -2.5, -3.5, -4.0, -2.6, -0.3]], torch.float32)
+    tokens = T([10, 11, 12, 13, 14, 15, 16, 17]).expand(2, -1)
+    parents = T([-1, -1, 0, 0, 1, 1, 2, 2]).expand(2, -1)
+    d = FakeDrafter(scores, tokens, parents, 2, 3)
+    cm = ContinuationMatrix(64, 8)
+    g = GR.GraftTail(FakeEngine(d), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
+    upd_b = ContinuationMatrix(64, 8)
+    upd(upd_b, T([16, 17]), torch.randn(2, 64, generator=torch.Generator().manual_seed(0)))
+    g.M[1].copy_(upd_b.M)
+    tree = assemble(d, g, T([30, 31]))
+    assert tree.tokens[:, 5].tolist() == [16, 17]               # the anchors, each at tree index 5
+    assert (tree.tokens[1, 6:].long()[:, None] == upd_b.M[17].long()[None]).any(-1)[tree.parents[1, 6:] == 5].all()
+    for b in range(2):
+        one = GR.GraftTail(FakeEngine(rows_of(d, b)), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
+        one.M[0].copy_(g.M[b])
+        alone = assemble(rows_of(d, b), one, tree.tokens[b, :1])
+        for f in ("tokens", "parents", "valid", "retrieved"):
+            assert torch.equal(getattr(tree, f)[b], getattr(alone, f)[0]), (b, f)
+
+
+def stage_drafter(B: int, k: int = 2, levels: int = 8) -> FakeDrafter:
+    """`levels` levels of a k = 2 tree (level 1 has k nodes, later levels k*k), scores falling with
+    the level, the same candidates for B requests."""
     scores, tokens, parents, off = [], [], [], 0
-    for lvl in range(1, 8):     # 7 levels of a k=2 tree: level 1 has 2 nodes, later levels k*k = 4
+    for lvl in range(1, levels + 1):
         n = k if lvl == 1 else k * k
         scores += [-0.1 * lvl - 0.01 * j for j in range(n)]
         tokens += [10 + off + j for j in range(n)]
         parents += [-1] * n if lvl == 1 else [off - (k if lvl == 2 else k * k) + (j // k) for j in range(n)]
         off += n
-    d = FakeDrafter(T(scores, torch.float32), T(tokens), T(parents), k, 8)
-    for retrieve in (True, False):
-        cfg = GR.Config(budget=20, top_k=k, depth=8, checkpoints=(0, 1, 5, 6), retrieve=retrieve)
-        assert len(cfg.keep_sizes()) == 4
-        g = GR.Graft(FakeEngine(d), cfg, ContinuationMatrix(64, 8) if retrieve else None)
-        assert set(g.stages) == {None, 0, 1, 5, 6} and g.N == 21
-        for stage, (K, R) in g.stages.items():
-            tree = g.assemble_stage(stage, T(30))
-            assert tree.tokens.numel() == 21
-            assert int(tree.valid.sum()) == 1 + K + R and (R == 0 or retrieve)
+    row = lambda x, dt=torch.long: T(x, dt)[None].expand(B, -1).clone()
+    return FakeDrafter(row(scores, torch.float32), row(tokens), row(parents), k, levels)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cls", [GR.Graft, GR.Prune])
+def test_assemble_picks_each_requests_keep_size_from_its_stage(cls):
+    """Every stage in one batch (--checkpoints 0,1,5,6, no --keep, stop policy): request b pruned at
+    stage b keeps K of its stage (candidates of the levels drafted by then only) and retrieves its R
+    (graft) or leaves them as padding (prune); every tree has the same N nodes; each row is what
+    assembling that request alone gives."""
+    stages = [None, 0, 1, 5, 6]
+    d = stage_drafter(len(stages))
+    cfg = GR.Config(budget=20, checkpoints=(0, 1, 5, 6), thresholds={0: 0.5, 1: 0.5, 5: 0.5, 6: 0.5}, policy="stop")
+    assert len(cfg.keep_sizes()) == 4
+    g = cls(FakeEngine(d, ContinuationMatrix(64, 8)), cfg)
+    assert g.policy == "stop" and set(g.stages) == {None, 0, 1, 5, 6} and g.N == 21
+    set_stages(g, stages)
+    roots = T([30, 31, 32, 33, 34])
+    tree = assemble(d, g, roots)
+    assert tree.tokens.shape == (5, 21) and tree.tokens[:, 0].tolist() == roots.tolist()
+    k = d.top_k
+    for b, s in enumerate(stages):
+        K, R = g.stages[s]
+        assert R == 0 or cls is GR.Graft
+        assert int(tree.valid[b].sum()) == 1 + K + R, (s, K, R)
+        assert int(tree.retrieved[b].sum()) == R
+        drafted = set(d.tokens[b, :k + (s if s is not None else d.depth - 1) * k * k].tolist())
+        assert set(tree.tokens[b, 1:1 + K].tolist()) <= drafted                # levels drafted by the stage
+        one = cls(FakeEngine(rows_of(d, b), ContinuationMatrix(64, 8)), cfg)
+        set_stages(one, [s])
+        alone = assemble(rows_of(d, b), one, roots[b:b + 1])
+        for f in ("tokens", "parents", "valid", "retrieved"):
+            assert torch.equal(getattr(tree, f)[b], getattr(alone, f)[0]), (s, f)
+
+
+@torch.no_grad()
+def test_assemble_replace_policy_drops_low_confidence_nodes_and_fills_with_retrieval():
+    """The batch variant ("replace"): the full tree is drafted; a node whose path probability, or an
+    ancestor's, is below the threshold of the deepest checkpoint its level has passed is dropped, and
+    retrieved nodes fill the slots, under the best node of the deepest kept level."""
+    #            slot:    0     1     2     3     4     5     6     7     8     9
+    #            level:   1     1     2     2     2     2     3     3     3     3
+    scores = T([0.9, 0.4, 0.5, 0.35, 0.2, 0.1, 0.45, 0.25, 0.2, 0.05], torch.float32).log()
+    d = FakeDrafter(scores, T([10, 11, 12, 13, 14, 15, 16, 17, 18, 19]), T([-1, -1, 0, 0, 1, 1, 2, 2, 3, 3]), 2, 3)
+    cfg = GR.Config(budget=6, checkpoints=(0, 1), keep=(3, 6), thresholds={0: 0.5, 1: 0.3}, policy="replace")
+    cm = ContinuationMatrix(64, 8)
+    g = GR.Graft(FakeEngine(d, cm), cfg)
+    assert g.policy == "replace" and g.anchor == "deepest"
+    # level 1 reads tau_0 = 0.5: 11 (0.4) goes, and its children with it; levels 2, 3 read tau_1 = 0.3
+    assert g.log_tau.exp().tolist() == pytest.approx([0.5, 0.5] + [0.3] * 8)
+    tree = assemble(d, g, T([30]))
+    n_kept = 4                                       # 10, 12, 13, 16 (0.9, 0.5, 0.35, 0.45); not 17 (0.25)
+    assert tree.tokens[0, :1 + n_kept].tolist() == [30, 10, 12, 13, 16]
+    assert tree.parents[0, :1 + n_kept].tolist() == [-1, 0, 1, 1, 2]
+    assert tree.valid.all() and tree.retrieved[0].tolist() == [False] * (1 + n_kept) + [True] * (6 - n_kept)
+    tops = {int(p) for p, r in zip(tree.parents[0, 1 + n_kept:], tree.retrieved[0, 1 + n_kept:]) if not tree.retrieved[0, p]}
+    assert tops == {4}                               # under 16, the kept node of the deepest level
+
+
+@torch.no_grad()
+def test_assemble_empty_slot_is_all_padding():
+    d = stage_drafter(2)
+    cfg = GR.Config(budget=20, checkpoints=(0, 1, 5, 6), thresholds={0: 0.5, 1: 0.5, 5: 0.5, 6: 0.5}, policy="stop")
+    g = GR.Graft(FakeEngine(d, ContinuationMatrix(64, 8)), cfg)
+    tree = assemble(d, g, T([30, 31]), T([1, 0]))
+    assert tree.valid[0].all() and not tree.valid[1].any()
 
 
 # ----------------------------------------------------------------------------- throughput calibration
@@ -682,10 +967,12 @@ def test_stage_tree_keeps_only_levels_drafted_by_the_stage():
     k = 2   # slots: level 1 = 0, 1; level 2 = 2..5
     rec = {"scores": T([-0.1, -0.2, -0.15, -3.0, -4.0, -5.0], torch.float32), "tokens": T([10, 11, 12, 13, 14, 15]),
            "parents": T([-1, -1, 0, 0, 1, 1]), "root": 99, "retrieved": T([20, 21, 22, 23])}
-    full = CAL.stage_tree(rec, None, 3, 0, (0.5, 0.25), k)
-    assert full.tokens.tolist() == [99, 10, 11, 12]            # slot 2 (-0.15) beats slot 1's children
+    full = CAL.stage_tree(rec, None, 3, 0, (0.5, 0.25), k)     # a tree of one request, (1, N)
+    assert full.tokens.tolist() == [[99, 10, 11, 12]]          # slot 2 (-0.15) beats slot 1's children
+    assert full.parents.tolist() == [[-1, 0, 0, 1]] and full.valid.all()
     early = CAL.stage_tree(rec, 0, 2, 2, (0.5, 0.25), k)        # stage 0: level 1 only, then 2 retrieved
-    assert early.tokens.tolist() == [99, 10, 11, 20, 21] and early.retrieved.tolist() == [False] * 3 + [True] * 2
+    assert early.tokens.tolist() == [[99, 10, 11, 20, 21]] and early.retrieved.tolist() == [[False] * 3 + [True] * 2]
+    assert CAL.accepted_by(full, [10, 12, 5]) == 2 and CAL.accepted_by(early, [20, 7]) == 1
 
 
 # ----------------------------------------------------------------------------- --show-tree
@@ -751,16 +1038,42 @@ def test_read_calibrations_refuses_what_does_not_fit(spoil):
 
 
 def test_method_config_uses_each_methods_own_calibration():
-    import types
     from calibrate import read_calibrations
     from engine import method_config
-    eng = types.SimpleNamespace(calibration="throughput", calibrations=read_calibrations(good_meta(), (0, 1, 5))[0])
+    cal = GR.Calibration(read_calibrations(good_meta(), (0, 1, 5))[0], "throughput")
     cfg = GR.Config(budget=16)
-    assert method_config(eng, "prune", cfg, auto_budget=True).budget == 12
-    assert method_config(eng, "graft", cfg, auto_budget=False) == GR.Config(budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
-    assert method_config(eng, "graft-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
-    assert method_config(eng, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
+    assert method_config(cal, "prune", cfg, auto_budget=True).budget == 12
+    # thresholds: without a --calibration the method reads the one its pruning policy names (below);
+    # with one, method_config sets that calibration's
+    assert method_config(cal, "graft", cfg, auto_budget=False) == cfg
+    assert method_config(cal, "graft", cfg, False, calibration="throughput") == GR.Config(
+        budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
+    assert method_config(cal, "graft-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
+    assert method_config(cal, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
     given = GR.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
-    assert method_config(eng, "graft", given, auto_budget=False).thresholds == given.thresholds
-    assert method_config(eng, "eagle3", cfg, auto_budget=True) == GR.Config(budget=24)
-    assert method_config(eng, "pld", cfg, auto_budget=True) == cfg                   # not calibrated
+    assert method_config(cal, "graft", given, False, calibration="youden").thresholds == given.thresholds
+    assert method_config(cal, "eagle3", cfg, auto_budget=True) == GR.Config(budget=24)
+    assert method_config(cal, "pld", cfg, auto_budget=True) == cfg                   # not calibrated
+    assert method_config(None, "graft", cfg, auto_budget=True) == cfg                # nothing calibrated
+    assert cal.budget == 8 and cal.thresholds == {0: 1.0, 1: 0.0, 5: 0.0}
+
+
+@torch.no_grad()
+def test_methods_read_their_own_calibration_by_policy():
+    """A pruning method set up with the warm-up's Calibration reads its own method's thresholds: under
+    the stop policy (B = 1) the chosen calibration's, under replace (B > 1) Youden's (graft.POLICIES);
+    --thresholds (Config.thresholds) overrides both."""
+    from calibrate import read_calibrations
+    cal = GR.Calibration(read_calibrations(good_meta(), (0, 1, 5))[0], "throughput")
+    one, two = stage_drafter(1, levels=3), stage_drafter(2, levels=3)
+    cfg = GR.Config(budget=8)
+    assert GR.Graft(FakeEngine(one, ContinuationMatrix(64, 8)), cfg, cal).thresholds == {0: 1.0, 1: 0.0, 5: 0.0}
+    g2 = GR.Graft(FakeEngine(two, ContinuationMatrix(64, 8)), cfg, cal)
+    assert g2.policy == "replace" and g2.thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
+    p = GR.Prune(FakeEngine(one), GR.Config(budget=8, checkpoints=(0, 1)), cal)
+    assert p.thresholds == {0: 1.0, 1: 0.0}
+    youden = GR.Calibration(cal.methods, "youden")
+    assert GR.Prune(FakeEngine(one), cfg, youden).thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
+    given = GR.Config(budget=8, thresholds={0: 0.5, 1: 0.25, 5: 0.125})
+    assert GR.Graft(FakeEngine(two, ContinuationMatrix(64, 8)), given, cal).thresholds == given.thresholds
+    assert GR.Eagle3Tree(FakeEngine(one), cfg, cal).thresholds == {}                  # never prunes

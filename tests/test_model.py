@@ -45,7 +45,9 @@ def loaded(tiny_ckpt):
     def get(kind, **overrides):
         key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in cache:
-            cache[key] = CK.load_model(str(tiny_ckpt(kind, **overrides)))
+            model = CK.load_model(str(tiny_ckpt(kind, **overrides)))
+            model.setup_caches(model.max_seq_len)      # its own KV cache, one request (the engine makes its own)
+            cache[key] = model
         return cache[key]
 
     return get
@@ -203,14 +205,19 @@ def test_incremental_decoding_matches_full_forward(loaded, kind):
         assert maxdiff(feats[0, 0], full_feats[0, p]) < TOL, f"position {p}"
 
 
-def test_cache_and_rope_table_shapes(loaded):
-    """The cache holds max_position_embeddings rows per layer, in the model's dtype, (B, H_kv, S, D)."""
+def test_cache_and_rope_table_shapes(loaded, tiny_ckpt):
+    """setup_caches(max_position_embeddings) holds that many rows per layer, in the model's dtype,
+    (B, H_kv, S, D), for B requests."""
     model = loaded("qwen3")
     cache = model.cache
     assert len(cache.k) == len(cache.v) == 8
     assert cache.k[0].shape == cache.v[3].shape == (1, 2, 256, 32)
     assert cache.k[0].dtype == torch.float32
     assert model.rope.shape == (256, 2, 32)          # cos and sin, full head width
+    fresh = CK.load_model(str(tiny_ckpt("qwen3")))
+    assert fresh.cache is None and fresh.max_seq_len == 256      # loading allocates no cache
+    fresh.setup_caches(256, batch=3, slack=8)
+    assert fresh.cache.k[0].shape == (3, 2, M.cache_rows(264), 32) and fresh.rope.shape[0] == M.cache_rows(264)
 
 
 def test_sibling_tokens_at_one_position_match_sequential(loaded):
@@ -244,10 +251,49 @@ def test_cache_move_rows_then_continue(loaded):
     mask[:, :T] = True
     mask[0, T] = mask[1, T + 1] = True
     model(torch.tensor([[a, b]]), torch.tensor([T, T]), rows=torch.tensor([T, T + 1]), mask=mask)
-    model.cache.move_rows(torch.tensor([T + 1]), torch.tensor([T]))
+    model.cache.move_rows(torch.tensor([[T + 1]]), torch.tensor([[T]]))      # (B, n): request 0's rows
     logits = step(model, c, T + 1, capture=False)
     ref = full_forward(model, torch.cat([ids, torch.tensor([[b, c]])], dim=1))
     assert maxdiff(logits[0, 0], ref[0, -1]) < TOL
+
+
+@pytest.mark.parametrize("kind", ["llama2", "qwen3"])
+def test_batch_of_requests_each_at_its_own_rows(tiny_ckpt, kind):
+    """Two requests of different lengths in one batched cache: each prompt prefilled into its own slot
+    (slots=), then tree steps for both at once, rows (B, T), positions (B, T) and masks (B, T, n_keys)
+    of their own, then a compaction with each request's own rows (move_rows (B, n)) and one more step:
+    every request's logits and features are those of its sequence alone."""
+    model = CK.load_model(str(tiny_ckpt(kind)), max_seq_len=64)
+    model.setup_caches(64, batch=2)
+    cache = model.cache
+    n_keys = cache.rows
+    prompts = [random_ids(11, seed=20), random_ids(6, seed=21)]
+    L = torch.tensor([11, 6])
+    for b, ids in enumerate(prompts):
+        T = ids.shape[1]
+        mask = M.attention_mask(torch.ones(T, T, dtype=torch.bool).tril(), torch.tensor([0]), torch.arange(n_keys))
+        logits = model(ids, torch.arange(T), torch.arange(T)[None], mask, slots=torch.tensor([b]))
+        assert maxdiff(logits, full_forward(model, ids)) < TOL
+    # two siblings per request at its position L[b], rows L[b], L[b] + 1
+    sib = torch.tensor([[17, 211], [45, 99]])
+    tree = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)
+    rows = L[:, None] + torch.arange(2)
+    logits, feats = model(sib, L[:, None].expand(2, 2), rows, M.attention_mask(tree, L, torch.arange(n_keys)),
+                          capture=True)
+    for b, ids in enumerate(prompts):
+        for i in range(2):
+            ref_logits, ref_feats = full_forward(model, torch.cat([ids, sib[b:b + 1, i:i + 1]], 1), capture=True)
+            assert maxdiff(logits[b, i], ref_logits[0, -1]) < TOL, (b, i)
+            assert maxdiff(feats[b, i], ref_feats[0, -1]) < TOL, (b, i)
+    # request 0 accepts its first sibling (already in place), request 1 its second (row L+1 -> L)
+    cache.move_rows((L + torch.tensor([0, 1]))[:, None], L[:, None])
+    nxt = torch.tensor([[5], [6]])
+    L1 = L + 1
+    logits = model(nxt, L1[:, None], L1[:, None], M.attention_mask(torch.ones(1, 1, dtype=torch.bool), L1,
+                                                                   torch.arange(n_keys)))
+    for b, (ids, acc) in enumerate(zip(prompts, (17, 99))):
+        ref = full_forward(model, torch.cat([ids, torch.tensor([[acc, int(nxt[b])]])], 1))
+        assert maxdiff(logits[b, 0], ref[0, -1]) < TOL, b
 
 
 # ----------------------------------------------------------------------------- greedy generation
@@ -301,6 +347,7 @@ def test_sharded_checkpoint_loads_identically(tiny_ckpt, loaded, tmp_path, kind)
 def test_bfloat16_load(tiny_ckpt):
     model = CK.load_model(str(tiny_ckpt("llama31")), dtype=torch.bfloat16, max_seq_len=64)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model.setup_caches(model.max_seq_len)
     assert model.cache.k[0].dtype == torch.bfloat16
     assert model.cache.k[0].shape[2] == 64
     ids = random_ids(16, seed=9)
@@ -313,10 +360,23 @@ def test_bfloat16_load(tiny_ckpt):
 
 def test_max_seq_len_sizes_cache_and_rope(tiny_ckpt):
     model = CK.load_model(str(tiny_ckpt("llama2")), max_seq_len=40)
-    assert model.max_seq_len == 40
+    assert model.max_seq_len == 40 and model.cache is None
+    model.setup_caches(model.max_seq_len)
     # rows rounded up to a multiple of 16 (model.cache_rows: the efficient kernel's mask alignment)
     assert model.rope.shape[0] == M.cache_rows(40) == 48
     assert model.cache.v[-1].shape == (1, 4, 48, 16)
+
+
+def test_engine_allocates_caches_for_its_batch(tiny_ckpt):
+    """The engine sizes its own KV cache from the model's max_seq_len: B requests, the committed rows
+    and a round's scratch after them, rounded up; the RoPE table covers every row."""
+    import engine as E
+    from graft import ContinuationMatrix
+    model = CK.load_model(str(tiny_ckpt("llama2")), max_seq_len=40)
+    eng = E.Engine(model, None, None, ContinuationMatrix(300, 4), batch=3, nodes=20, path=8, chunk=32)
+    rows = M.cache_rows(40 + 64)                      # scratch: the largest of nodes, path, chunk and 64
+    assert eng.cache.k[0].shape == eng.cache.v[-1].shape == (3, 4, rows, 16) and len(eng.cache.k) == 8
+    assert model.rope.shape[0] >= rows and model.cache is None
 
 
 # ----------------------------------------------------------------------------- tokenizer (tiny)
@@ -335,7 +395,9 @@ def test_tiny_tokenizer_roundtrip_and_special_ids(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def stories():
-    return CK.load_model(str(STORIES)), TOK.load_tokenizer(str(STORIES))
+    model = CK.load_model(str(STORIES))
+    model.setup_caches(model.max_seq_len)
+    return model, TOK.load_tokenizer(str(STORIES))
 
 
 @needs_shared

@@ -19,10 +19,24 @@ import graft as GR
 import model as M
 import tokenizer as TOK
 from conftest import SHARED, STORIES, STORIES_TEXT, hf_model, make_tokenizer, needs_shared, TINY_CHAT_TEMPLATE
-from test_lossless import random_head
 from verify import Sampling
 
 TOL = 1e-4
+
+
+def random_head(target_dir, out_dir, seed=0, draft_vocab=200):
+    """A random EAGLE-3 head for a checkpoint, saved in the published format."""
+    from draft import Eagle3, HeadConfig
+    a = CK.load_model(str(target_dir)).args
+    torch.manual_seed(seed)
+    layer = M.ModelArgs(dim=a.dim, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=a.dim // 4,
+                        intermediate_size=2 * a.dim, vocab_size=a.vocab_size)
+    h = Eagle3(HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size, draft_vocab_size=draft_vocab))
+    for p in h.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    h.d2t.copy_(torch.sort(torch.randperm(a.vocab_size)[:draft_vocab]).values - torch.arange(draft_vocab))
+    CK.save_head(h, str(out_dir))
+    return out_dir
 
 
 def make_moe(path: Path, norm_topk: bool = True, step: int = 1, dense=(1,), seed: int = 0) -> Path:
@@ -82,6 +96,7 @@ def test_moe_logits_and_features_match_transformers(moe, kind):
 def test_moe_incremental_decoding_equals_full_forward(moe):
     """One token at a time (the gathering path: 3 experts of 8) against the full pass (every expert)."""
     m = CK.load_model(str(moe("norm")), max_seq_len=64)
+    m.setup_caches(64)
     x = ids_(16, seed=1)
     with torch.no_grad():
         full = m(x, torch.arange(16))[0]
@@ -91,6 +106,28 @@ def test_moe_incremental_decoding_equals_full_forward(moe):
             r = torch.tensor([p])
             got.append(m(x[:, p:p + 1], r, r, torch.ones(1, p + 1, dtype=torch.bool))[0, 0])
     assert (torch.stack(got) - full[7:]).abs().max() < TOL
+
+
+def test_moe_batch_decoding_equals_each_sequence_alone(moe):
+    """Two sequences decoded side by side (a batch of two, each at its own rows and length: 2 x 3
+    experts of 8, the gathering path) against each one's full pass."""
+    m = CK.load_model(str(moe("norm")), max_seq_len=64)
+    m.setup_caches(64, batch=2)
+    xs = [ids_(16, seed=1), ids_(13, seed=2)]
+    cols = torch.arange(m.cache.rows)
+    with torch.no_grad():
+        fulls = [m(x, torch.arange(x.shape[1]))[0] for x in xs]
+        for b, n in enumerate((8, 5)):
+            pos = torch.arange(n)
+            mask = M.attention_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.tensor([0]), cols)
+            m(xs[b][:, :n], pos, pos[None], mask, slots=torch.tensor([b]))
+        L = torch.tensor([8, 5])
+        for _ in range(8):
+            tok = torch.stack([xs[0][0, L[0]], xs[1][0, L[1]]])[:, None]
+            got = m(tok, L[:, None], L[:, None], M.attention_mask(torch.ones(1, 1, dtype=torch.bool), L, cols))
+            for b in range(2):
+                assert (got[b, 0] - fulls[b][L[b]]).abs().max() < TOL, (b, int(L[b]))
+            L = L + 1
 
 
 def test_moe_gather_and_dense_paths_agree():
@@ -111,12 +148,19 @@ def test_moe_every_method_lossless(moe, tmp_path, s):
     target = moe("norm")
     head = random_head(target, tmp_path / "head", draft_vocab=200)
     eng = CLI.build_engine(str(target), str(head), max_seq_len=200, top_k=4, depth=4)
-    eng.thresholds = {0: 0.3, 1: 0.1, 2: 0.01}
-    cfg = GR.Config(budget=12, checkpoints=(0, 1, 2))
-    for ids in ([1, 40, 41, 42], [1] + list(range(50, 70))):
+    cfg = GR.Config(budget=12, checkpoints=(0, 1, 2), thresholds={0: 0.3, 1: 0.1, 2: 0.01})
+    prompts = ([1, 40, 41, 42], [1] + list(range(50, 70)))
+    bases = []
+    for ids in prompts:
         base = E.generate(eng, E.make_method(eng, "ar"), ids, 24, s, ()).tokens
+        bases.append(base)
         for m in list(E.METHODS)[1:]:
             assert E.generate(eng, E.make_method(eng, m, cfg), ids, 24, s, ()).tokens == base, m
+    # both prompts side by side in a batch of two: each request gets the tokens it gets alone
+    eng2 = CLI.build_engine(str(target), str(head), max_seq_len=200, top_k=4, depth=4, batch=2)
+    for m in ("ar", "graft", "recycle"):
+        got = E.run(eng2, eng2.make(m, cfg), [E.Request(list(ids), s) for ids in prompts], 24)
+        assert [r.tokens for r in got.requests] == bases, m
 
 
 def test_moe_expert_missing_is_one_line_error(moe, tmp_path):
@@ -153,11 +197,11 @@ def test_head_with_declared_aux_layers(tiny_ckpt, tmp_path, where):
         hs = hf_model(target)(x, output_hidden_states=True).hidden_states
     # transformers' last hidden state is after the final norm: compare layer 8's output before it
     assert (feats[..., :128] - torch.cat([hs[1], hs[4]], -1)).abs().max() < TOL
-    eng.thresholds = {0: 0.1, 1: 0.05, 5: 0.0}
+    cfg = GR.Config(budget=12, thresholds={0: 0.1, 1: 0.05, 5: 0.0})
     ids = [1, 40, 41, 42, 43]
     base = E.generate(eng, E.make_method(eng, "ar"), ids, 32, Sampling(), ()).tokens
     for m in ("eagle3", "graft"):
-        assert E.generate(eng, E.make_method(eng, m, GR.Config(budget=12)), ids, 32, Sampling(), ()).tokens == base
+        assert E.generate(eng, E.make_method(eng, m, cfg), ids, 32, Sampling(), ()).tokens == base
 
 
 def test_head_declaring_layers_the_target_lacks_is_refused(tiny_ckpt, tmp_path):
