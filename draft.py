@@ -9,7 +9,8 @@ At depth > 0 the head is fed its own pre-norm output instead of target features.
 Tree drafting (EAGLE-2/3): expand top_k children per beam node, score every node by the cumulative
 draft log-probability of its path, keep the top_k best nodes of each level as the next beam; at the
 end take the global top-`budget` nodes across levels. Graft stops the expansion early at checkpoint
-depths when the best path's probability is low (`Drafter.draft(..., thresholds=...)`).
+depths when the best path's probability is low (graft.Eagle3Tree.draft reads `extend`'s and `level`'s
+confidences at the checkpoints).
 """
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ class Drafter:
 
     def buffers(self) -> list:
         return [self.Ld, self.scores, self.tokens, self.parents, self.beam_s, self.beam_tok, self.beam_h,
-                self.beam_at, self.seen, self.head.rope] + self.cache.tensors()
+                self.beam_at, self.seen, self.head.rope, self.cache.bi, self.cache.hi] + self.cache.tensors()
 
     def prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, slot: torch.Tensor, cols: torch.Tensor):
         """Committed rows of request `slot` (1,) for a chunk of its prompt: feats (1, c, 3*Ht), ids (1, c)

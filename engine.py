@@ -386,7 +386,8 @@ class Engine:
                                                                        for i in range(depth)],
                                            cols=torch.arange(rows, device=p.device),
                                            head_cols=torch.arange(self.drafter.cache.rows, device=p.device) if head else None)
-        self.steps.static(*self.cache.tensors(), model.rope, self.L, self.root, self.active, *self.smp.tensors(),
+        self.steps.static(*self.cache.tensors(), self.cache.bi, self.cache.hi, model.rope, self.L, self.root, self.active,
+                          *self.smp.tensors(),
                           self.fills.n, self.fills.slot, *self.fills.level, self.fills.cols,
                           token_hash(a.vocab_size, p.device),  # sampling's table: read, never built, in a graph
                           *([self.fills.head_cols, *self.drafter.buffers()] if head is not None else []))

@@ -627,8 +627,10 @@ class Eagle3Tree(Method):
         eng.advance_head()
         forwards = 1
         cps = {c: i for i, c in enumerate(self.checkpoints)} if self.policy == "stop" else {}
+        if full:                                            # no checkpoint prunes (the compile warm-up)
+            self.conf.fill_(float("inf"))
         for c in range(D):                                  # level c+1 exists now
-            if c in cps:
+            if c in cps and not full:
                 self.conf[:, cps[c]] = conf
             if watch_all and c in self.cfg.checkpoints:
                 seen[c] = conf.clone()                      # (read after later levels replay their step)

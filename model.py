@@ -155,15 +155,16 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rows = rows
+        # index grids for the writes and moves (request, head): made once, read by every step
+        self.bi = torch.arange(batch, device=device)[:, None, None]                 # (B, 1, 1)
+        self.hi = torch.arange(n_kv, device=device)[None, :, None]                  # (1, H_kv, 1)
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None):
         """Layer i's new keys and values k, v (B', H_kv, T, D) at rows (B', T) of the requests `slots`
         (B',) (None: every request, B' = B). One indexed write, whatever B' and T are."""
-        B, H, T, _ = k.shape
-        b = (torch.arange(B, device=k.device) if slots is None else slots)[:, None, None]      # (B', 1, 1)
-        h = torch.arange(H, device=k.device)[None, :, None]                                   # (1, H, 1)
-        self.k[i].index_put_((b, h, rows[:, None, :]), k)
-        self.v[i].index_put_((b, h, rows[:, None, :]), v)
+        b = self.bi if slots is None else slots[:, None, None]                                # (B', 1, 1)
+        self.k[i].index_put_((b, self.hi, rows[:, None, :]), k)
+        self.v[i].index_put_((b, self.hi, rows[:, None, :]), v)
 
     def read(self, i: int, n_keys: int, slots: torch.Tensor | None) -> tuple:
         """Layer i's cache rows 0..n_keys-1, (B', H_kv, n_keys, D) each: a view for every request, a
@@ -176,9 +177,9 @@ class KVCache:
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor):
         """KV compaction: request b's rows src[b] become its rows dst[b] in every layer; src, dst (B, n).
         Gathered first, so overlapping source and destination rows are safe."""
+        s, d = src[:, None, :], dst[:, None, :]                                                # (B, 1, n)
         for t in self.k + self.v:
-            B, H, _, D = t.shape
-            t.scatter_(2, dst[:, None, :, None].expand(B, H, -1, D), t.gather(2, src[:, None, :, None].expand(B, H, -1, D)))
+            t.index_put_((self.bi, self.hi, d), t[self.bi, self.hi, s])
 
     def tensors(self) -> list:
         return self.k + self.v

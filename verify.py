@@ -244,12 +244,14 @@ def verify(model, cache, tree: Tree, L: torch.Tensor, active: torch.Tensor, cols
 def decode(model, cache, root: torch.Tensor, L: torch.Tensor, active: torch.Tensor, cols: torch.Tensor,
            smp: SlotSampling, mode: tuple) -> Verified:
     """Plain decoding's step for every request: its root at row L[b], then the target's next token,
-    written into root (B,). L advances where the slot is active (an empty slot writes zeros at its
-    row 0). Shaped like verify's result (A = 0, the path is the root), so a round reads both alike."""
+    written into root (B,). L advances where the slot is active (an empty slot stays at row 0).
+    Shaped like verify's result (A = 0, the path is the root), so a round reads both alike."""
     B = root.shape[0]
     keep = active[:, None] > 0                                                # (B, 1)
     one = torch.ones(1, 1, dtype=torch.bool, device=L.device)
-    logits = model(root[:, None], L[:, None], L[:, None], attention_mask(one, L, cols), False, cache, keep=keep)
+    # no padding rows here: an empty slot writes its junk token at its own row 0, which no other request
+    # reads and its next prefill overwrites, so the rows need no zeroing (it saves a select per layer)
+    logits = model(root[:, None], L[:, None], L[:, None], attention_mask(one, L, cols), False, cache)
     nxt = choose(logits, L[:, None] + 1, smp, mode)                           # (B, 1)
     L.add_(active)
     root.copy_(nxt[:, 0])
@@ -265,8 +267,9 @@ def commit(v: Verified, tree: Tree) -> list:
     """The one host sync of a round: for every request, the accepted length, the bonus, whether its
     logits were finite, the real candidates its tree held, and the path's tokens and sources, in one
     transfer. Returns per request (accepted tokens, bonus, retrieved flags of the accepted (0/1 each),
-    real candidate nodes verified). Errors: GraftError when an active request's pass was not finite
-    (a NaN would make the argmax pick token 0, again and again)."""
+    real candidate nodes verified, whether its real nodes' logits were finite: the engine refuses to
+    go on when an active request's were not, since a NaN would make the argmax pick token 0 again and
+    again)."""
     B, P = v.path.shape
     parts = [v.A, v.bonus, v.finite.long(), tree.valid.sum(1) - 1, tree.tokens.gather(1, v.path).flatten()]
     if tree.retrieved is not None:

@@ -1,6 +1,6 @@
 """The layout (README, "Reading the code"): imports go one way, and the algorithm stays small.
 
-    model <- draft, verify <- graft <- engine <- batch <- calibrate   the algorithm, in reading order
+    model <- draft, verify <- graft <- engine <- calibrate       the algorithm, in reading order
     checkpoint, gguf_checkpoint, tokenizer                        loaders: the model (and the head) only
     data, cli                                                     serve the faces
     generate, bench, train                                        the faces: never one another
@@ -9,15 +9,15 @@ import ast
 
 from conftest import ROOT
 
-CORE = ["model", "draft", "verify", "graft", "engine", "batch", "calibrate"]
+CORE = ["model", "draft", "verify", "graft", "engine", "calibrate"]
 LOADERS = ["checkpoint", "gguf_checkpoint", "tokenizer"]
 SERVING = ["data", "cli"]
 FACES = ["generate", "bench", "train"]
 # what each may import from the project
 ALLOWED = {
     "model": set(), "draft": {"model"}, "verify": {"model"}, "graft": {"model", "draft", "verify"},
-    "engine": {"model", "draft", "verify", "graft"}, "batch": {"model", "draft", "verify", "graft", "engine"},
-    "calibrate": {"model", "draft", "verify", "graft", "engine", "batch"},
+    "engine": {"model", "draft", "verify", "graft"},
+    "calibrate": {"model", "draft", "verify", "graft", "engine"},
     **{m: {"model", "draft"} | set(LOADERS) - {m} for m in LOADERS},
     "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data"},
     **{f: set(CORE) | set(LOADERS) | set(SERVING) for f in FACES},
@@ -53,6 +53,21 @@ def test_the_model_file_is_the_model():
 
 
 def test_the_algorithm_fits_in_2000_lines():
-    lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip())
-                for m in ["model", "draft", "verify", "graft", "engine"])
+    """Every top-level module but the faces, the loaders, data, cli and calibrate is the algorithm, batched
+    code included (there is one engine: a single request is a batch of one)."""
+    algorithm = {p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - {"calibrate"}
+    assert algorithm == {"model", "draft", "verify", "graft", "engine"}
+    lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
     assert lines <= 2000, lines
+
+
+def test_no_batched_twins():
+    """One kernel per step for every B: no function is a batched twin of another (nothing is named *_each),
+    and no method name is tested for inside the engine (methods declare what they need)."""
+    for m in ["model", "draft", "verify", "graft", "engine"]:
+        tree = ast.parse((ROOT / f"{m}.py").read_text())
+        names = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not [n for n in names if n.endswith("_each")], m
+    src = (ROOT / "engine.py").read_text()
+    for name in ("eagle3", "prune", "recycle", "pld", "graft-"):
+        assert f'== "{name}' not in src and f"== '{name}" not in src, name
