@@ -425,13 +425,14 @@ class Engine:
     def requests(self) -> list:
         return [s.request for s in self.slots]
 
-    def cols(self, n: int, head: bool = False) -> torch.Tensor:
-        """The cache rows a step reads: 0..(the longest slot's committed rows + n)-1 (window: a size
-        that varies, compiled once as a dynamic dimension), or all of them (static)."""
+    def cols(self, n: int, head: bool = False, b: int | None = None) -> torch.Tensor:
+        """The cache rows a step reads: 0..(the committed rows of slot b, default the longest slot's,
+        + n)-1 (window: a size that varies, compiled once as a dynamic dimension), or all of them
+        (static). head: the head's cache."""
         full = self.fills.head_cols if head else self.fills.cols
         if not self.window:
             return full
-        c = full[:max(s.Ld if head else s.L for s in self.slots) + n]
+        c = full[:max(s.Ld if head else s.L for s in (self.slots if b is None else [self.slots[b]])) + n]
         if self.compiling:
             torch._dynamo.mark_dynamic(c, 0)
         return c
@@ -487,8 +488,7 @@ class Engine:
             self.steps.mark()                      # each chunk is a generation of its own (the step replays)
             chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])[None]
             self.fills.n.fill_(n)
-            logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b),
-                                                   self.cols(C) if self.window else self.fills.cols,
+            logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(C, b=b),
                                                    method.needs_head, self.smp, mode, self.root)
             finite &= ok
             slot.L += n
@@ -505,10 +505,7 @@ class Engine:
     def head_prefill(self, b: int, feats, ids, n: int):
         """The head's committed rows for a chunk of slot b's prompt (Drafter.prefill)."""
         self.fills.n.fill_(n)
-        cols = self.fills.head_cols[:self.slots[b].Ld + ids.shape[1]] if self.window else self.fills.head_cols
-        if self.window and self.compiling:
-            torch._dynamo.mark_dynamic(cols, 0)
-        self.steps.head_prefill(feats, ids, self.fills.n, self.slot_index(b), cols)
+        self.steps.head_prefill(feats, ids, self.fills.n, self.slot_index(b), self.cols(ids.shape[1], True, b))
         self.slots[b].Ld += n
 
     def advance_head(self):
