@@ -203,6 +203,29 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                   window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes)
 
 
+def engine_room(eng: Engine, batch: int, methods: list) -> tuple:
+    """(nodes, path): the room (engine.room) of `methods` [(name, Config), ...] at `batch` slots on
+    eng's model and head (methods needing a head are left out without one), once check_batch_memory
+    says their caches fit. Errors: GraftError when they would not."""
+    d = eng.drafter
+    nodes, path = room([(m, c) for m, c in methods if d is not None or not METHODS[m].needs_head],
+                       (d.top_k, d.depth) if d else None, batch)
+    check_batch_memory(eng.model, d.head if d else None, batch, max(nodes, path, eng.chunk, 64), eng.matrix.k,
+                       eng.dtype, eng.device)
+    return nodes, path
+
+
+def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
+    """Another engine with `batch` slots on eng's already loaded model, head, tokenizer and prior
+    matrix, its steps run as eng's (compiled or eager, attention, prefill chunk), its caches sized for
+    `methods` at this B (engine_room: memory checked first). build_engine without loading again."""
+    d = eng.drafter
+    nodes, path = engine_room(eng, batch, methods)
+    return Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
+                  *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
+                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None)
+
+
 def check_batch_memory(model, head, batch: int, slack: int, matrix_k: int, dtype, device):
     """Refuse (GraftError, one line) a batch whose caches would not fit the memory there is: per request
     the target's and the head's KV caches and two continuation matrices (a method's and the prior's)."""

@@ -71,7 +71,8 @@ class Eagle3(nn.Module):
         p = self.fc.weight
         a = self.config.layer
         rows = cache_rows(rows)
-        self.rope = rope_table(a, rows).to(p.device)
+        if self.rope is None or self.rope.shape[0] < rows:   # only grows: another engine's drafter on this
+            self.rope = rope_table(a, rows).to(p.device)      # head (Engine.variant) keeps reading the same table
         self.cache = KVCache(1, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
         return self.cache
 

@@ -4,7 +4,7 @@ attention kernel's share of each.
     python scripts/context_cost.py --ckpt TARGET [--contexts 256,1024,2048,4096,8192] [--sizes 1,9,17] [--json-out F]
 
 For each context length: the pass cost of each tree size N (engine.pass_cost: interleaved, the fastest
-of --repeats samples, a monotone fit; N=1 is decode_one_token, larger N the verifier), and one profiled
+of --repeats samples, a monotone fit; N=1 is the decode step, larger N the verifier), and one profiled
 pass per N that names the attention kernel scaled_dot_product_attention dispatched to (the profiler's
 aten op) and the milliseconds it took, against the matrix products (aten::mm, the weights' read).
 On a CPU the one-token pass is bound by reading the weights and the KV cache; a tree of N nodes reads
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cli as CLI  # noqa: E402
 import engine as E  # noqa: E402
-from verify import Sampling  # noqa: E402
+from graft import Config  # noqa: E402
 
 
 @torch.no_grad()
@@ -32,22 +32,22 @@ def profiled_pass(eng, context: int, n: int, repeats: int = 3) -> dict:
     from torch.profiler import ProfilerActivity, profile
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, eng.model.args.vocab_size, (context + n,), generator=g).to(eng.device)
-    eng.begin(Sampling())
-    E.prefill(eng, E.Plain(eng), ids[:context].tolist())
-    tree, P = E.cost_tree(ids[context:context + n])
+    ar = eng.make("ar")
+    eng.admit(0, E.Request(ids[:context].tolist()), ar)         # slot 0 holds the context
+    tree, P = E.cost_tree(ids[context:context + n], eng.B)
 
-    def one():
+    def one():                   # the pass pass_cost times, undone after it
+        eng.steps.mark()
         if n == 1:
-            eng.root.copy_(tree.tokens[0])
-            eng.decode()
+            eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode)
         else:
-            eng.verify(tree, P)
+            eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, eng.mode, P, False, eng.root)
         eng.L.fill_(context)
-        eng.L_host = context
     one()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             one()
+    eng.free(0, ar)
     ev = prof.key_averages()
     attn = [e for e in ev if "attention" in e.key and e.key.startswith("aten::_scaled_dot_product")]
     ms = lambda es: sum(e.self_cpu_time_total for e in es) / 1000 / repeats
@@ -72,7 +72,9 @@ def main(argv=None):
         sizes = [1] + sizes
     path = CLI.resolve_checkpoint(a.ckpt)
     room = min(max(contexts) + max(sizes) + 16, CLI.tok_context(path))       # (a context past it is cut to it)
-    eng = CLI.build_engine(path, None, "cpu", a.dtype, max_seq_len=room)
+    # caches with room for the largest tree (a recycle tree of that many nodes: no head needed)
+    eng = CLI.build_engine(path, None, "cpu", a.dtype, max_seq_len=room,
+                           methods=[("ar", Config()), ("recycle", Config(recycle_size=max(max(sizes) - 1, 1)))])
     out = {"ckpt": a.ckpt, "dtype": a.dtype, "threads": torch.get_num_threads(), "contexts": {}}
     for c in contexts:
         used, ms = E.pass_cost(eng, sizes, context=c, repeats=a.repeats)

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine as E  # noqa: E402
 import graft as GR  # noqa: E402
-from draft import Drafter, Eagle3, HeadConfig  # noqa: E402
-from graft import Config, ContinuationMatrix, Graft  # noqa: E402
+from draft import Eagle3, HeadConfig  # noqa: E402
+from graft import Config, ContinuationMatrix  # noqa: E402
 from model import ModelArgs, Transformer, cache_rows  # noqa: E402
-from verify import Sampling, Tree  # noqa: E402
+from verify import Sampling, Tree, sampling_mode  # noqa: E402
 
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
                 intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, qk_norm=True)
@@ -92,11 +92,14 @@ def random_head(target: Transformer, h: dict, device, dtype) -> Eagle3:
     return head.eval()
 
 
-def engine(model, head, compile: bool, backend: str, chunk: int = 128) -> E.Engine:
-    drafter = Drafter(head, model.max_seq_len, top_k=10, depth=8, chunk=chunk)
+def engine(model, head, compile: bool, backend: str, chunk: int = 128, batch: int = 1) -> E.Engine:
+    """An engine with `batch` slots on the random pair, its caches with room for every method at budget
+    60 (the largest this check runs) and the 61-node cost trees."""
     matrix = ContinuationMatrix(model.args.vocab_size, 8, device=model.embed_tokens.weight.device)
     window = not (compile and model.embed_tokens.weight.is_cuda)
-    return E.Engine(model, None, drafter, matrix, compile=compile, window=window, chunk=chunk, backend=backend)
+    nodes, path = E.room([(m, Config(budget=60)) for m in E.METHODS], (10, 8), batch)
+    return E.Engine(model, None, head, matrix, batch, max(nodes, 61), max(path, E.COST_PATH), 10, 8, compile=compile,
+                    window=window, chunk=chunk, backend=backend)
 
 
 def forced(stage, checkpoints=CHECKPOINTS) -> dict:
@@ -132,54 +135,55 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
 
     with torch.no_grad():
         for window in (True, False):
-            drafter = Drafter(head, model.max_seq_len, top_k=4, depth=6, chunk=C)
-            eng = E.Engine(model, None, drafter, ContinuationMatrix(a.vocab_size, 8, device=device), chunk=C,
-                           window=window)
-            mode = "window" if window else "full"
+            cfg = Config(budget=12, checkpoints=(0, 1, 3), thresholds={0: 0.5, 1: 0.5, 3: 0.5})
+            nodes, path = E.room([(m, cfg) for m in E.METHODS], (4, 6), 2)
+            eng = E.Engine(model, None, head, ContinuationMatrix(a.vocab_size, 8, device=device), 2, max(nodes, 61),
+                           max(path, E.COST_PATH), 4, 6, chunk=C, window=window)
+            st, mode_name = eng.steps, "window" if window else "full"
             for method in E.METHODS:
-                cfg = Config(budget=12, checkpoints=(0, 1, 3), thresholds={0: 0.5, 1: 0.5, 3: 0.5})
-                p = E.make_method(eng, method, cfg)
+                p = eng.make(method, cfg)
                 for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
-                    tag = f"{mode}/{method}/{'sampled' if s.temperature else 'greedy'}"
-                    eng.begin(s)
-                    p.start([1, 2, 3])
-                    toks = torch.zeros(C, dtype=torch.long, device=device)
+                    tag = f"{mode_name}/{method}/{'sampled' if s.temperature else 'greedy'}"
+                    mode = sampling_mode([s])
+                    eng.smp.set(0, s)
+                    p.admit(eng, 0)
+                    toks = torch.zeros(1, C, dtype=torch.long, device=device)
                     got = {}
-                    run(f"{tag}/prefill", lambda: got.update(out=eng.prefill(toks, 5, p.needs_features)))
-                    eng.L_host = 5
+                    eng.fills.n.fill_(5)
+                    run(f"{tag}/prefill", lambda: got.update(out=st.prefill(
+                        toks, eng.L, eng.fills.n, eng.slot_index(0), eng.cols(C, b=0), p.needs_head, eng.smp, mode, eng.root)))
                     if "out" in got:         # the matrix update and the head's prefill, where the method has them
-                        run(f"{tag}/prompt_chunk", lambda: p.prompt_chunk(toks, *got["out"], 5))
-                        ran.update(x for x, has in (("matrix_update", getattr(p, "seed_matrix", None)),
-                                                    ("head_prefill", isinstance(p, Graft))) if has)
-                    if isinstance(p, E.Plain):
-                        run(f"{tag}/decode", eng.decode)
-                    elif isinstance(p, GR.Recycle):
-                        tree = {}
-                        run(f"{tag}/recycle_propose", lambda: tree.update(t=p.propose(eng.root)))
-                        if "t" in tree:
-                            v = {}
-                            run(f"{tag}/verify", lambda: v.update(v=eng.verify(tree["t"], p.P)))
-                            if "v" in v:
-                                run(f"{tag}/recycle_learn", lambda: p.learn(tree["t"], v["v"]))
-                    elif isinstance(p, E.PromptLookup):
-                        run(f"{tag}/verify", lambda: eng.verify(Tree(p.chain[0], p.parents, p.chain[1] > 0), p.P))
+                        run(f"{tag}/prompt_chunk", lambda: p.prompt_chunk(eng, 0, toks, *got["out"][:2], 5))
+                        ran.update(x for x, has in (("matrix_update", p.matrix is not None),
+                                                    ("head_prefill", p.needs_head)) if has)
+                        if p.needs_head:
+                            run(f"{tag}/prefilled", lambda: p.prefilled(eng, 0))
+                    if isinstance(p, GR.Plain):
+                        run(f"{tag}/decode", lambda: st.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, mode))
+                        continue
+                    tree = {}
+                    if isinstance(p, GR.Recycle):
+                        run(f"{tag}/recycle_tree", lambda: tree.update(t=st.recycle_tree(p, eng.root, eng.active)))
+                    elif isinstance(p, GR.PromptLookup):
+                        tree["t"] = Tree(p.chains[0], p.parents, p.chains[1] > 0)
                     else:
                         d = eng.drafter
-                        run(f"{tag}/extend", lambda: p.extend(p.pend_feats, p.pend_ids, p.pend_n, eng.cols(d.Ld_host + p.P, head=True)))
+                        run(f"{tag}/extend", lambda: st.extend(p.pend_feats, p.pend_ids, p.pend_n, eng.cols(p.P, head=True)))
                         for i in range(d.depth - 1):
-                            run(f"{tag}/level", lambda: p.level(p.level_index[i], eng.cols(d.Ld_host + (d.depth - 1) * d.top_k, head=True)))
-                        last = {}
-                        for stage, fn in p.assemble.items():
-                            run(f"{tag}/assemble_{stage}", lambda: last.update(t=fn(eng.root)))
-                        if "t" in last:
-                            v = {}
-                            run(f"{tag}/verify", lambda: v.update(v=eng.verify(last["t"], p.P, capture=True)))
-                            if "v" in v:
-                                run(f"{tag}/learn", lambda: p.learn(last["t"], v["v"]))
+                            run(f"{tag}/level", lambda: st.level(eng.fills.level[i], eng.cols((d.depth - 1) * d.top_k, head=True)))
+                        run(f"{tag}/assemble", lambda: tree.update(t=st.assemble(p, eng.root, eng.active)))
+                    if "t" in tree:
+                        v = {}
+                        run(f"{tag}/verify", lambda: v.update(v=st.verify(tree["t"], eng.L, eng.active, eng.cols(p.N), eng.smp,
+                                                                          mode, p.P, p.needs_head, eng.root)))
+                        if "v" in v:
+                            run(f"{tag}/learn", lambda: st.learn(p, tree["t"], v["v"], eng.active))
+            mode = sampling_mode([Sampling()])
             for n in (9, 13, 17, 25, 33, 49, 61):           # every size --budget auto times, and the GPU check's
-                tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device))
-                run(f"{mode}/cost/verify_{n}", lambda: eng.verify(tree, P, capture=True))
-            compiled |= set(eng.step_names)
+                tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device), eng.B)
+                run(f"{mode_name}/cost/verify_{n}", lambda: st.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, mode,
+                                                                      P, True, eng.root))
+            compiled |= set(st.names)
     out["missing"] = sorted(compiled - ran)
     return out
 

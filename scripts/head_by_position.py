@@ -24,7 +24,7 @@ import cli as CLI  # noqa: E402
 import data as DATA  # noqa: E402
 import engine as E  # noqa: E402
 from model import GraftError, attention_mask  # noqa: E402
-from verify import Proposer, Sampling  # noqa: E402
+from verify import Sampling  # noqa: E402
 
 EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -37,28 +37,30 @@ def agreement(eng, ids: list) -> torch.Tensor:
         raise GraftError("the head's agreement needs a head: pass --draft")
     got = []
 
-    class Keep(Proposer):
-        needs_features = True
+    class Keep(E.Method):
+        needs_head = True        # the prefill captures the target's features
 
-        def prompt_chunk(self, chunk, logits, feats, n):
-            got.append((logits[:n].argmax(-1), feats[:n].clone()))
+        def prompt_chunk(self, eng, b, chunk, logits, feats, n):
+            got.append((logits[0, :n].argmax(-1), feats[0, :n].clone()))
 
-    eng.begin(Sampling())
-    E.prefill(eng, Keep(), ids)
+    keep = Keep(eng, E.Config())
+    eng.admit(0, E.Request(list(ids)), keep)                  # slot 0: the target's pass, chunk by chunk
+    eng.free(0, keep)
     tgt = torch.cat([g[0] for g in got])                                  # (T,) the target's choice after each token
     feats = torch.cat([g[1] for g in got])                                # (T, 3*dim)
     d, dev = eng.drafter, eng.device
-    d.reset()
     head, T, C = d.head, len(ids), eng.chunk
     tok = torch.tensor(ids, device=dev)
-    cols = torch.arange(head.cache.rows, device=dev)
+    cols = torch.arange(d.cache.rows, device=dev)
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
     preds = []
     for s in range(0, T - 1, C):                                        # rows (f_t, token t+1), t = 0..T-2
-        c = min(C, T - 1 - s)
-        L = torch.tensor(s, device=dev)
-        rows = s + torch.arange(c, device=dev)
+        c = min(C, T - 1 - s)                                           # into slot 0 of the head's cache
+        L = torch.full((1,), s, device=dev)
+        rows = L[:, None] + torch.arange(c, device=dev)
         mask = attention_mask(torch.ones(c, c, dtype=torch.bool, device=dev).tril_(), L, cols[:s + c])
-        out = head(feats[s:s + c][None], tok[s + 1:s + 1 + c][None], rows, rows, mask, fused=True)[0]
+        out = head(feats[s:s + c][None], tok[s + 1:s + 1 + c][None], rows, rows, mask, fused=True, cache=d.cache,
+                   slots=slot)[0]
         preds.append(head.to_target(head.logprobs(out).argmax(-1)))
     pred = torch.cat(preds)                                               # (T-1,) after token t+1
     return pred[:T - 2] == tgt[1:T - 1]

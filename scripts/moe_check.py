@@ -51,8 +51,8 @@ def main(argv=None):
         for q in model.parameters():
             q.normal_(0, 0.02) if q.dim() > 1 else q.fill_(1.0)
     model.path, model.max_seq_len = "random", 1024
-    eng = E.Engine(model, None, None, ContinuationMatrix(args.vocab_size, 8, device=device), compile=cuda,
-                   window=not cuda)
+    eng = E.Engine(model, None, None, ContinuationMatrix(args.vocab_size, 8, device=device), nodes=61,
+                   path=E.COST_PATH, compile=cuda, window=not cuda)      # room for pass_cost's 61-node trees
     prompt = torch.randint(0, args.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     E.generate(eng, E.make_method(eng, "ar"), prompt, 4, Sampling(), ())
     r = E.generate(eng, E.make_method(eng, "ar"), prompt, a.tokens, Sampling(), ())

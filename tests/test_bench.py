@@ -253,16 +253,19 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
     base = bench.E.generate(eng, bench.E.make_method(eng, "ar"), ids, 10, s, ()).tokens
     keep = {}
 
-    class Last(bench.E.Proposer):
-        def prompt_chunk(self, chunk, logits, feats, n):
-            keep["row"] = logits[n - 1].clone()
-    eng.begin(s)
-    bench.E.prefill(eng, Last(), ids + base[:4])
+    class Last(bench.E.Method):                  # the target's scores after the prompt's last token
+        def prompt_chunk(self, eng, b, chunk, logits, feats, n):
+            keep["row"] = logits[0, n - 1].float().clone()
+    last = Last(eng, bench.E.Config())
+    eng.admit(0, bench.E.Request(ids + base[:4], s), last)
+    eng.free(0, last)
     scores = keep["row"] if s.greedy else None
     if scores is None:                           # the sampled choice ranks warped logits plus the noise
-        from verify import position_noise, warp
-        scores = warp(keep["row"][None], s)[0].double() + position_noise(
-            bench.torch.tensor(s.seed), bench.torch.tensor([len(ids) + 4]), keep["row"].numel())[0]
+        from verify import position_noise, sampling_mode, warp
+        t = lambda x: bench.torch.tensor([x])
+        scores = warp(keep["row"][None, None], t(s.temperature), t(s.top_k), t(s.top_p),
+                      sampling_mode([s]))[0, 0].double() + position_noise(t(s.seed), t(len(ids) + 4),
+                                                                          keep["row"].numel())[0]
     first, second, third = scores.topk(3).indices.tolist()
     assert first == base[4]
     runner_up = base[:4] + [second] + base[5:]
