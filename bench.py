@@ -672,10 +672,10 @@ BATCH_PASS_CONTEXT = 128
 def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: list, draft, dtype, t_start: float,
                 argv) -> dict:
     """Every method (ar first) on each dataset's whole prompt stream at every batch size B: one engine
-    with B slots per B (cli.batch_engine, on the loaded model), refilled from the stream; each method
-    made once per B with its own copy of the warmed-up matrix, kept across datasets. Request i samples
-    with seed --seed + i; its tokens are checked against the same prompt run alone with ar (the
-    engine with one slot). Rows: total tokens/s, speedup over ar at the same B, per-request latency
+    with B slots per B (cli.batch_engine, on the loaded model; B = 1: the one already built), refilled
+    from the stream; each method made once per B with its own copy of the warmed-up matrix, kept
+    across datasets. Request i samples with seed --seed + i; its tokens are checked against the same
+    prompt run alone with ar (the engine with one slot). Rows: total tokens/s, speedup over ar at the same B, per-request latency
     (median, 90th percentile: from the stream's start), MAT, draft forwards per round; then graft over
     eagle3 at each B, and the pass cost of B trees against B one-token steps (engine.pass_cost on the
     engine with B slots)."""
@@ -708,7 +708,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     # CPU time on a CPU: on a shared machine a wall clock mostly measures the neighbours
     timer = time.perf_counter if eng.cuda else time.process_time
     for B in sizes:                    # one engine at a time: its caches, its compiled steps
-        be = CLI.batch_engine(eng, B, todo)
+        be = eng if B == eng.B else CLI.batch_engine(eng, B, todo)      # (B = 1: the engine already built)
         made = {m: be.make(m, cfgs[m], cal, eng.matrix.copy() if m in E.NEEDS_MATRIX else None) for m in methods}
         if be.compiling:
             log(f"batch {B}: compile: {E.compile_warmup(be, list(made.values()), sampling):.1f}s")
