@@ -478,6 +478,9 @@ class Engine:
         self.L[b], self.active[b] = 0, 1
         if self.drafter is not None:
             self.drafter.Ld[b] = 0
+        if not self.window or self.B > 1:     # rows past its length are read under the mask (full attention, a
+            for t in self.cache.tensors() + (self.drafter.cache.tensors() if self.drafter else []):   # batch's
+                t[b].zero_()                  # window): none may hold an earlier request's junk (0 * NaN = NaN)
         self.smp.set(b, r.sampling)
         method.admit(self, b)
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
@@ -592,6 +595,9 @@ def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_id
         if len(r.ids) + max_new_tokens > S:
             raise GraftError(f"prompt ({len(r.ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
                              f"--max-seq-len ({S})")
+    for b, r in enumerate(eng.requests()):           # a run that raised left its requests in their slots
+        if r is not None:
+            eng.free(b, method)
     queue, eos = deque(requests), set(eos_ids)
     rounds = forwards = 0
     prefill_s = 0.0

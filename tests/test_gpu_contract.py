@@ -1,20 +1,25 @@
-"""The GPU's failure classes, made visible on the CPU (the contract in generate.py, above Engine).
+"""The GPU's failure classes, made visible on the CPU (the contract in engine.py, above Steps), at
+B = 1 and B > 1.
 
 CUDA graphs (torch.compile mode="reduce-overhead") and SDPA's kernel choice have rules a CPU never
-enforces. Each test here enforces one of them on the CPU:
-  placement   every step of every method runs on a non-CPU device (meta: data-less), so a CPU tensor
-              mixed into a step fails here as it would on a GPU
+enforces. Each test here enforces one of them on the CPU, for one request and for a batch:
+  placement   every step of every method runs on a non-CPU device (meta: data-less), whole rounds with
+              refills, so a CPU tensor mixed into a step fails here as it would on a GPU
   lifetimes   every step output is poisoned when it expires (next generation, or the step's next run):
               every method stays lossless, so nothing reads an output after a replay
-  host syncs  device-to-host reads per round are counted and equal the documented number
+  host syncs  device-to-host reads per round are counted and equal the documented number: at B = 1 one
+              per round plus one per checkpoint reached (plus one per admitted request)
   host data   no tensor is built from host data for the device inside a round (a blocking copy on a GPU)
   masked rows non-finite values in cache rows nobody may see change no token, in both attention modes
   attention   masked grouped-query attention never asks SDPA for enable_gqa (the math kernel on a GPU)
   code        every step has its own code object (its own dynamo cache); caches are 16-row aligned
-The compiled checks (aot_eager: the same tracing as a GPU's compile) run in tests/compile_check.py.
+The compiled checks (aot_eager: the same tracing as a GPU's compile: statics, recompiles as requests
+come and go) run in tests/compile_check.py.
 """
+import dataclasses
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -24,20 +29,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cli as CLI
 import engine as E
 import graft as GR
-import verify as V
-import graft
 import model as M
+import verify as V
 from conftest import ROOT
+from draft import Eagle3, HeadConfig
+from engine import Request
 from test_lossless import prompts, random_head
 from verify import Sampling, Tree
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
-
 GREEDY = Sampling()
-SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
-CFG = dict(budget=10, checkpoints=(0, 1, 3))
-THRESHOLDS = {0: 0.05, 1: 0.01, 3: 0.001}         # every stage fires sometimes on a random head
+CHECKPOINTS = (0, 1, 3)
+STREAM = prompts(2, 300, seed=11) + [[1] + list(range(40, 80)), [1, 9]]     # (the third: 3 prefill chunks)
+
+
+def mixed(i: int) -> Sampling:
+    """Request i's sampling in a sampled stream: top-p, top-k, both, greedy; its own seed."""
+    kinds = [Sampling(0.8, 0.9, 0), Sampling(1.0, 1.0, 20), Sampling(0.7, 0.8, 30), Sampling()]
+    return dataclasses.replace(kinds[i % 4], seed=1234 + i)
+
+
+def requests(kind: str, ids=STREAM) -> list:
+    return [Request(x, GREEDY if kind == "greedy" else mixed(i), i) for i, x in enumerate(ids)]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +58,8 @@ def pair(tiny_ckpt, tmp_path_factory):
     return str(target), str(random_head(target, tmp_path_factory.mktemp("head")))
 
 
-def engine(pair, **kw):
-    eng = CLI.build_engine(*pair, max_seq_len=256, top_k=4, depth=5, chunk=16, **kw)
-    eng.thresholds = dict(THRESHOLDS)
-    return eng
-
-
-def method(eng, name):
-    cfg = GR.Config(**CFG, thresholds=dict(THRESHOLDS) if name in E.PRUNING else None)
-    return E.make_method(eng, name, cfg)
+def engine(pair, batch=1, **kw):
+    return CLI.build_engine(*pair, max_seq_len=256, top_k=4, depth=5, chunk=16, batch=batch, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -62,29 +67,119 @@ def plain(pair):
     return engine(pair)
 
 
-def reference(plain, ids, n, s):
-    return E.generate(plain, method(plain, "ar"), ids, n, s, ()).tokens
+@pytest.fixture(scope="module")
+def taus(plain):
+    """Thresholds that make every stage fire sometimes on the random head: quantiles of its confidences."""
+    conf = {}
+
+    def keep(rnd, commits):
+        for c, x in rnd.record["conf"].items():
+            conf.setdefault(c, []).extend(x.tolist())
+    m = plain.make("eagle3", GR.Config(budget=10, checkpoints=CHECKPOINTS))
+    E.run(plain, m, [Request(x) for x in prompts(4, 300, seed=9)], 16, (), on_round=keep, record=True)
+    return {c: sorted(v)[int(q * len(v))] for (c, v), q in zip(sorted(conf.items()), (0.3, 0.4, 0.5))}
+
+
+def method(eng, name, taus, policy=None):
+    return eng.make(name, GR.Config(budget=10, checkpoints=CHECKPOINTS, thresholds=dict(taus), policy=policy))
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    """Each request's tokens alone with plain decoding and its own sampling (memoised)."""
+    memo = {}
+
+    def get(r: Request, n: int) -> list:
+        key = (tuple(r.ids), r.sampling, n)
+        if key not in memo:
+            memo[key] = E.generate(plain, plain.make("ar"), r.ids, n, r.sampling, ()).tokens
+        return memo[key]
+    return get
 
 
 # ----------------------------------------------------------------------------- placement
 
-def test_every_step_runs_on_a_non_cpu_device():
-    """Every step the engine compiles, of every method, both attention modes, greedy and sampled, and
-    the verify step at every size --budget auto times: no CPU tensor in any of them."""
-    got = gpu_check.placement_check()
+TARGET = dict(arch="qwen3", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+              intermediate_size=128, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096, qk_norm=True)
+
+
+def placement_check(batch: int, window: bool, device: str = "meta") -> dict:
+    """Every compiled step of every method, in whole rounds (batch + 1 requests through `batch` slots:
+    a refill), on tensors of `device` (meta holds no data, so it runs anywhere; any op that mixes a CPU
+    tensor with it raises, as CUDA would), greedy and sampled, and the verify step at every size
+    --budget auto times. The host's reads of data-less tensors (the prefill's, commit's, the
+    checkpoints') read ones. Returns {"<method>/<sampling>": "ok" or the error's first line,
+    "<method>/<sampling>/<step>": the error of the step that raised, "cost/verify_<n>": ..., "missing":
+    steps the engine compiled that never ran}."""
+    a = M.ModelArgs(**TARGET)
+    layer = M.ModelArgs(vocab_size=a.vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                        intermediate_size=128)
+    with torch.device("meta"):
+        model = M.Transformer(a)
+        head = Eagle3(HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size, draft_vocab_size=256))
+    model, head = model.to_empty(device=device), head.to_empty(device=device)
+    head.embed_tokens, model.max_seq_len, model.path = model.embed_tokens, 256, "random"
+    nodes, path = E.room([(m, GR.Config(budget=60)) for m in E.METHODS], (4, 4), batch)
+    eng = E.Engine(model, None, head, GR.ContinuationMatrix(a.vocab_size, 8, device=device), batch, nodes, path, 4, 4,
+                   chunk=16, window=window)
+    out, ran, tag = {}, set(), [None]
+    for name in sorted(eng.steps.names):             # each step, watched: which ran, which raised
+        def watched(*args, _step=getattr(eng.steps, name), _name=name, **kw):
+            ran.add(_name)
+            try:
+                return _step(*args, **kw)
+            except Exception as e:
+                out.setdefault(f"{tag[0]}/{_name}", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                raise
+        setattr(eng.steps, name, watched)
+    tolist = torch.Tensor.tolist
+    ones = lambda self: [1] * self.numel() if self.is_meta else tolist(self)
+    cfg = GR.Config(budget=12, checkpoints=CHECKPOINTS, thresholds={0: 0.5, 1: 0.5, 3: 0.5})
+    with mock.patch.object(torch.Tensor, "tolist", ones), torch.no_grad():
+        for name in E.METHODS:
+            for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
+                tag[0] = f"{name}/{'sampled' if s.temperature else 'greedy'}"
+                m = eng.make(name, cfg)
+                try:
+                    E.run(eng, m, [Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 3)
+                    out[tag[0]] = "ok"
+                except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
+                    out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    for b, r in enumerate(eng.requests()):
+                        if r is not None:
+                            eng.free(b, m)
+        for n in (9, 13, 17, 25, 33, 49, 61):          # every size --budget auto times, and the GPU check's
+            tag[0] = f"cost/verify_{n}"
+            tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device), batch)
+            try:
+                eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, eng.mode, P, True, eng.root)
+                out[tag[0]] = "ok"
+            except Exception as e:          # noqa: BLE001
+                out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    out["missing"] = sorted(eng.steps.names - ran)
+    return out
+
+
+@pytest.mark.parametrize("batch, window", [(1, True), (1, False), (3, False)])
+def test_every_step_runs_on_a_non_cpu_device(batch, window):
+    """Every step the engine compiles, of every method, greedy and sampled, one request and a batch
+    with a refill, and the verify step at every size --budget auto times: no CPU tensor in any."""
+    got = placement_check(batch, window)
     assert got.pop("missing") == []
     assert {k: v for k, v in got.items() if v != "ok"} == {}
-    assert len(got) > 200
+    assert len(got) == 2 * len(E.METHODS) + 7
 
 
 def test_a_template_left_on_the_cpu_is_caught(monkeypatch):
     """The check sees the failure it exists for: retrieval templates that stay on the CPU (the first
-    GPU run's crash) fail every assembling stage that retrieves."""
-    monkeypatch.setattr(graft.Template, "to", lambda self, device: self)
-    got = gpu_check.placement_check()
+    GPU run's crash) fail every method that retrieves, in the step that retrieves, and no other."""
+    monkeypatch.setattr(GR.Template, "to", lambda self, device: self)
+    got = placement_check(2, False)
     bad = {k for k, v in got.items() if k != "missing" and v != "ok"}
-    assert bad and all("/assemble_" in k or "recycle" in k or "/verify" in k or "/learn" in k for k in bad)
-    assert any(k.endswith("/graft/greedy/assemble_0") for k in bad)
+    retrieving = {"graft", "recycle", "graft-fixed", "graft-root", "graft-tail"}
+    assert {k.split("/")[0] for k in bad} == retrieving
+    assert {k.split("/")[2] for k in bad if k.count("/") == 2} == {"assemble", "recycle_tree"}
+    assert "graft/greedy/assemble" in bad
 
 
 def test_gpu_check_fake_cuda_runs(tmp_path):
@@ -96,44 +191,67 @@ def test_gpu_check_fake_cuda_runs(tmp_path):
 
 # ----------------------------------------------------------------------------- output lifetimes
 
-@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.fixture(scope="module")
+def engines(pair):
+    """(attention, B, check_lifetimes) -> engine, built when first asked for."""
+    memo = {}
+
+    def get(attention, batch, lifetimes):
+        if (attention, batch, lifetimes) not in memo:
+            memo[attention, batch, lifetimes] = engine(pair, batch, attention=attention, check_lifetimes=lifetimes)
+        return memo[attention, batch, lifetimes]
+    return get
+
+
 @pytest.mark.parametrize("name", list(E.METHODS))
-def test_expired_outputs_are_never_read(pair, plain, name, s):
-    """Outputs poisoned as a CUDA graph's next replay would overwrite them: every method, both
-    attention modes, still emits plain decoding's tokens, and drafts exactly what it drafts unpoisoned
-    (a poisoned read into the head's input would only show in what gets accepted)."""
-    for attention in ("window", "full"):
-        eng, same = engine(pair, check_lifetimes=True, attention=attention), engine(pair, attention=attention)
-        m, m2 = method(eng, name), method(same, name)
-        for ids in prompts(2, 300, seed=11) + [[1] + list(range(40, 80))]:      # (the last: 3 prefill chunks)
-            got, want = E.generate(eng, m, ids, 30, s, ()), E.generate(same, m2, ids, 30, s, ())
-            assert got.tokens == reference(plain, ids, 30, s), (name, attention, ids)
-            assert (got.rounds, got.accepted, got.draft_forwards, got.stages) == \
-                   (want.rounds, want.accepted, want.draft_forwards, want.stages)
+def test_expired_outputs_are_never_read(engines, reference, taus, name):
+    """Outputs poisoned as a CUDA graph's next replay would overwrite them: every method, both attention
+    modes, one request at a time and three slots with a refill, greedy and sampled requests side by
+    side, still emits each request's plain decoding tokens, and drafts exactly what it drafts
+    unpoisoned (a poisoned read into the head's input would only show in what gets accepted)."""
+    for attention, B in (("window", 1), ("full", 1), ("full", 3)):
+        eng, same = engines(attention, B, True), engines(attention, B, False)
+        got = E.run(eng, method(eng, name, taus), requests("sampled"), 20, ()).requests
+        want = E.run(same, method(same, name, taus), requests("sampled"), 20, ()).requests
+        for g, w in zip(got, want):
+            assert g.tokens == reference(g, 20), (name, attention, B, g.index)
+            assert (g.rounds, g.accepted, g.from_retrieval, g.stages) == (w.rounds, w.accepted, w.from_retrieval, w.stages)
+            if B == 1:
+                assert g.draft_forwards == w.draft_forwards
 
 
 def test_the_poison_is_real(pair):
-    """What the lifetime check does to an output kept too long: the next round's step poisons it."""
-    eng = engine(pair, check_lifetimes=True)
-    m = method(eng, "ar")
-    eng.begin(GREEDY)
-    E.prefill(eng, m, [1, 5, 7])
-    eng.mark_step()
-    nxt, finite = eng.decode()
-    kept = nxt.clone()
-    eng.decode()                              # the same step again: the first call's outputs expire
-    assert int(nxt[0]) == torch.iinfo(torch.long).max and int(kept[0]) != int(nxt[0])
-    assert not bool(finite)                   # booleans flip
-    eng.mark_step()                           # a new generation: the second call's outputs expire too
+    """What the lifetime check does to an output kept too long: the next run of its step poisons it;
+    the state it wrote (the next roots, a static buffer) is left alone."""
+    eng = engine(pair, 2, check_lifetimes=True)
+    m = eng.make("ar")
+    eng.admit(0, Request([1, 5, 7]), m)
+    eng.steps.mark()
+    step = lambda: eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode)
+    v = step()
+    kept, root = v.bonus.clone(), eng.root.clone()
+    assert bool(v.finite.all())
+    step()                                    # the same step again: the first call's outputs expire
+    assert int(v.bonus[0]) == torch.iinfo(torch.long).max and int(kept[0]) != int(v.bonus[0])
+    assert not bool(v.finite.any())           # booleans flip
+    assert bool(torch.isnan(v.logits).all())
+    assert int(eng.root[0]) != torch.iinfo(torch.long).max and int(eng.L[0]) == 5
+    v2 = step()
+    eng.steps.mark()                          # a new generation: the last call's outputs expire too
+    assert int(v2.bonus[0]) == torch.iinfo(torch.long).max
+    eng.free(0, m)
 
 
-def test_prefill_marks_a_generation_per_chunk(pair, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prefill_marks_a_generation_per_chunk(pair, taus, batch, monkeypatch):
     """Every prefill chunk and every round starts a generation (the prefill step replays per chunk)."""
-    eng = engine(pair)
-    marks = []
-    monkeypatch.setattr(eng, "mark_step", lambda: marks.append(eng.L_host))
-    res = E.generate(eng, method(eng, "graft"), [1] + list(range(10, 50)), 12, GREEDY, ())      # 41 tokens: 3 chunks
-    assert len(marks) == 3 + res.rounds and marks[:3] == [0, 16, 32]
+    eng = engine(pair, batch)
+    marks, mark = [], eng.steps.mark
+    monkeypatch.setattr(eng.steps, "mark", lambda: marks.append([s.L for s in eng.slots]) or mark())
+    reqs = [Request([1] + list(range(10, 50))), Request(list(range(3, 23)))]       # 41 tokens: 3 chunks; 20: 2
+    res = E.run(eng, method(eng, "graft", taus), reqs, 12, ())
+    assert len(marks) == 3 + 2 + res.rounds
+    assert [m[0] for m in marks[:3]] == [0, 16, 32]
 
 
 # ----------------------------------------------------------------------------- host syncs and host data
@@ -188,91 +306,124 @@ def transfers(monkeypatch):
     return t
 
 
+def reached(m, stages: list) -> int:
+    """Checkpoint syncs of a round whose live requests ended in `stages`: under the stop policy the
+    checkpoints up to the deepest one any request reached (None: all of them), otherwise none."""
+    if getattr(m, "policy", None) != "stop":
+        return 0
+    cps = list(m.checkpoints)
+    return max(len(cps) if s is None else cps.index(s) + 1 for s in stages)
+
+
 @pytest.mark.parametrize("name", list(E.METHODS))
-def test_host_syncs_per_round_are_the_documented_ones(pair, transfers, name):
-    """One host sync a round (commit's transfer) plus one per checkpoint reached, plus the prefill's
-    one: counted, not trusted from what the round reports."""
+def test_host_syncs_per_round_are_the_documented_ones(pair, taus, transfers, name):
+    """B = 1: one host sync a round (commit's transfer) plus one per checkpoint reached, plus the
+    prefill's one: counted, not trusted from what the round reports."""
     eng = engine(pair)
-    m = method(eng, name)
+    m = method(eng, name, taus)
     ids = prompts(1, 300, seed=12)[0]
     E.generate(eng, m, ids, 8, GREEDY, ())                           # set up and warmed outside the count
     rounds = []
     with transfers:
-        res = E.generate(eng, m, ids, 30, GREEDY, (), on_round=lambda meth, v: rounds.append(v))
-    thresholds = m.thresholds if isinstance(m, GR.Graft) else {}
-    reached = [len(thresholds) if v.stage is None else list(thresholds).index(v.stage) + 1 for v in rounds]
-    assert [v.syncs for v in rounds] == [1 + r for r in reached]
-    assert transfers.syncs == 1 + sum(1 + r for r in reached) == 1 + res.syncs
+        res = E.generate(eng, m, ids, 30, GREEDY, (), on_round=lambda rnd, c: rounds.append(rnd))
+    want = [1 + reached(m, rnd.stages) for rnd in rounds]
+    assert [rnd.syncs for rnd in rounds] == want
+    assert transfers.syncs == 1 + sum(want) == 1 + res.syncs
+    if name in ("prune", "graft"):                                     # (stop: every stage happened)
+        assert len(set(want)) > 1
+
+
+@pytest.mark.parametrize("name, policy", [("ar", None), ("eagle3", None), ("pld", None), ("recycle", None),
+                                          ("graft", "stop"), ("graft", "replace"), ("prune", "stop")])
+def test_host_syncs_at_a_batch(pair, taus, transfers, name, policy):
+    """B = 3, five requests: one sync per admitted request, and per round one (commit's, for every
+    slot at once) plus, under the stop policy, one per checkpoint the batch reached."""
+    eng = engine(pair, 3)
+    m = method(eng, name, taus, policy)
+    E.run(eng, m, requests("sampled")[:2], 8, ())
+    rounds = []
+    with transfers:
+        E.run(eng, m, requests("sampled") + [Request([1, 4, 4, 4], mixed(4), 4)], 24, (),
+              on_round=lambda rnd, c: rounds.append((rnd.syncs, [s for s, x in zip(rnd.stages, c) if x])))
+    want = [1 + reached(m, stages) for _, stages in rounds]
+    assert [s for s, _ in rounds] == want
+    assert transfers.syncs == 5 + sum(want)
 
 
 @pytest.mark.parametrize("name", list(E.METHODS))
-def test_no_host_data_enters_a_round(pair, transfers, name):
+def test_no_host_data_enters_a_round(pair, taus, transfers, name):
     """A tensor built from host values for the device inside a round is a blocking copy on a GPU:
-    none but the prompt's one copy (pld's chain goes through a pinned buffer, asynchronously)."""
-    eng = engine(pair)
-    m = method(eng, name)
-    ids = prompts(1, 300, seed=13)[0]
-    E.generate(eng, m, ids, 8, GREEDY, ())
+    none but each prompt's one copy (pld's chains go through a pinned buffer, asynchronously), at
+    B = 3 with a refill."""
+    eng = engine(pair, 3)
+    m = method(eng, name, taus)
+    E.run(eng, m, requests("greedy")[:1], 8, ())
     with transfers:
-        res = E.generate(eng, m, ids, 30, GREEDY, ())
-    assert transfers.to_device == 1 and res.rounds > 5
+        res = E.run(eng, m, requests("greedy"), 20, ())
+    assert transfers.to_device == len(STREAM) and res.rounds > 5
 
 
 # ----------------------------------------------------------------------------- masked rows
 
 @pytest.mark.parametrize("attention", ["window", "full"])
 @pytest.mark.parametrize("name", ["ar", "graft", "recycle"])
-def test_nonfinite_unwritten_rows_change_no_token(pair, plain, attention, name):
+def test_nonfinite_unwritten_rows_change_no_token(engines, reference, taus, attention, name):
     """Cache rows filled with NaN and inf before a generation (what torch.empty or an earlier run
-    that overflowed leaves): the same tokens. Full attention reads every row under the mask."""
-    eng = engine(pair, attention=attention)
-    m = method(eng, name)
-    for ids in prompts(2, 300, seed=14):
-        for t in eng.model.cache.tensors() + eng.drafter.head.cache.tensors():
+    that overflowed leaves): the same tokens, one request and three slots with a refill. Full
+    attention reads every row under the mask."""
+    for B in (1, 3):
+        eng = engines(attention, B, False)
+        for t in eng.cache.tensors() + eng.drafter.cache.tensors():
             t.fill_(float("nan"))
             t[..., ::3, :] = float("inf")
-        assert E.generate(eng, m, ids, 24, GREEDY, ()).tokens == reference(plain, ids, 24, GREEDY)
+        res = E.run(eng, method(eng, name, taus), requests("greedy"), 24, ())
+        assert [r.tokens for r in res.requests] == [reference(r, 24) for r in res.requests], (name, B)
 
 
 def test_padding_rows_write_zeros(pair):
-    """A padding row's keys and values never reach the cache (zeros there): a prefill chunk's tail
-    and a tree's padding nodes."""
-    eng = engine(pair, attention="full")
-    eng.begin(GREEDY)
-    for t in eng.model.cache.tensors():
+    """A padding row's keys and values never reach the cache (zeros there): a prefill chunk's tail,
+    a tree's padding nodes, and an empty slot's tree; a prefill writes no other slot's rows."""
+    eng = engine(pair, 2, attention="full")
+    for t in eng.cache.tensors():
         t.fill_(1.0)
-    toks = torch.tensor([1, 5, 9, 7] + [0] * 12)
-    eng.prefill(toks, 4, False)
-    k = eng.model.cache.k[0][0]                                        # (H_kv, rows, D)
-    assert bool((k[:, 4:16] == 0).all()) and bool((k[:, :4] != 0).any(-1).all())
-    tree = Tree(torch.tensor([7, 3, 4, 0, 0]), torch.tensor([-1, 0, 0, -1, -1]),
-                torch.tensor([True, True, True, False, False]))
-    eng.verify(tree, 2)                                                # rows 4..8, padding at 7 and 8
-    assert bool((k[:, 7:9] == 0).all())
+    eng.admit(0, Request([1, 5, 9, 7]), eng.make("ar"))
+    k = eng.cache.k[0]                                                 # (B, H_kv, rows, D)
+    assert bool((k[0, :, 4:16] == 0).all()) and bool((k[0, :, :4] != 0).any(-1).all())
+    assert bool((k[1] == 1).all())
+    tree = Tree(torch.tensor([[int(eng.root[0]), 3, 4, 0, 0], [0] * 5]),
+                torch.tensor([[-1, 0, 0, -1, -1], [-1] * 5]),
+                torch.tensor([[True, True, True, False, False], [False] * 5]))
+    eng.steps.verify(tree, eng.L, eng.active, eng.cols(5), eng.smp, eng.mode, 2, False, eng.root)
+    assert bool((k[0, :, 7:9] == 0).all())                            # rows 4..8, padding at 7 and 8
+    assert bool((k[1, :, :5] == 0).all()) and bool((k[1, :, 5:] == 1).all())
+    assert eng.L.tolist()[1] == 0
 
 
 def test_padding_logits_do_not_stop_verification(pair):
     """A padding node whose logits are not finite (its dummy token overflows) is not the target's
     failure: only real nodes' logits are checked."""
-    eng = engine(pair)
+    eng = engine(pair, 2)
     m = eng.model
+    saved = m.embed_tokens.weight[0].clone()
     with torch.no_grad():
         m.embed_tokens.weight[0] = float("nan")                      # the padding token
     try:
-        eng.begin(GREEDY)
-        E.prefill(eng, method(eng, "ar"), [1, 5, 9, 7])
-        tree = Tree(torch.tensor([7, 3, 4, 0, 0]), torch.tensor([-1, 0, 0, -1, -1]),
-                    torch.tensor([True, True, True, False, False]))
-        v = eng.verify(tree, 2)
-        assert bool(v.finite) and bool(torch.isfinite(v.logits[:3]).all()) and not bool(torch.isfinite(v.logits[3:]).any())
+        eng.admit(0, Request([1, 5, 9, 7]), eng.make("ar"))
+        eng.admit(1, Request([1, 6]), eng.make("ar"))
+        tree = Tree(torch.stack([eng.root, torch.tensor([3, 5]), torch.tensor([4, 6]), torch.zeros(2, dtype=torch.long),
+                                 torch.zeros(2, dtype=torch.long)], 1),
+                    torch.tensor([[-1, 0, 0, -1, -1]] * 2), torch.tensor([[True, True, True, False, False]] * 2))
+        v = eng.steps.verify(tree, eng.L, eng.active, eng.cols(5), eng.smp, eng.mode, 2, False, eng.root)
+        assert bool(v.finite.all()) and bool(torch.isfinite(v.logits[:, :3]).all())
+        assert not bool(torch.isfinite(v.logits[:, 3:]).any())
     finally:
         with torch.no_grad():
-            m.embed_tokens.weight[0] = 0.0
+            m.embed_tokens.weight[0] = saved
 
 
 # ----------------------------------------------------------------------------- attention and code
 
-def test_masked_grouped_attention_never_expands_kv(pair, monkeypatch):
+def test_masked_grouped_attention_never_expands_kv(pair, taus, monkeypatch):
     """SDPA never sees enable_gqa with a mask (on a GPU: the math kernel, which copies K and V to
     every query head), and the folded form equals the expanded one."""
     calls, sdpa = [], F.scaled_dot_product_attention
@@ -281,8 +432,8 @@ def test_masked_grouped_attention_never_expands_kv(pair, monkeypatch):
         calls.append((kw.get("attn_mask") is not None, bool(kw.get("enable_gqa", False)), a[0].shape[1], a[1].shape[1]))
         return sdpa(*a, **kw)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    eng = engine(pair)
-    E.generate(eng, method(eng, "graft"), [1, 5, 9, 7], 12, GREEDY, ())
+    eng = engine(pair, 2)
+    E.run(eng, method(eng, "graft", taus), requests("greedy")[:3], 12, ())
     assert calls and not any(mask and gqa for mask, gqa, _, _ in calls)
     assert all(hq == hkv for mask, _, hq, hkv in calls if mask)          # folded: query heads = KV heads
     g = torch.Generator().manual_seed(0)
@@ -292,18 +443,25 @@ def test_masked_grouped_attention_never_expands_kv(pair, monkeypatch):
     assert torch.allclose(M.grouped_attention(q, k, v, mask), sdpa(q, k, v, attn_mask=mask, enable_gqa=True), atol=1e-6)
 
 
-def test_every_step_has_its_own_code_object(pair):
-    """Dynamo keeps one cache per code object: each step its own, shared by two methods' instances."""
-    eng = engine(pair)
-    a, b = method(eng, "graft"), method(eng, "prune")
-    codes = lambda f: f.func.__code__ if hasattr(f, "func") else f.__func__.__code__ if hasattr(f, "__func__") else f.__code__
-    steps = [eng._decode, eng._verify, eng._prefill, eng._head_prefill, a.extend, a.level, a.learn, *a.assemble.values()]
-    assert len({id(codes(s)) for s in steps}) == len(steps)
-    assert codes(eng._verify) is not V.verify.__code__
-    assert codes(a.extend) is codes(b.extend) and codes(a.assemble[0]) is codes(b.assemble[0])
+def test_every_step_has_its_own_code_object(pair, taus):
+    """Dynamo keeps one cache per code object: each step its own, named after it; the step table is
+    the engine's, so every method's instances share it (making a method adds no step)."""
+    eng = engine(pair, 2)
+    names = set(eng.steps.names)
+    assert names == {"prefill", "decode", "verify", "head_prefill", "extend", "level", "assemble", "recycle_tree",
+                     "learn", "matrix_update"}
+    codes = {n: getattr(eng.steps, n).__code__ for n in names}
+    assert len({id(c) for c in codes.values()}) == len(codes)
+    assert all(c.co_name.endswith(f"__{n}") for n, c in codes.items())
+    assert codes["verify"] is not V.verify.__code__
+    for m in E.METHODS:
+        method(eng, m, taus)
+    assert eng.steps.names == names and all(getattr(eng.steps, n).__code__ is codes[n] for n in names)
 
 
 def test_cache_rows_are_16_aligned(pair):
-    eng = engine(pair)
-    assert eng.model.cache.rows % 16 == 0 and eng.drafter.head.cache.rows % 16 == 0
+    for B in (1, 3):
+        eng = engine(pair, B)
+        assert eng.cache.rows % 16 == 0 and eng.drafter.cache.rows % 16 == 0
+        assert eng.cache.k[0].shape[0] == B and eng.drafter.cache.k[0].shape[0] == B
     assert M.cache_rows(4225) == 4240 and M.cache_rows(4224) == 4224
