@@ -87,9 +87,10 @@ class ContinuationMatrix:
         return None if total == 0 else (self.hits[:self.k] / total).float().cpu()
 
     def state_dict(self) -> dict:
-        V = self.vocab
-        return {"M": self.M[:V].cpu(), "written": self.written[:V].cpu(), "counts": self.counts[:V].cpu(),
-                "hits": self.hits.cpu(), "fallback": self.fallback.cpu()}
+        """Copies on the host (on a CPU, .cpu() alone would alias the live tensors: no snapshot)."""
+        V, host = self.vocab, lambda t: t.to("cpu", copy=True)
+        return {"M": host(self.M[:V]), "written": host(self.written[:V]), "counts": host(self.counts[:V]),
+                "hits": host(self.hits), "fallback": host(self.fallback)}
 
     def load_state_dict(self, sd: dict):
         dev, V = self.M.device, self.vocab
