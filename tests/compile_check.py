@@ -17,7 +17,12 @@ reads them (those tests run last).
   inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
+  batch         B = 2 (aot_eager, full attention, every step output poisoned as it expires): after a
+                first stream, a second one with other prompt lengths, more prompts than slots, other
+                seeds and temperatures (one sampling mode) compiles no new graph, and every request's
+                tokens equal the eager engine's at B = 1; every method, graft under both policies
 """
+import dataclasses
 import json
 import sys
 import tempfile
@@ -40,7 +45,8 @@ import verify as V  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 GREEDY, SAMPLED = V.Sampling(), V.Sampling(temperature=0.8, top_p=0.9, seed=1234)
-CFG = GR.Config(budget=8, checkpoints=(0, 1, 2))
+THRESHOLDS = {0: 0.3, 1: 0.1, 2: 0.02}                # every stage fires on the tiny head
+CFG = GR.Config(budget=8, checkpoints=(0, 1, 2), thresholds=THRESHOLDS)
 PROMPTS = [[1, 40, 41, 42, 50], [1, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71]]
 
 
@@ -62,28 +68,25 @@ def tiny_files(tmp: Path) -> Path:
 def tiny_pair(backend: str, tmp: Path):
     target = tiny_files(tmp)
     kw = dict(max_seq_len=128, top_k=4, depth=4, chunk=16)
-    pair = (CLI.build_engine(str(target), str(tmp / "h"), **kw),
+    return (CLI.build_engine(str(target), str(tmp / "h"), **kw),
             CLI.build_engine(str(target), str(tmp / "h"), compile=True, backend=backend, **kw))
-    for e in pair:
-        e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}       # every stage fires on this head
-    return pair
 
 
 PROMPTS_LONG = PROMPTS + [[1] + list(range(40, 80))]          # (the last: 3 prefill chunks of 16)
 
 
 def tiny_engine(tmp: Path, **kw):
-    """An engine on the tiny pair (tiny_pair builds it first), its thresholds making every stage fire."""
-    e = CLI.build_engine(str(tiny_files(tmp)), str(tmp / "h"), max_seq_len=128, top_k=4, depth=4, chunk=16, **kw)
-    e.thresholds = {0: 0.3, 1: 0.1, 2: 0.02}
-    return e
+    """An engine on the tiny pair (tiny_pair builds it first)."""
+    return CLI.build_engine(str(tiny_files(tmp)), str(tmp / "h"), max_seq_len=128, top_k=4, depth=4, chunk=16, **kw)
 
 
 def run(section, fn, result):
+    t0 = time.time()
     try:
         result[section] = fn()
     except Exception:       # noqa: BLE001 - reported to the test, which fails with it
         result[section] = {"error": traceback.format_exc()[-3000:]}
+    result.setdefault("_seconds", {})[section] = round(time.time() - t0, 1)      # (what each section costs)
 
 
 def main(out: str, only=()):
@@ -109,8 +112,8 @@ def main(out: str, only=()):
         eager, comp = tiny_pair("aot_eager", tmp)
         got = []
         for e in (eager, comp):
-            CAL.warm_up(e, CFG, rounds=3, max_new_tokens=40, use_cache=False)
-            got.append((e.calibrations["youden"]["graft"]["thresholds"], e.hit_rates, e.matrix.M.clone()))
+            cal = CAL.warm_up(e, GR.Config(budget=8, checkpoints=(0, 1, 2)), rounds=3, max_new_tokens=40, use_cache=False)
+            got.append((cal.get("graft", "youden")["thresholds"], cal.hit_rates, e.matrix.M.clone()))
         return {"youden": got[0][0] == got[1][0], "hit_rates": got[0][1] == got[1][1],
                 "matrix": bool(torch.equal(got[0][2], got[1][2]))}
 
@@ -118,10 +121,8 @@ def main(out: str, only=()):
         ckpt, head = str(HERE.parent / "checkpoints" / "stdlib-qwen3"), str(HERE.parent / "checkpoints" / "stdlib-qwen3-eagle3")
         eager = CLI.build_engine(ckpt, head, max_seq_len=512)
         comp = CLI.build_engine(ckpt, head, max_seq_len=512, compile=True, backend="aot_eager")
-        for e in (eager, comp):
-            e.thresholds = {0: 0.3, 1: 0.15, 5: 0.05}
         ids = [eager.tokenizer.encode(DATA.STDLIB_PROMPT)]
-        cfg = GR.Config(budget=16)
+        cfg = GR.Config(budget=16, thresholds={0: 0.3, 1: 0.15, 5: 0.01})
         return {m: {"greedy": same(eager, comp, m, GREEDY, ids, cfg, 40), "sampled": same(eager, comp, m, SAMPLED, ids, cfg, 40)}
                 for m in ("graft",)}
 
@@ -177,13 +178,16 @@ def main(out: str, only=()):
                 return gm(*args)
             return run
         out = {}
-        for attention in ("window", "full"):
-            eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention)
+        for attention, B in (("window", 1), ("full", 1), ("window", 2)):
+            eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention, batch=B)
             for m in E.METHODS:
                 p = E.make_method(eng, m, CFG)
-                for ids in PROMPTS_LONG:
-                    E.generate(eng, p, ids, 12, GREEDY, ())
-            known = {id(t) for t in eng.statics}
+                if B == 1:
+                    for ids in PROMPTS_LONG:
+                        E.generate(eng, p, ids, 12, GREEDY, ())
+                else:                        # a stream through the slots, refilled
+                    E.run(eng, p, [E.Request(ids, GREEDY, i) for i, ids in enumerate(PROMPTS_LONG)], 12)
+            known = {id(t) for t in eng.steps.statics}
             known |= {id(t) for mod in (eng.model, eng.drafter.head) for t in list(mod.parameters()) + list(mod.buffers())}
             bad = set()
             for key, seen in calls.items():
@@ -192,11 +196,32 @@ def main(out: str, only=()):
                 for i, t in enumerate(seen[0]):
                     if all(i < len(c) and c[i] is t for c in seen) and id(t) not in known:
                         bad.add(f"{tuple(t.shape)} {t.dtype}")
-            out[attention] = sorted(bad)
+            out[attention if B == 1 else f"{attention}@{B}"] = sorted(bad)
             calls.clear()
         return out
 
-    for section, fn in (("lifetimes", lifetimes), ("one_verify_graph", one_verify_graph), ("statics", statics),
+    def batch():
+        """B = 2 (aot_eager, full attention, every step output poisoned as it expires): after a first
+        stream, a second with other prompt lengths, more prompts than slots, other seeds and
+        temperatures (one sampling mode: sampled, top-p) compiles nothing new, and each request's tokens
+        are the eager engine's for its prompt alone."""
+        eager = tiny_engine(tmp)
+        comp = tiny_engine(tmp, compile=True, backend="aot_eager", check_lifetimes=True, attention="full", batch=2)
+        first = [[1, 40, 41, 42, 50], [1] + list(range(7, 30)), [1, 9, 9]]
+        later = [[1] + list(range(60, 100)), [1, 5], PROMPTS[1], [1, 3, 4], [1] + list(range(20, 37))]
+        smp = lambda i, seed: V.Sampling(temperature=0.5 + 0.1 * (i % 4), top_p=0.8 + 0.05 * (i % 3), seed=seed + i)
+        out = {}
+        for name, policy in [(m, None) for m in E.METHODS] + [("graft", "stop"), ("prune", "stop")]:
+            m = comp.make(name, dataclasses.replace(CFG, policy=policy))
+            E.run(comp, m, [E.Request(x, smp(i, 100), i) for i, x in enumerate(first)], 12)
+            before = counters["stats"]["unique_graphs"]
+            got = E.run(comp, m, [E.Request(x, smp(i, 7), i) for i, x in enumerate(later)], 16).requests
+            new = counters["stats"]["unique_graphs"] - before
+            want = [E.generate(eager, eager.make("ar"), r.ids, 16, r.sampling, ()).tokens for r in got]
+            out[name + (f"-{policy}" if policy else "")] = {"new_graphs": new, "same": [r.tokens for r in got] == want}
+        return out
+
+    for section, fn in (("batch", batch), ("lifetimes", lifetimes), ("one_verify_graph", one_verify_graph), ("statics", statics),
                         ("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
                         ("gpu_check", gpu_check), ("inductor", inductor)):
         if only and section not in only:

@@ -6,6 +6,7 @@ backend (the same dynamo tracing, fullgraph, and functionalised cache writes, wi
 So the compiled runs happen in tests/compile_check.py, a subprocess started when the suite starts
 (conftest), on the second core; the `test_compiled_*` tests read its results and run last.
 """
+import dataclasses
 import subprocess
 import sys
 
@@ -98,28 +99,52 @@ def test_compiled_verify_serves_every_budget():
 def test_compiled_steps_read_only_static_state():
     """Every tensor a compiled step reads on every call (the same object each time: RoPE tables, the
     column indices, the token hash, templates, caches) is declared static or is a parameter or buffer;
-    on a GPU anything else is copied into the graph on every replay."""
-    assert compile_result("statics") == {"window": [], "full": []}
+    on a GPU anything else is copied into the graph on every replay. One request, and two slots."""
+    assert compile_result("statics") == {"window": [], "full": [], "window@2": []}
+
+
+@pytest.mark.parametrize("method", list(E.METHODS) + ["graft-stop", "prune-stop"])
+def test_compiled_batch_never_recompiles_as_requests_come_and_go(method):
+    """B = 2, aot_eager, full attention, every step output poisoned as it expires: after a first
+    stream, a second with other prompt lengths, more prompts than slots and other seeds and
+    temperatures compiles no new graph, and every request's tokens are its prompt's alone."""
+    assert compile_result("batch")[method] == {"new_graphs": 0, "same": True}
 
 
 # ----------------------------------------------------------------------------- prefill in chunks
 
-def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt):
-    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16)
+class Keep(GR.Method):
+    """A method that keeps what the prefill passes give it (the logits of each chunk's real rows)."""
+    needs_head = True                   # the prefill step captures features too
+
+    def __init__(self, eng):
+        super().__init__(eng, GR.Config())
+        self.chunks = []
+
+    def prompt_chunk(self, eng, b, ids, logits, feats, n):
+        self.chunks.append(logits[0, :n].clone())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt, batch):
+    """A 53-token prompt in chunks of 16 into the last slot, beside a request in slot 0: the logits of
+    one causal pass, its first token in root, its committed length in L (device and host), and the
+    other slot's rows, length and root untouched."""
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16, batch=batch)
     ids = torch.randint(3, 300, (53,), generator=torch.Generator().manual_seed(0)).tolist()
     full = eng.model(torch.tensor([ids]), torch.arange(53))[0]              # causal, no cache
-    eng.begin(GREEDY)
-    chunks = []
-
-    class Keep(V.Proposer):
-        needs_features = True
-
-        def prompt_chunk(self, ids, logits, feats, n):
-            chunks.append(logits[:n])
-    root = E.prefill(eng, Keep(), ids)
-    got = torch.cat(chunks)
+    b = batch - 1
+    if batch > 1:
+        eng.admit(0, E.Request([1, 7, 9, 11]), eng.make("ar"))
+        rows, L0, root0 = [t[0].clone() for t in eng.cache.tensors()], int(eng.L[0]), int(eng.root[0])
+    m = Keep(eng)
+    first = eng.admit(b, E.Request(ids), m)
+    got = torch.cat(m.chunks)
     assert got.shape == full.shape and torch.allclose(got, full, atol=1e-4, rtol=1e-4)
-    assert root == int(full[-1].argmax()) and eng.L_host == int(eng.L) == 53
+    assert first == int(eng.root[b]) == int(full[-1].argmax()) and eng.slots[b].L == int(eng.L[b]) == 53
+    if batch > 1:
+        assert all(torch.equal(t[0], r) for t, r in zip(eng.cache.tensors(), rows))
+        assert (int(eng.L[0]), int(eng.root[0])) == (L0, root0)
 
 
 def test_long_prompt_prefills_in_bounded_memory(tmp_path):
@@ -142,42 +167,92 @@ def test_long_prompt_prefills_in_bounded_memory(tmp_path):
 
 # ----------------------------------------------------------------------------- attention layouts
 
-def test_window_and_full_attention_agree(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_window_and_full_attention_agree(tiny_ckpt, tmp_path, batch):
+    """Attention over the rows in use and over the whole cache give the same tokens: one request, and
+    four through three slots (a window then reaches the longest slot's rows)."""
     target = tiny_ckpt("qwen3")
     head = random_head(target, tmp_path / "head")
-    ids = [1, 5, 9, 13, 22, 40, 3]
+    ids = [[1, 5, 9, 13, 22, 40, 3], [1] + list(range(50, 80)), [1, 4], [1, 8, 8, 8, 9]]
+    cfg = GR.Config(budget=12, thresholds={0: 0.2, 1: 0.05, 5: 0.0})
     out = {}
     for att in ("window", "full"):
-        eng = CLI.build_engine(str(target), str(head), max_seq_len=96, attention=att, chunk=8)
-        eng.thresholds = {0: 0.2, 1: 0.05, 5: 0.0}
-        out[att] = [E.generate(eng, E.make_method(eng, m, GR.Config(budget=12)), ids, 30, SAMPLED, ()).tokens
-                    for m in ("ar", "graft")]
-    assert out["window"] == out["full"]
+        eng = CLI.build_engine(str(target), str(head), max_seq_len=96, attention=att, chunk=8, batch=batch)
+        reqs = lambda: [E.Request(x, dataclasses.replace(SAMPLED, seed=i), i) for i, x in enumerate(ids)]
+        out[att] = [[r.tokens for r in E.run(eng, eng.make(m, cfg), reqs(), 30).requests] for m in ("ar", "graft")]
+    assert out["window"] == out["full"] and out["window"][0] == out["window"][1]
 
 
 def test_padding_never_reaches_the_matrix():
+    """update(): padding nodes write the spare row V, never a token's row; each request writes its own
+    matrix (B, V+1, k), and a request's accepted path wins over other nodes with the same token."""
+    from graft import update
+    V, k = 20, 3
+    M = torch.zeros(2, V + 1, k, dtype=torch.int32)
+    written = torch.zeros(2, V + 1, dtype=torch.bool)
+    tokens = torch.tensor([[4, 7, 9], [4, 4, 9]])
+    logits = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor([[True, False, False], [True, True, False]])
+    path, A = torch.tensor([[0, 1], [0, 1]]), torch.tensor([0, 1])        # request 1 accepted node 1
+    update(M, written, tokens, logits, valid, path, A)
+    assert written[0, :V].nonzero().flatten().tolist() == [4] and written[1, :V].nonzero().flatten().tolist() == [4]
+    assert not bool(M[:, [7, 9]].any())
+    assert torch.equal(M[0, 4], logits[0, 0].topk(k).indices.int())
+    assert torch.equal(M[1, 4], logits[1, 1].topk(k).indices.int())          # the accepted one of the two 4s
+    update(M[1:], written[1:], tokens[1:, :1], logits[1:, :1], valid[1:, :1], slots=None)
+    assert torch.equal(M[1, 4], logits[1, 0].topk(k).indices.int())
+
+
+def test_matrix_state_dict_is_a_snapshot():
+    """What compile_warmup keeps and restores: on a CPU too, later learning does not reach it."""
     from graft import ContinuationMatrix
     cm = ContinuationMatrix(20, k=3)
-    before = cm.M.clone()
-    tokens = torch.tensor([4, 7, 9])
-    logits = torch.randn(3, 20)
-    cm.update(tokens, logits, torch.tensor([True, False, False]))
-    assert torch.equal(cm.M[[7, 9]], before[[7, 9]]) and not cm.written[7] and not cm.written[9]
-    assert torch.equal(cm.M[4], logits[0].topk(3).indices.int())
+    sd = cm.state_dict()
+    cm.M[4] = 7
+    cm.written[4] = True
+    cm.hits += 1
+    assert not bool((sd["M"][4] == 7).any()) and not bool(sd["written"][4]) and float(sd["hits"].sum()) == 0
+    cm.load_state_dict(sd)
+    assert torch.equal(cm.M, ContinuationMatrix(20, k=3).M) and float(cm.hits.sum()) == 0
 
 
 # ----------------------------------------------------------------------------- what a round reports
 
-def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt, batch, monkeypatch):
     """A tree of 3 real candidates padded to 16 slots: 3 verified a round, 16 the pass ran at."""
-    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64)
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64, batch=batch,
+                           methods=[("pld", GR.Config(pld_tokens=16))])
+    monkeypatch.setattr(GR, "lookup", lambda ctx, ngram, n: [5, 6, 7])   # prompt lookup always "finds" 3 tokens
+    res = E.run(eng, eng.make("pld", GR.Config(pld_tokens=16)), [E.Request([1, 9, 13]), E.Request([1, 2])], 6)
+    for r in res.requests:
+        st = r.stats()
+        assert r.rounds > 0 and st["verified_per_round"] == 3 and st["padded_per_round"] == 16
 
-    class Three(E.PromptLookup):            # prompt lookup that always "finds" the same 3 tokens
-        def lookup(self):
-            return [5, 6, 7]
-    res = E.generate(eng, Three(eng, GR.Config(pld_tokens=16)), [1, 9, 13], 6, GREEDY, ())
-    st = res.stats()
-    assert res.rounds > 0 and st["verified_per_round"] == 3 and st["padded_per_round"] == 16
+
+def test_a_run_that_raised_leaves_the_engine_usable(tiny_ckpt, monkeypatch):
+    """An error in the middle of a run (here: the third verify step raises) leaves requests in their
+    slots; the next run frees them and serves its own requests only, each what it is alone."""
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64, batch=2)
+    verify, calls = eng.steps.verify, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return verify(*a, **k)
+    monkeypatch.setattr(eng.steps, "verify", failing)
+    stale = [E.Request([1, 9, 13], GREEDY, 0), E.Request([1, 2], GREEDY, 1)]
+    with pytest.raises(RuntimeError, match="boom"):
+        E.run(eng, eng.make("pld"), stale, 12)
+    assert any(eng.requests())
+    seen = []
+    reqs = [E.Request([1, 5, 6, 7], SAMPLED, 0), E.Request([1, 3], GREEDY, 1)]
+    res = E.run(eng, eng.make("pld"), reqs, 12, on_tokens=lambda r: seen.append(r.index))
+    alone = [E.generate(eng, eng.make("ar"), r.ids, 12, r.sampling).tokens for r in reqs]
+    assert [r.tokens for r in res.requests] == alone
+    assert not any(eng.requests()) and set(seen) == {0, 1} and all(r in reqs for r in res.requests)
+    assert [len(r.tokens) for r in stale] != [12, 12]          # the stale requests were not run on
 
 
 def test_pass_cost_reads_the_given_clock_and_fits_monotone_costs(tiny_ckpt):

@@ -213,8 +213,9 @@ def test_copies_of_a_prompt_draw_their_own_outputs(engines, cal, name):
 
 class Oracle(GR.Method):
     """Proposes, for every request, a tree holding its true continuation (up to 6 tokens deep) among
-    decoy siblings (a wrong sibling first, so the accepted path is never the first rows), so that
-    long paths are accepted and compaction runs in every slot on every round."""
+    decoy siblings (for even requests a wrong sibling first, so the accepted path is never the first
+    rows; odd ones the other way round), so that long paths are accepted and compaction runs in every
+    slot on every round, each slot's path its own."""
 
     def __init__(self, eng, truth: dict):
         super().__init__(eng, Config())
@@ -233,10 +234,10 @@ class Oracle(GR.Method):
                 continue
             nxt = self.truth[r.index][len(r.tokens):len(r.tokens) + 6]
             t, p, prev = [0], [-1], 0
-            for x in nxt:
-                t += [(x + 7) % 300, x]
+            for x in nxt:                   # odd requests: the true token first (their paths differ)
+                t += [x, (x + 7) % 300] if r.index % 2 else [(x + 7) % 300, x]
                 p += [prev, prev]
-                prev = len(t) - 1
+                prev = len(t) - 1 - r.index % 2
             toks[b, :len(t)], pars[b, :len(t)], valid[b, :len(t)] = torch.tensor(t), torch.tensor(p), True
         tree = Tree(torch.cat([eng.root[:, None], toks[:, 1:].to(eng.device)], 1), pars.to(eng.device),
                     valid.to(eng.device))
