@@ -1,11 +1,11 @@
-"""Long context (issue 20): the prompt's history reaches the continuation matrix in chunks, every
-method stays lossless near the end of a 4K cache, and the head's agreement is measured by position.
+"""Long context (issue 20): the prompt's history reaches the continuation matrix in chunks (into any
+slot), every method stays lossless near the end of a 4K cache with two long requests side by side, and
+the head's agreement is measured by position.
 
 The prompt's logits seed the matrix (GRAFT.md section 3, "history"): every position's top-k, chunk by
 chunk, from the prefill passes themselves (no extra target pass), the same contents as one pass over
 the whole prompt would give.
 """
-import dataclasses
 import importlib.util
 import sysconfig
 from pathlib import Path
