@@ -269,7 +269,7 @@ def calibration_meta(cal) -> dict:
                                      "thresholds": {str(k): round(t, 4) for k, t in c["thresholds"].items()}}
                                  for m, c in per.items()} for n, per in cal.methods.items()},
             "expected_tokens_per_s_by_budget": {m: {str(b): r for b, r in c.items()} for m, c in cal.budget_curve.items()},
-            # the verify timings' relative spread (engine.robust_costs): budgets within TIE_SPREADS of
+            # the verify timings' relative spread (calibrate.robust_costs): budgets within TIE_SPREADS of
             # them of the best went to the smaller
             "cost_spread": cal.cost_spread,
             "hit_rates": [round(x, 4) for x in cal.hit_rates]}
@@ -487,7 +487,7 @@ def main(argv=None) -> dict:
             for b in budgets if m in E.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
                 for c in calibrations if m in E.PRUNING else calibrations[:1]:
                     cfg = CLI.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
-                    cfg = E.method_config(cal, m, cfg, auto_budget=b is None,
+                    cfg = CAL.method_config(cal, m, cfg, auto_budget=b is None,
                                           calibration=None if c == calibrations[0] else c)
                     own = eng.matrix.copy() if m in E.NEEDS_MATRIX else None
                     key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in E.NEEDS_HEAD else None)
@@ -505,7 +505,7 @@ def main(argv=None) -> dict:
     for (x, _, _), meth in runs.items():
         E.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
-    cost = {x: E.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
+    cost = {x: CAL.pass_cost(e, sorted({1} | {r.N for k, r in runs.items() if k[0] == x})) for x, e in engines.items()}
     cost_context = next(iter(cost.values()))[0]
     # long context: the same passes after each --context length (the first execution's engine), so the
     # table's rates can be read against what a tree pass costs beside a one-token pass at that length
@@ -514,7 +514,7 @@ def main(argv=None) -> dict:
         x0 = executions[0]
         sizes = sorted({1} | {r.N for k, r in runs.items() if k[0] == x0})
         for c in contexts:
-            used, ms = E.pass_cost(engines[x0], sizes, context=c, repeats=PASS_REPEATS_LONG)
+            used, ms = CAL.pass_cost(engines[x0], sizes, context=c, repeats=PASS_REPEATS_LONG)
             by_context[used] = ms
     cost = {x: c for x, (_, c) in cost.items()}
 
@@ -563,9 +563,9 @@ def main(argv=None) -> dict:
                         base = res.tokens if base is None else base          # the first ar: every run must equal it
                         same = res.tokens == base
                         if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
-                            why = ({"kind": "differs", "position": E.first_difference(res.tokens, base)}
+                            why = ({"kind": "differs", "position": CLI.first_difference(res.tokens, base)}
                                    if eng.dtype == torch.float32 else
-                                   E.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
+                                   CLI.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
                             acc[(x, m, b)].mismatches += why["kind"] == "differs"
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
@@ -677,7 +677,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     across datasets. Request i samples with seed --seed + i; its tokens are checked against the same
     prompt run alone with ar (the engine with one slot). Rows: total tokens/s, speedup over ar at the same B, per-request latency
     (median, 90th percentile: from the stream's start), MAT, draft forwards per round; then graft over
-    eagle3 at each B, and the pass cost of B trees against B one-token steps (engine.pass_cost on the
+    eagle3 at each B, and the pass cost of B trees against B one-token steps (calibrate.pass_cost on the
     engine with B slots)."""
     log = lambda s: print(s, file=sys.stderr)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
@@ -686,7 +686,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     base_cfg = CLI.config_from_args(a)
     # one slot count per request for every tree method (the paper's static trees): eagle3's budget (the
     # warm-up's choice under --budget auto); the pruning methods read their policy's thresholds
-    budget = E.method_config(cal, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
+    budget = CAL.method_config(cal, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
     cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     warm = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
@@ -728,9 +728,9 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
                 kinds = []
                 for i, (r, t) in enumerate(zip(res.requests, refs[d])):
                     if r.tokens != t:      # float32: always a real difference; bf16/fp16: maybe a near-tie
-                        why = ({"kind": "differs", "position": E.first_difference(r.tokens, t)}
+                        why = ({"kind": "differs", "position": CLI.first_difference(r.tokens, t)}
                                if eng.dtype == torch.float32 else
-                               E.classify_mismatch(eng, r.ids, t, r.tokens, r.sampling))
+                               CLI.classify_mismatch(eng, r.ids, t, r.tokens, r.sampling))
                         kinds.append(why["kind"])
                         mismatches.append({"dataset": d, "method": m, "batch": B, "prompt": i, **why})
                 if m == "ar":
@@ -742,7 +742,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
                              "lossless": not kinds or ("near-tie" if "differs" not in kinds else False)})
         if nodes is None:              # the tree the head's methods verify (else the largest tree)
             nodes = max((x.N for m, x in made.items() if m in E.NEEDS_HEAD), default=max(x.N for x in made.values()))
-        ctx, cost[B] = E.pass_cost(be, sorted({1, nodes}), context=BATCH_PASS_CONTEXT, timer=timer)
+        ctx, cost[B] = CAL.pass_cost(be, sorted({1, nodes}), context=BATCH_PASS_CONTEXT, timer=timer)
         del be, made
     order = {d: i for i, d in enumerate(datasets)}            # the table: by dataset, then B, then method
     rows.sort(key=lambda r: order[r["dataset"]])

@@ -6,7 +6,8 @@ the expected tokens per second on this machine, from the same rounds and the eng
 costs. The warm-up runs the dense tree and records each round through one hook (Recorder); its
 result is cached per (target, head, settings, machine) in safetensors, never pickle.
 """
-import copy
+import statistics
+import time
 import dataclasses
 import hashlib
 import json
@@ -18,11 +19,10 @@ from functools import lru_cache
 import torch
 
 from draft import select
-from engine import (CPU_COMPILE, WARMUP_PROMPTS, Engine, Request, compile_warmup, pass_cost, robust_costs, run,
-                    sync, time_passes)
+from engine import CALIBRATED, CPU_COMPILE, WARMUP_PROMPTS, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_HIT_RATES, Calibration, Config, ContinuationMatrix,
                    Template, build_template, graft_trees, with_root)
-from verify import Tree
+from verify import Sampling, Tree, sampling_mode
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -219,7 +219,7 @@ def needs_warmup(method: str, auto_budget: bool) -> bool:
 
 
 def warmup_method(cfg: Config, drafter_geometry, auto_budget: bool) -> tuple:
-    """(name, Config) of the method the warm-up runs, for the engine's room (engine.room): the dense
+    """(name, Config) of the method the warm-up runs, for the engine's room (cli.room): the dense
     tree at the largest budget it may choose, or recycle without a head."""
     if drafter_geometry is None:
         return "recycle", cfg
@@ -408,7 +408,7 @@ def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float
     """Seconds of one keep-retrieve-graft step (graft.assemble, one graph for every stage) on the
     drafter's current candidates: the fastest of `repeats` samples, each after an untimed call."""
     # made without eng.make's room check: nothing is verified, and the room (warmup_method's dense
-    # tree, engine.room) need not hold graft's deeper retrieval paths
+    # tree, cli.room) need not hold graft's deeper retrieval paths
     g = METHODS["graft"](eng, dataclasses.replace(cfg, policy="stop"), Calibration(hit_rates=rates), eng.matrix.copy())
     eng.steps.static(*g.tensors())
 
@@ -416,6 +416,134 @@ def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float
         eng.steps.mark()
         eng.steps.assemble(g, eng.root, eng.active)
     return robust_costs(time_passes(one, [0], repeats, sync=lambda: sync(eng.device)))[0][0]
+
+
+# ----------------------------------------------------------------------------- measured costs
+
+# Measuring costs [ours]. On a shared machine one timing of a pass can be off by half (seen: a 9-node
+# verify at 43.1 and 26.9 ms, a 13-node one at 18.9 and 33.5), so the calibration never averages a
+# run of one size: time_passes interleaves the sizes (a drift of the machine's speed hits each alike)
+# and times each call right after an untimed one of the same size; robust_costs takes each size's
+# fastest sample (interference only ever adds time: the fastest is the pass without it) and, as the
+# measurement's spread, how far the second fastest lies above it; monotone then fits what physics
+# says, a bigger tree never costs less; choose_budget prefers the smaller of budgets within that spread.
+
+def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
+    """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
+    robin over the sizes, every other sweep in reverse order; each timed call comes right after an
+    untimed call of the same n (warm caches, no first-call costs). timer: seconds (a clock, injected
+    in tests); sync: waits for the device before the clock is read. Returns {n: [seconds, ...]}."""
+    samples = {n: [] for n in sizes}
+    order = list(sizes)
+    for r in range(repeats):
+        for n in order if r % 2 == 0 else order[::-1]:
+            run(n)                   # untimed
+            sync()
+            t0 = timer()
+            run(n)
+            sync()
+            samples[n].append(timer() - t0)
+    return samples
+
+
+def robust_costs(samples: dict) -> tuple:
+    """({n: fastest of samples[n]}, spread). spread, a fraction: how well those minima are pinned, the
+    median over the sizes of (second fastest - fastest) / fastest; 0 with fewer than two samples a
+    size. samples: {n: [seconds, ...]} (time_passes); the costs are in the samples' units."""
+    low = {n: sorted(xs)[:2] for n, xs in samples.items()}
+    costs = {n: xs[0] for n, xs in low.items()}
+    gaps = [(xs[1] - xs[0]) / xs[0] for xs in low.values() if len(xs) == 2 and xs[0] > 0]
+    if not gaps or len(gaps) < len(low):
+        return costs, 0.0
+    return costs, statistics.median(gaps)
+
+
+def monotone(costs: dict) -> dict:
+    """The non-decreasing fit of {n: cost} over n (isotonic regression, pool adjacent violators): the
+    closest costs in least squares under which a bigger n never costs less. Same keys and units."""
+    blocks = []                                        # [sum, count] of pooled neighbours, by n
+    for n in sorted(costs):
+        blocks.append([costs[n], 1, [n]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c, ns = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+            blocks[-1][2] += ns
+    return {n: s / c for s, c, ns in blocks for n in ns}
+
+
+@torch.no_grad()
+def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
+              timer=time.perf_counter, stats: dict | None = None) -> tuple:
+    """Milliseconds per target pass over B trees of N nodes (B: the engine's slots, each after
+    `context` committed tokens), through the steps decoding uses (compiled when the engine is): N=1 is
+    the decode step, larger N the verifier. The price of verifying a budget: on a GPU it barely grows
+    with N; on a CPU it does, which is what sets the best budget there. (cost_tree: every size shares
+    one verify graph.) Measured robustly (time_passes, robust_costs, monotone): `repeats` samples of
+    each N, interleaved, each after an untimed pass; the fastest sample of each N; then the
+    non-decreasing fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when
+    given, receives "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a
+    fraction). Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    dev, m = eng.device, eng.model
+    context = max(1, min(context, m.max_seq_len - max(sizes) - 1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).tolist()
+    ar = eng.make("ar")
+    for b in range(eng.B):               # every slot holds the context: each pass below is undone after it
+        eng.admit(b, Request(ids[:context]), ar)
+    trees = {n: cost_tree(torch.tensor(ids[context:context + n], device=dev), eng.B) for n in sizes}
+    smp, mode = eng.smp, sampling_mode([Sampling()])
+
+    def one(n):                                      # one pass over n nodes per request
+        tree, P = trees[n]
+        eng.steps.mark()
+        if n == 1 and not capture:
+            eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), smp, mode)
+        else:
+            eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), smp, mode, P, capture, eng.root)
+        eng.L.fill_(context)                     # undo what the pass committed
+
+    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
+    for b in range(eng.B):
+        eng.free(b, ar)
+    fastest, spread = robust_costs(samples)
+    if stats is not None:
+        stats.update(samples=samples, spread=spread)
+    fit = monotone(fastest)
+    return context, {n: round(fit[n] * 1000, 3) for n in sizes}
+
+
+# The longest path of the trees pass_cost times: a Graft round's (1 + max(draft depth 8, template depth
+# 9)). Fixed, so that every size runs through one verify graph (the tree size is dynamic, P is not).
+COST_PATH = 10
+
+
+def cost_tree(tokens: torch.Tensor, batch: int = 1) -> tuple:
+    """A tree of N = tokens.numel() nodes for timing, the same for each of `batch` requests: a chain of
+    min(N, COST_PATH) nodes from the root, the others children of the root. Returns (tree, P). (The
+    cost of a pass does not depend on the tree's shape, only on N.)"""
+    N, dev = tokens.numel(), tokens.device
+    P = min(N, COST_PATH)
+    idx = torch.arange(N, device=dev)
+    parents = torch.where(idx < P, idx - 1, 0)
+    rows = lambda x: x[None].expand(batch, -1).contiguous()
+    return Tree(rows(tokens), rows(parents), torch.ones(batch, N, dtype=torch.bool, device=dev)), P
+
+
+def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: bool,
+                  calibration: str | None = None) -> Config:
+    """cfg with what the warm-up calibrated for method `name`: with auto_budget its budget; with
+    `calibration` ("throughput" or "youden") that calibration's thresholds, unless cfg gives some
+    (--thresholds); without, the method reads the one its pruning policy names (graft.POLICIES).
+    Unchanged when nothing was calibrated."""
+    got = cal.get(CALIBRATED.get(name), calibration) if cal is not None else None
+    if not got:
+        return cfg
+    if calibration and cfg.thresholds is None and got["thresholds"]:
+        cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
+    if auto_budget:
+        cfg = dataclasses.replace(cfg, budget=got["budget"])
+    return cfg
 
 
 # ----------------------------------------------------------------------------- set-up and warm-up

@@ -1,6 +1,7 @@
 """What the faces (generate.py, bench.py, train.py) share: engine flags and their checks, loading an
 engine from checkpoint files, streamed text, --show-tree rendering, and the one-line error wrapper."""
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -9,11 +10,11 @@ import torch
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
 from checkpoint import DTYPES, free_memory, load_head, load_model, resolve_checkpoint
 from data import read_prompts
-from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, default_budget, room
-from graft import METHODS, POLICIES, Config, ContinuationMatrix
+from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
+from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
 from model import GraftError
 from tokenizer import load_tokenizer
-from verify import MIN_TEMPERATURE
+from verify import MIN_TEMPERATURE, Sampling, position_noise, sampling_mode, warp
 
 
 # ----------------------------------------------------------------------------- command line
@@ -161,6 +162,20 @@ def config_from_args(a) -> Config:
     return cfg
 
 
+def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
+    """(nodes, path): the largest tree and accepted path of the methods [(name, Config), ...] at this
+    B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one."""
+    nodes = path = 1
+    for name, cfg in methods:
+        cls = METHODS[name]
+        c = cls.configure(cfg, None, batch)
+        if drafter_geometry and cls.needs_head:
+            c = dataclasses.replace(c, top_k=drafter_geometry[0], depth=drafter_geometry[1])
+        N, P = cls.shape(c)
+        nodes, path = max(nodes, N), max(path, P)
+    return nodes, path
+
+
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
@@ -204,7 +219,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
 
 
 def engine_room(eng: Engine, batch: int, methods: list) -> tuple:
-    """(nodes, path): the room (engine.room) of `methods` [(name, Config), ...] at `batch` slots on
+    """(nodes, path): the room (room) of `methods` [(name, Config), ...] at `batch` slots on
     eng's model and head (methods needing a head are left out without one), once check_batch_memory
     says their caches fit. Errors: GraftError when they would not."""
     d = eng.drafter
@@ -318,6 +333,57 @@ def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: li
     walk(0, "")
     return "\n".join(lines)
 
+
+
+# ----------------------------------------------------------------------------- is a difference a near-tie?
+
+def first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# A bf16 mismatch is a near-tie when the two tokens are the target's best two at that position and
+# their scores differ by at most this many units in the last place of the logits' magnitude: a 1-row
+# and a 61-row product round differently, and across a model's layers that moves logits by a few ulps.
+NEAR_TIE_ULPS = 4
+
+
+@torch.no_grad()
+def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling, eps: float | None = None) -> dict:
+    """Why `got` (a method's tokens) differs from `base` (ar's) after the prompt `ids`: at the first
+    differing position, the target's own scores (a prefill of the context in the engine's dtype:
+    logits, or warped logits plus the position's noise when sampling) are computed; the mismatch is
+    a "near-tie" when the two tokens are its top two and their gap is at most NEAR_TIE_ULPS x eps x
+    the logits' magnitude (eps: the dtype's machine epsilon by default), else "differs". float32 runs
+    never call this: there every mismatch is a real difference. Returns {"kind", "position", "gap",
+    "tolerance"} (gap and tolerance in score units)."""
+    pos = first_difference(got, base)
+    if pos >= min(len(got), len(base)):           # one is a prefix of the other: a stop that differs
+        return {"kind": "differs", "position": pos, "gap": None, "tolerance": None}
+    ctx = ids + base[:pos]
+    keep = {}
+
+    class Last(Method):
+        def prompt_chunk(self, eng, b, chunk, logits, feats, n):
+            keep["row"] = logits[0, n - 1].float().clone()
+    last = Last(eng, Config())
+    eng.admit(0, Request(ctx, sampling), last)
+    eng.free(0, last)
+    logits = keep["row"]                                                   # (V,) the scores of position len(ctx)
+    if sampling.greedy:
+        score, scale = logits.double(), 1.0
+    else:
+        t = lambda x, **kw: torch.tensor([x], device=logits.device, **kw)
+        mode = sampling_mode([sampling])
+        score = warp(logits[None, None], t(sampling.temperature), t(sampling.top_k), t(sampling.top_p), mode)[0, 0].double()
+        score = score + position_noise(t(sampling.seed), t(len(ctx)), logits.numel())[0]
+        scale = 1.0 / sampling.temperature
+    top = torch.topk(score, 2)
+    a, b = base[pos], got[pos]
+    eps = torch.finfo(eng.dtype).eps if eps is None else eps
+    tol = NEAR_TIE_ULPS * eps * float(logits.abs().max()) * scale
+    gap = abs(float(score[a] - score[b]))
+    tie = set(top.indices.tolist()) == {a, b} and gap <= tol
+    return {"kind": "near-tie" if tie else "differs", "position": pos, "gap": round(gap, 6), "tolerance": round(tol, 6)}
 
 
 def run(main, argv=None):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from model import GraftError
-from verify import Sampling, choose
+from verify import Sampling
 
 
 # ----------------------------------------------------------------------------- prompt files

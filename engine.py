@@ -22,7 +22,6 @@ import time
 import types
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -111,31 +110,21 @@ def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.
 #      Requests coming and going change data only (lengths, seeds, which slots are active): no recompile.
 
 
-def own_code(fn, name: str, codes: dict):
-    """fn with a code object of its own for the step `name`. Dynamo keeps compiled graphs per code
-    object: every step made with functools.partial(verify, model), or every Graft's bound
-    `assemble_stage`, would share one cache, whose entries pile up across steps, stages and engines
+def own_code(fn, name: str, codes: dict, bound: tuple = ()):
+    """fn, its first arguments `bound`, with a code object of its own for the step `name`. Dynamo keeps
+    compiled graphs per code object: steps made of one function (bound to two engines' models, or a
+    closure over any arguments) would share one cache, whose entries pile up across steps and engines
     until dynamo stops compiling (it then fails: fail_on_recompile_limit_hit). `codes` (one per engine)
-    keeps one code object per (function, step), so two methods' instances of a step share their graphs.
-    Partials and bound methods keep their arguments and self."""
-    if isinstance(fn, partial):          # (torch.compile wraps every partial in one shared function)
-        return own_code(_bound(own_code(fn.func, name, codes), fn.args, fn.keywords), name, codes)
-    if isinstance(fn, types.MethodType):
-        return types.MethodType(own_code(fn.__func__, name, codes), fn.__self__)
+    keeps one code object per (function, step), so two methods' calls of a step share their graphs."""
+    if bound:                            # (torch.compile wraps every partial in one shared function)
+        inner = own_code(fn, name, codes)
+        fn = lambda *more, **kw: inner(*bound, *more, **kw)        # noqa: E731
     key = (fn.__code__, name)
     if key not in codes:
         codes[key] = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{name}")
-    code = codes[key]
-    f = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    f = types.FunctionType(codes[key], fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     f.__kwdefaults__, f.__qualname__, f.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return f
-
-
-def _bound(func, args: tuple, kwargs: dict):
-    """functools.partial as a plain function (own_code gives it a code object of its own)."""
-    def step(*more, **kw):
-        return func(*args, *more, **kwargs, **kw)
-    return step
 
 
 def tensors_in(x) -> list:
@@ -212,7 +201,7 @@ class Steps:
         """fn (with its first arguments `bound`) as it runs: itself, or compiled, with a code object of
         its own (own_code). One graph per static shape and setting (sampling mode, method); the tree
         size of verify and the window of every step are dynamic."""
-        fn = own_code(partial(fn, *bound) if bound else fn, name, self._codes)
+        fn = own_code(fn, name, self._codes, bound)
         self.names.add(name)
         if not self.compiling:
             step = fn
@@ -338,26 +327,12 @@ class Run:
 
 # ----------------------------------------------------------------------------- the engine
 
-def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
-    """(nodes, path): the largest tree and accepted path of the methods [(name, Config), ...] at this
-    B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one."""
-    nodes = path = 1
-    for name, cfg in methods:
-        cls = METHODS[name]
-        c = cls.configure(cfg, None, batch)
-        if drafter_geometry and cls.needs_head:
-            c = dataclasses.replace(c, top_k=drafter_geometry[0], depth=drafter_geometry[1])
-        N, P = cls.shape(c)
-        nodes, path = max(nodes, N), max(path, P)
-    return nodes, path
-
-
 class Engine:
     """B request slots over a target with its tokenizer, optional head and continuation matrix (the
     prior every request starts from), and how the steps run: eager or compiled, with attention over a
     window of the cache that grows with the context (`window`, a CPU's fastest) or over the whole
     cache (static shapes, what CUDA graphs need). Caches are allocated once, here, for trees of up to
-    `nodes` nodes and paths of `path` rows (room()). check_lifetimes: poison every step output when
+    `nodes` nodes and paths of `path` rows (cli.room). check_lifetimes: poison every step output when
     it expires (tests)."""
 
     def __init__(self, model, tokenizer, head, matrix: ContinuationMatrix, batch: int = 1, nodes: int = 1,
@@ -463,7 +438,7 @@ class Engine:
         m = cls(self, cfg or Config(), cal, matrix)
         if m.N > self.room[0] or m.P > self.room[1]:
             raise GraftError(f"--method {name}: its tree ({m.N} nodes, paths of {m.P}) does not fit the room this "
-                             f"engine was built with ({self.room[0]}, {self.room[1]}): build it with engine.room()")
+                             f"engine was built with ({self.room[0]}, {self.room[1]}): build it with cli.room()")
         m.name = name
         self.steps.static(*m.tensors())
         return m
@@ -553,22 +528,6 @@ NEEDS_HEAD = {n for n, c in METHODS.items() if c.needs_head}
 NEEDS_MATRIX = {n for n, c in METHODS.items() if c.needs_matrix}
 PRUNING = {n for n, c in METHODS.items() if c.settings.get("prune")}
 CALIBRATED = {n: c.calibrated for n, c in METHODS.items() if c.calibrated}
-
-
-def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: bool,
-                  calibration: str | None = None) -> Config:
-    """cfg with what the warm-up calibrated for method `name`: with auto_budget its budget; with
-    `calibration` ("throughput" or "youden") that calibration's thresholds, unless cfg gives some
-    (--thresholds); without, the method reads the one its pruning policy names (graft.POLICIES).
-    Unchanged when nothing was calibrated."""
-    got = cal.get(CALIBRATED.get(name), calibration) if cal is not None else None
-    if not got:
-        return cfg
-    if calibration and cfg.thresholds is None and got["thresholds"]:
-        cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
-    if auto_budget:
-        cfg = dataclasses.replace(cfg, budget=got["budget"])
-    return cfg
 
 
 def make_method(eng: Engine, name: str, cfg: Config | None = None, cal: Calibration | None = None,
@@ -677,117 +636,6 @@ def sync(device):
 # ----------------------------------------------------------------------------- costs, compile warm-up, checks
 
 
-# Measuring costs [ours]. On a shared machine one timing of a pass can be off by half (seen: a 9-node
-# verify at 43.1 and 26.9 ms, a 13-node one at 18.9 and 33.5), so the calibration never averages a
-# run of one size: time_passes interleaves the sizes (a drift of the machine's speed hits each alike)
-# and times each call right after an untimed one of the same size; robust_costs takes each size's
-# fastest sample (interference only ever adds time: the fastest is the pass without it) and, as the
-# measurement's spread, how far the second fastest lies above it; monotone then fits what physics
-# says, a bigger tree never costs less; choose_budget prefers the smaller of budgets within that spread.
-
-def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
-    """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
-    robin over the sizes, every other sweep in reverse order; each timed call comes right after an
-    untimed call of the same n (warm caches, no first-call costs). timer: seconds (a clock, injected
-    in tests); sync: waits for the device before the clock is read. Returns {n: [seconds, ...]}."""
-    samples = {n: [] for n in sizes}
-    order = list(sizes)
-    for r in range(repeats):
-        for n in order if r % 2 == 0 else order[::-1]:
-            run(n)                   # untimed
-            sync()
-            t0 = timer()
-            run(n)
-            sync()
-            samples[n].append(timer() - t0)
-    return samples
-
-
-def robust_costs(samples: dict) -> tuple:
-    """({n: fastest of samples[n]}, spread). spread, a fraction: how well those minima are pinned, the
-    median over the sizes of (second fastest - fastest) / fastest; 0 with fewer than two samples a
-    size. samples: {n: [seconds, ...]} (time_passes); the costs are in the samples' units."""
-    low = {n: sorted(xs)[:2] for n, xs in samples.items()}
-    costs = {n: xs[0] for n, xs in low.items()}
-    gaps = [(xs[1] - xs[0]) / xs[0] for xs in low.values() if len(xs) == 2 and xs[0] > 0]
-    if not gaps or len(gaps) < len(low):
-        return costs, 0.0
-    return costs, statistics.median(gaps)
-
-
-def monotone(costs: dict) -> dict:
-    """The non-decreasing fit of {n: cost} over n (isotonic regression, pool adjacent violators): the
-    closest costs in least squares under which a bigger n never costs less. Same keys and units."""
-    blocks = []                                        # [sum, count] of pooled neighbours, by n
-    for n in sorted(costs):
-        blocks.append([costs[n], 1, [n]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c, ns = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-            blocks[-1][2] += ns
-    return {n: s / c for s, c, ns in blocks for n in ns}
-
-
-@torch.no_grad()
-def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
-              timer=time.perf_counter, stats: dict | None = None) -> tuple:
-    """Milliseconds per target pass over B trees of N nodes (B: the engine's slots, each after
-    `context` committed tokens), through the steps decoding uses (compiled when the engine is): N=1 is
-    the decode step, larger N the verifier. The price of verifying a budget: on a GPU it barely grows
-    with N; on a CPU it does, which is what sets the best budget there. (cost_tree: every size shares
-    one verify graph.) Measured robustly (time_passes, robust_costs, monotone): `repeats` samples of
-    each N, interleaved, each after an untimed pass; the fastest sample of each N; then the
-    non-decreasing fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when
-    given, receives "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a
-    fraction). Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
-    dev, m = eng.device, eng.model
-    context = max(1, min(context, m.max_seq_len - max(sizes) - 1))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, m.args.vocab_size, (context + max(sizes),), generator=g).tolist()
-    ar = eng.make("ar")
-    for b in range(eng.B):               # every slot holds the context: each pass below is undone after it
-        eng.admit(b, Request(ids[:context]), ar)
-    trees = {n: cost_tree(torch.tensor(ids[context:context + n], device=dev), eng.B) for n in sizes}
-    smp, mode = eng.smp, sampling_mode([Sampling()])
-
-    def one(n):                                      # one pass over n nodes per request
-        tree, P = trees[n]
-        eng.steps.mark()
-        if n == 1 and not capture:
-            eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), smp, mode)
-        else:
-            eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), smp, mode, P, capture, eng.root)
-        eng.L.fill_(context)                     # undo what the pass committed
-
-    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
-    for b in range(eng.B):
-        eng.free(b, ar)
-    fastest, spread = robust_costs(samples)
-    if stats is not None:
-        stats.update(samples=samples, spread=spread)
-    fit = monotone(fastest)
-    return context, {n: round(fit[n] * 1000, 3) for n in sizes}
-
-
-# The longest path of the trees pass_cost times: a Graft round's (1 + max(draft depth 8, template depth
-# 9)). Fixed, so that every size runs through one verify graph (the tree size is dynamic, P is not).
-COST_PATH = 10
-
-
-def cost_tree(tokens: torch.Tensor, batch: int = 1) -> tuple:
-    """A tree of N = tokens.numel() nodes for timing, the same for each of `batch` requests: a chain of
-    min(N, COST_PATH) nodes from the root, the others children of the root. Returns (tree, P). (The
-    cost of a pass does not depend on the tree's shape, only on N.)"""
-    from verify import Tree
-    N, dev = tokens.numel(), tokens.device
-    P = min(N, COST_PATH)
-    idx = torch.arange(N, device=dev)
-    parents = torch.where(idx < P, idx - 1, 0)
-    rows = lambda x: x[None].expand(batch, -1).contiguous()
-    return Tree(rows(tokens), rows(parents), torch.ones(batch, N, dtype=torch.bool, device=dev)), P
-
-
 def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), log=None) -> float:
     """Run every compiled step once before anything is timed: a short generation per method in every
     slot, drafted to full depth (`full`: every draft level's graph). Returns the seconds it took, which
@@ -807,53 +655,3 @@ def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), 
     if log:
         log(f"compile: {time.perf_counter() - t0:.1f}s")
     return time.perf_counter() - t0
-
-
-def first_difference(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-# A bf16 mismatch is a near-tie when the two tokens are the target's best two at that position and
-# their scores differ by at most this many units in the last place of the logits' magnitude: a 1-row
-# and a 61-row product round differently, and across a model's layers that moves logits by a few ulps.
-NEAR_TIE_ULPS = 4
-
-
-@torch.no_grad()
-def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling, eps: float | None = None) -> dict:
-    """Why `got` (a method's tokens) differs from `base` (ar's) after the prompt `ids`: at the first
-    differing position, the target's own scores (a prefill of the context in the engine's dtype:
-    logits, or warped logits plus the position's noise when sampling) are computed; the mismatch is
-    a "near-tie" when the two tokens are its top two and their gap is at most NEAR_TIE_ULPS x eps x
-    the logits' magnitude (eps: the dtype's machine epsilon by default), else "differs". float32 runs
-    never call this: there every mismatch is a real difference. Returns {"kind", "position", "gap",
-    "tolerance"} (gap and tolerance in score units)."""
-    from verify import position_noise, warp
-    pos = first_difference(got, base)
-    if pos >= min(len(got), len(base)):           # one is a prefix of the other: a stop that differs
-        return {"kind": "differs", "position": pos, "gap": None, "tolerance": None}
-    ctx = ids + base[:pos]
-    keep = {}
-
-    class Last(Method):
-        def prompt_chunk(self, eng, b, chunk, logits, feats, n):
-            keep["row"] = logits[0, n - 1].float().clone()
-    last = Last(eng, Config())
-    eng.admit(0, Request(ctx, sampling), last)
-    eng.free(0, last)
-    logits = keep["row"]                                                   # (V,) the scores of position len(ctx)
-    if sampling.greedy:
-        score, scale = logits.double(), 1.0
-    else:
-        t = lambda x, **kw: torch.tensor([x], device=logits.device, **kw)
-        mode = sampling_mode([sampling])
-        score = warp(logits[None, None], t(sampling.temperature), t(sampling.top_k), t(sampling.top_p), mode)[0, 0].double()
-        score = score + position_noise(t(sampling.seed), t(len(ctx)), logits.numel())[0]
-        scale = 1.0 / sampling.temperature
-    top = torch.topk(score, 2)
-    a, b = base[pos], got[pos]
-    eps = torch.finfo(eng.dtype).eps if eps is None else eps
-    tol = NEAR_TIE_ULPS * eps * float(logits.abs().max()) * scale
-    gap = abs(float(score[a] - score[b]))
-    tie = set(top.indices.tolist()) == {a, b} and gap <= tol
-    return {"kind": "near-tie" if tie else "differs", "position": pos, "gap": round(gap, 6), "tolerance": round(tol, 6)}

@@ -15,13 +15,12 @@ import sys
 
 import torch
 
-from calibrate import AUTO_BUDGETS, needs_warmup, warm_up, warmup_method
-from cli import (DEMO_WARMUP_RUNS, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, build_engine, check_args,
+from calibrate import AUTO_BUDGETS, method_config, needs_warmup, warm_up, warmup_method
+from cli import (DEMO_WARMUP_RUNS, classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, build_engine, check_args,
                  config_from_args, render_round, run)
 import data
 from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
-from engine import (CALIBRATED, METHODS, NEEDS_HEAD, Request, classify_mismatch, compile_warmup, generate, method_config,
-                    run as run_requests)
+from engine import CALIBRATED, METHODS, NEEDS_HEAD, Request, compile_warmup, generate, run as run_requests
 from model import GraftError
 from verify import Sampling
 

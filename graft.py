@@ -561,10 +561,8 @@ class Eagle3Tree(Method):
         checkpoint the slot's level has passed (checkpoint c tests the best path at level c+1);
         -inf = never replaced."""
         k, D = self.cfg.top_k, self.cfg.depth
-        C = k + (D - 1) * k * k
         out = []
-        for s in range(C):
-            lv = 1 if s < k else (s - k) // (k * k) + 2
+        for lv in level_of(torch.arange(k + (D - 1) * k * k), k).tolist():
             passed = [c for c in sorted(self.thresholds) if c <= lv - 1] if self.policy == "replace" else []
             tau = self.thresholds[passed[-1]] if passed else 0.0
             out.append(math.log(tau) if tau > 0 else float("-inf"))
@@ -584,6 +582,10 @@ class Eagle3Tree(Method):
         self._last = feats[:, n - 1:n].clone()      # an output of the prefill step, read after its next replay
         eng.head_prefill(b, F, I, real)
 
+    def finish(self, eng, b):
+        super().finish(eng, b)
+        self.pend_n[b] = 0                    # an empty slot's extend reads nothing
+
     def prefilled(self, eng, b):
         """The first round's extend reads the prompt's last feature with the first token."""
         self.pend_feats[b].zero_()
@@ -595,7 +597,7 @@ class Eagle3Tree(Method):
 
     # -- one round
     def round(self, eng, record=False, full=False) -> Round:
-        d, st = eng.drafter, eng.steps
+        st = eng.steps
         # 1. draft with checkpoints: the head reads each request's accepted path and drafts level by
         #    level; at checkpoint c (a host sync) a request whose best path's probability is below tau_c
         #    stops (stop policy); drafting ends when every request has stopped
@@ -620,7 +622,7 @@ class Eagle3Tree(Method):
         drafting ends when no active request goes on. The confidences go to self.conf for the
         assembly (which applies the same test on the device). Returns (stage per slot: the checkpoint
         that stopped it, or None; draft forwards; host syncs; {c: conf_c (B,)} when watch_all)."""
-        d, st, B = eng.drafter, eng.steps, eng.B
+        st, B = eng.steps, eng.B
         D, k = self.cfg.depth, self.cfg.top_k
         going = [r is not None for r in eng.requests()]
         stages, seen, syncs = [None] * B, {}, 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import GraftError, attention_mask
+from model import attention_mask
 
 
 # ----------------------------------------------------------------------------- sampling

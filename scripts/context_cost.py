@@ -3,7 +3,7 @@ attention kernel's share of each.
 
     python scripts/context_cost.py --ckpt TARGET [--contexts 256,1024,2048,4096,8192] [--sizes 1,9,17] [--json-out F]
 
-For each context length: the pass cost of each tree size N (engine.pass_cost: interleaved, the fastest
+For each context length: the pass cost of each tree size N (calibrate.pass_cost: interleaved, the fastest
 of --repeats samples, a monotone fit; N=1 is the decode step, larger N the verifier), and one profiled
 pass per N that names the attention kernel scaled_dot_product_attention dispatched to (the profiler's
 aten op) and the milliseconds it took, against the matrix products (aten::mm, the weights' read).
@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cli as CLI  # noqa: E402
+import calibrate as CAL  # noqa: E402
 import engine as E  # noqa: E402
 from graft import Config  # noqa: E402
 
@@ -34,7 +35,7 @@ def profiled_pass(eng, context: int, n: int, repeats: int = 3) -> dict:
     ids = torch.randint(0, eng.model.args.vocab_size, (context + n,), generator=g).to(eng.device)
     ar = eng.make("ar")
     eng.admit(0, E.Request(ids[:context].tolist()), ar)         # slot 0 holds the context
-    tree, P = E.cost_tree(ids[context:context + n], eng.B)
+    tree, P = CAL.cost_tree(ids[context:context + n], eng.B)
 
     def one():                   # the pass pass_cost times, undone after it
         eng.steps.mark()
@@ -77,7 +78,7 @@ def main(argv=None):
                            methods=[("ar", Config()), ("recycle", Config(recycle_size=max(max(sizes) - 1, 1)))])
     out = {"ckpt": a.ckpt, "dtype": a.dtype, "threads": torch.get_num_threads(), "contexts": {}}
     for c in contexts:
-        used, ms = E.pass_cost(eng, sizes, context=c, repeats=a.repeats)
+        used, ms = CAL.pass_cost(eng, sizes, context=c, repeats=a.repeats)
         prof = {n: profiled_pass(eng, used, n) for n in sizes}
         out["contexts"][used] = {"pass_ms": ms, "profile": prof}
         print(f"context {used:>6}: " + ", ".join(

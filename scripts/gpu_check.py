@@ -39,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import calibrate as CAL  # noqa: E402
+import cli as CLI  # noqa: E402
 import engine as E  # noqa: E402
 import graft as GR  # noqa: E402
 from draft import Eagle3, HeadConfig  # noqa: E402
@@ -97,8 +99,8 @@ def engine(model, head, compile: bool, backend: str, chunk: int = 128, batch: in
     60 (the largest this check runs) and the 61-node cost trees."""
     matrix = ContinuationMatrix(model.args.vocab_size, 8, device=model.embed_tokens.weight.device)
     window = not (compile and model.embed_tokens.weight.is_cuda)
-    nodes, path = E.room([(m, Config(budget=60)) for m in E.METHODS], (10, 8), batch)
-    return E.Engine(model, None, head, matrix, batch, max(nodes, 61), max(path, E.COST_PATH), 10, 8, compile=compile,
+    nodes, path = CLI.room([(m, Config(budget=60)) for m in E.METHODS], (10, 8), batch)
+    return E.Engine(model, None, head, matrix, batch, max(nodes, 61), max(path, CAL.COST_PATH), 10, 8, compile=compile,
                     window=window, chunk=chunk, backend=backend)
 
 
@@ -136,9 +138,9 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
     with torch.no_grad():
         for window in (True, False):
             cfg = Config(budget=12, checkpoints=(0, 1, 3), thresholds={0: 0.5, 1: 0.5, 3: 0.5})
-            nodes, path = E.room([(m, cfg) for m in E.METHODS], (4, 6), 2)
+            nodes, path = CLI.room([(m, cfg) for m in E.METHODS], (4, 6), 2)
             eng = E.Engine(model, None, head, ContinuationMatrix(a.vocab_size, 8, device=device), 2, max(nodes, 61),
-                           max(path, E.COST_PATH), 4, 6, chunk=C, window=window)
+                           max(path, CAL.COST_PATH), 4, 6, chunk=C, window=window)
             st, mode_name = eng.steps, "window" if window else "full"
             for method in E.METHODS:
                 p = eng.make(method, cfg)
@@ -180,7 +182,7 @@ def placement_check(device: str = "meta", tiny: dict = TINY) -> dict:
                             run(f"{tag}/learn", lambda: st.learn(p, tree["t"], v["v"], eng.active))
             mode = sampling_mode([Sampling()])
             for n in (9, 13, 17, 25, 33, 49, 61):           # every size --budget auto times, and the GPU check's
-                tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device), eng.B)
+                tree, P = CAL.cost_tree(torch.zeros(n, dtype=torch.long, device=device), eng.B)
                 run(f"{mode_name}/cost/verify_{n}", lambda: st.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, mode,
                                                                       P, True, eng.root))
             compiled |= set(st.names)
@@ -340,7 +342,7 @@ def section_full(args, save):
                "bandwidth_fraction": round(bw / peak, 4) if peak else None,
                "bandwidth_fraction_of_copy": round(bw / r["peak_bytes_per_s"]["measured_copy"], 4)}
     save(dict(r, compile=compile_s))
-    ctx, cost = timed("verify (one dynamic graph)", lambda: E.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10))
+    ctx, cost = timed("verify (one dynamic graph)", lambda: CAL.pass_cost(comp, [1, 17, 33, 61], context=128, repeats=10))
     r["verify_ms"] = {"context": ctx, **{str(k): v for k, v in cost.items()}, "61_over_1": round(cost[61] / cost[1], 3)}
     save(dict(r, compile=compile_s))
     r["graft_round_ms"] = {}

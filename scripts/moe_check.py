@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import calibrate as CAL  # noqa: E402
 import engine as E  # noqa: E402
 from graft import ContinuationMatrix  # noqa: E402
 from model import ModelArgs, MoE, Transformer  # noqa: E402
@@ -52,12 +53,12 @@ def main(argv=None):
             q.normal_(0, 0.02) if q.dim() > 1 else q.fill_(1.0)
     model.path, model.max_seq_len = "random", 1024
     eng = E.Engine(model, None, None, ContinuationMatrix(args.vocab_size, 8, device=device), nodes=61,
-                   path=E.COST_PATH, compile=cuda, window=not cuda)      # room for pass_cost's 61-node trees
+                   path=CAL.COST_PATH, compile=cuda, window=not cuda)      # room for pass_cost's 61-node trees
     prompt = torch.randint(0, args.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     E.generate(eng, E.make_method(eng, "ar"), prompt, 4, Sampling(), ())
     r = E.generate(eng, E.make_method(eng, "ar"), prompt, a.tokens, Sampling(), ())
     ms = r.times["verify"] / r.rounds * 1000
-    ctx, cost = E.pass_cost(eng, [1, 17, 61], context=128, repeats=5)
+    ctx, cost = CAL.pass_cost(eng, [1, 17, 61], context=128, repeats=5)
 
     touched = {}                          # distinct experts routed to, per layer, for a pass of N tokens
     def count(module, inputs, out, n=[0]):

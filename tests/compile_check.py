@@ -159,9 +159,9 @@ def main(out: str, only=()):
     def one_verify_graph():
         """--budget auto times a verify pass per budget: one graph serves them all (the size is dynamic)."""
         _, comp = tiny_pair("aot_eager", tmp)
-        E.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
+        CAL.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
         before = counters["stats"]["unique_graphs"]
-        E.pass_cost(comp, [b + 1 for b in CAL.AUTO_BUDGETS], context=40, repeats=1, capture=True)
+        CAL.pass_cost(comp, [b + 1 for b in CAL.AUTO_BUDGETS], context=40, repeats=1, capture=True)
         return {"new_graphs": counters["stats"]["unique_graphs"] - before}
 
     def statics():

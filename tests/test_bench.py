@@ -269,10 +269,10 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
     first, second, third = scores.topk(3).indices.tolist()
     assert first == base[4]
     runner_up = base[:4] + [second] + base[5:]
-    assert bench.E.classify_mismatch(eng, ids, base, runner_up, s, eps=1.0)["kind"] == "near-tie"
-    assert bench.E.classify_mismatch(eng, ids, base, runner_up, s, eps=0.0)["kind"] == "differs"
+    assert bench.CLI.classify_mismatch(eng, ids, base, runner_up, s, eps=1.0)["kind"] == "near-tie"
+    assert bench.CLI.classify_mismatch(eng, ids, base, runner_up, s, eps=0.0)["kind"] == "differs"
     far = base[:4] + [third] + base[5:]
-    got = bench.E.classify_mismatch(eng, ids, base, far, s, eps=1.0)
+    got = bench.CLI.classify_mismatch(eng, ids, base, far, s, eps=1.0)
     assert got["kind"] == "differs" and got["position"] == 4
 
 
@@ -287,7 +287,7 @@ def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
             res.tokens[3] = (res.tokens[3] + 1) % 300
         return res
     monkeypatch.setattr(bench.E, "generate", broken)
-    monkeypatch.setattr(bench.E, "classify_mismatch", lambda *a, **k: {"kind": "near-tie", "position": 3, "gap": 0.01,
+    monkeypatch.setattr(bench.CLI, "classify_mismatch", lambda *a, **k: {"kind": "near-tie", "position": 3, "gap": 0.01,
                                                                        "tolerance": 0.1})
     target, head, prompts, d = tiny
     bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cli as CLI
+import calibrate as CAL
 import engine as E
 import graft as GR
 import verify as V
@@ -267,5 +268,5 @@ def test_pass_cost_reads_the_given_clock_and_fits_monotone_costs(tiny_ckpt):
         ticks += [0.0, ms[n][seen[n]] / 1000]
         seen[n] += 1
     now = iter(ticks)
-    _, cost = E.pass_cost(eng, [1, 9, 13], repeats=2, timer=lambda: next(now))
+    _, cost = CAL.pass_cost(eng, [1, 9, 13], repeats=2, timer=lambda: next(now))
     assert cost == {1: 5.0, 9: 25.0, 13: 25.0}

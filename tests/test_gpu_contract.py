@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli as CLI
+import calibrate as CAL
 import engine as E
 import graft as GR
 import model as M
@@ -119,7 +120,7 @@ def placement_check(batch: int, window: bool, device: str = "meta") -> dict:
         head = Eagle3(HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size, draft_vocab_size=256))
     model, head = model.to_empty(device=device), head.to_empty(device=device)
     head.embed_tokens, model.max_seq_len, model.path = model.embed_tokens, 256, "random"
-    nodes, path = E.room([(m, GR.Config(budget=60)) for m in E.METHODS], (4, 4), batch)
+    nodes, path = CLI.room([(m, GR.Config(budget=60)) for m in E.METHODS], (4, 4), batch)
     eng = E.Engine(model, None, head, GR.ContinuationMatrix(a.vocab_size, 8, device=device), batch, nodes, path, 4, 4,
                    chunk=16, window=window)
     out, ran, tag = {}, set(), [None]
@@ -150,7 +151,7 @@ def placement_check(batch: int, window: bool, device: str = "meta") -> dict:
                             eng.free(b, m)
         for n in (9, 13, 17, 25, 33, 49, 61):          # every size --budget auto times, and the GPU check's
             tag[0] = f"cost/verify_{n}"
-            tree, P = E.cost_tree(torch.zeros(n, dtype=torch.long, device=device), batch)
+            tree, P = CAL.cost_tree(torch.zeros(n, dtype=torch.long, device=device), batch)
             try:
                 eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, eng.mode, P, True, eng.root)
                 out[tag[0]] = "ok"

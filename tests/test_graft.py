@@ -900,7 +900,7 @@ def noisy_samples(seed: int, hit: int, factors: list) -> dict:
         slow = rng.choice(factors) if timed and calls[n] // 2 in bad[n] else 1.0
         now[0] += PASS_MS[n] * (1 + rng.uniform(0, 0.02)) * slow / 1000
         calls[n] += 1
-    return E.time_passes(run, sorted(PASS_MS), 8, timer=lambda: now[0])
+    return CAL.time_passes(run, sorted(PASS_MS), 8, timer=lambda: now[0])
 
 
 @pytest.mark.parametrize("hit,factors", [(4, [1.49, 1.81, 2.39]),                  # the issue's
@@ -909,8 +909,8 @@ def test_noisy_timings_give_the_same_budget_and_thresholds_every_time(hit, facto
     choices, by_mean, no_ties = set(), set(), set()
     for seed in range(20):
         samples = noisy_samples(seed, hit, factors)
-        fastest, spread = E.robust_costs(samples)
-        ms = {n: 1000 * c for n, c in E.monotone(fastest).items()}
+        fastest, spread = CAL.robust_costs(samples)
+        ms = {n: 1000 * c for n, c in CAL.monotone(fastest).items()}
         b, taus, _, _ = CAL.choose_budget(budget_options(ms), (0,), spread)
         choices.add((b, round(taus[0], 6)))
         no_ties.add(CAL.choose_budget(budget_options(ms), (0,))[0])
@@ -926,21 +926,21 @@ def test_time_passes_interleaves_sizes_after_an_untimed_call():
     def run(n):
         calls.append(n)
         now[0] += n
-    samples = E.time_passes(run, [1, 9, 13], 2, timer=lambda: now[0])
+    samples = CAL.time_passes(run, [1, 9, 13], 2, timer=lambda: now[0])
     assert calls == [1, 1, 9, 9, 13, 13, 13, 13, 9, 9, 1, 1]                 # untimed, timed; reversed sweep
     assert samples == {1: [1.0, 1.0], 9: [9.0, 9.0], 13: [13.0, 13.0]}
 
 
 def test_robust_costs_fastest_sample_and_spread():
-    costs, spread = E.robust_costs({9: [43.1, 26.9, 20.0, 20.2], 13: [18.9, 33.5, 19.0, 40.0]})
+    costs, spread = CAL.robust_costs({9: [43.1, 26.9, 20.0, 20.2], 13: [18.9, 33.5, 19.0, 40.0]})
     assert costs == {9: 20.0, 13: 18.9}
     assert spread == pytest.approx((0.2 / 20.0 + 0.1 / 18.9) / 2)              # median of the two sizes' gaps
 
 
 def test_monotone_fit_never_lets_a_bigger_tree_cost_less():
-    assert E.monotone({1: 4.0, 9: 20.0, 13: 18.9, 17: 26.0}) == {1: 4.0, 9: pytest.approx(19.45),
+    assert CAL.monotone({1: 4.0, 9: 20.0, 13: 18.9, 17: 26.0}) == {1: 4.0, 9: pytest.approx(19.45),
                                                                   13: pytest.approx(19.45), 17: 26.0}
-    assert E.monotone({1: 3.0, 9: 2.0, 13: 1.0}) == {1: 2.0, 9: 2.0, 13: 2.0}
+    assert CAL.monotone({1: 3.0, 9: 2.0, 13: 1.0}) == {1: 2.0, 9: 2.0, 13: 2.0}
 
 
 def test_choose_budget_prefers_the_smaller_within_the_spread():
@@ -1039,7 +1039,7 @@ def test_read_calibrations_refuses_what_does_not_fit(spoil):
 
 def test_method_config_uses_each_methods_own_calibration():
     from calibrate import read_calibrations
-    from engine import method_config
+    from calibrate import method_config
     cal = GR.Calibration(read_calibrations(good_meta(), (0, 1, 5))[0], "throughput")
     cfg = GR.Config(budget=16)
     assert method_config(cal, "prune", cfg, auto_budget=True).budget == 12

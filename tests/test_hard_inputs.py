@@ -498,7 +498,7 @@ def test_warmup_whose_rounds_were_all_too_short_calibrates_nothing(engine_with_h
     cfg = GR.Config(budget=16)
     cal = CAL.warm_up(eng, cfg, rounds=1, max_new_tokens=4, log=logs.append, auto_budget=True)
     assert "left no round long enough to score" in logs[-1] and "nothing is cached" in logs[-1]
-    assert cal.methods == {} and cal.budget is None and E.method_config(cal, "graft", cfg, auto_budget=True) == cfg
+    assert cal.methods == {} and cal.budget is None and CAL.method_config(cal, "graft", cfg, auto_budget=True) == cfg
     assert eng.make("graft", cfg, cal).thresholds == {0: 0.0, 1: 0.0, 5: 0.0}
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 

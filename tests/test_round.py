@@ -225,10 +225,11 @@ def test_step_6_updates_the_matrix_and_the_heads_input():
     assert g.pend_n.tolist() == [4] and eng.slots[0].pend == 4
     assert not g.written[0, 24]                                # a retrieved token that was never verified
     assert matrix.M[12].tolist() == [30, 31, 29]               # the prior: untouched while the request runs
-    g.finish(eng, 0)
-    assert torch.equal(matrix.M, g.M[0]) and torch.equal(matrix.written, g.written[0])
     eng.step(g)                                                # the next round's extend reads the path
     assert head.read[1] == [[10, 12, 30, 7]]
+    g.finish(eng, 0)
+    assert torch.equal(matrix.M, g.M[0]) and torch.equal(matrix.written, g.written[0])
+    assert g.pend_n.tolist() == [0]                            # an empty slot's extend reads nothing
 
 
 def test_a_recorded_round_returns_what_the_warm_up_reads_before_the_matrix_learns():
