@@ -6,7 +6,7 @@
 
 
 The algorithm is in graft.py (the round) and engine.py (the steps and the loop); this file only reads
-the command line (cli.py), loads the pair, warms up (calibrate.py) and prints. Methods: engine.METHODS.
+the command line (cli.py), loads the pair, warms up (calibrate.py) and prints. Methods: graft.METHODS.
 """
 import dataclasses
 import json
@@ -135,7 +135,7 @@ def main(argv=None):
                  f"{st['verified_per_round']:.1f} nodes verified/round (padded to {st['padded_per_round']:.0f}), "
                  f"retrieval share {st['retrieval_share']:.2f}")
     print(line, file=err)
-    out = {"method": method, "budget": cfg.budget if method in NEEDS_HEAD else None,   # None: the method has none
+    out = {"method": method, "budget": cfg.budget if METHODS[method].has_budget else None,   # None: it has none
            "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,
            "seconds": round(res.seconds, 4), "tokens_per_s": round(res.tokens_per_s, 2), "compiled": eng.compiling,
            "attention": "window" if eng.window else "full", "compile_seconds": round(eng.steps.compile_seconds, 2), **st}
