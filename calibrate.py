@@ -3,8 +3,10 @@
 GRAFT.md section 6 calibrates a threshold tau_c per checkpoint on warm-up rounds (Youden's J); the
 throughput calibration [ours] picks the thresholds, and with --budget auto the budget, that maximise
 the expected tokens per second on this machine, from the same rounds and the engine's measured step
-costs. The warm-up runs the dense tree and records each round through one hook (Recorder); its
-result is cached per (target, head, settings, machine) in safetensors, never pickle.
+costs, measured here robustly (pass_cost: interleaved sizes, the fastest sample, a monotone fit).
+The warm-up runs the dense tree; each round returns what the calibration reads (`run(...,
+record=True)`), and the result, a graft.Calibration the methods are given, is cached per (target,
+head, settings, machine) in safetensors, never pickle.
 """
 import statistics
 import time
