@@ -9,8 +9,8 @@ steps with one host sync (graft.Method.round). "The engine knows nothing about t
 loading a checkpoint is the faces' business (cli.build_engine); calibration is calibrate.py's.
 
 What a slot holds: the request (its prompt, sampling and counts) and, on the host, the mirrors of its
-device state (`Slot`: committed rows L, head rows Ld, pending path length), kept in step in one place
-(Engine.admit, Engine.commit, Engine.free). On the device, with a leading B: the KV caches, L, the next
+device state (`Slot`: committed rows L, head rows Ld, pending path length), kept in step by the
+engine alone (Engine.seat, Engine.admit, Engine.step). On the device, with a leading B: the KV caches, L, the next
 roots, which slots are active, and each request's sampling parameters (SlotSampling). An empty slot
 still runs through the static-shaped steps: its tree is all padding (zeros written, never accepted, L
 stays 0), so it influences no other row.
@@ -79,10 +79,7 @@ def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.
     out = model(tokens, rows, rows, mask, capture, cache, keep=keep, slots=slot)
     logits, feats = out if capture else (out, None)
     last = logits.gather(1, (n - 1).view(1, 1, 1).expand(1, 1, logits.shape[-1]))   # (1, 1, V)
-    one = SlotSampling.__new__(SlotSampling)          # the request's own sampling row
-    for name in ("temperature", "top_p", "top_k", "seed", "greedy"):
-        setattr(one, name, getattr(smp, name).index_select(0, slot))
-    root.index_copy_(0, slot, choose(last, (Ls + n)[:, None], one, mode)[:, 0])
+    root.index_copy_(0, slot, choose(last, (Ls + n)[:, None], smp.rows(slot), mode)[:, 0])
     L.index_add_(0, slot, n.view(1))
     return logits, feats, rows_finite(logits, keep)
 
@@ -448,11 +445,8 @@ class Engine:
         """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits and
         features go to the method (its matrix and the head read them). Returns the first token (one
         host sync), which is also in self.root[b]."""
+        self.seat(b, r)
         slot, C = self.slots[b], self.chunk
-        slot.request, slot.L, slot.Ld, slot.pend = r, 0, 0, 1
-        self.L[b], self.active[b] = 0, 1
-        if self.drafter is not None:
-            self.drafter.Ld[b] = 0
         if not self.window or self.B > 1:     # rows past its length are read under the mask (full attention, a
             for t in self.cache.tensors() + (self.drafter.cache.tensors() if self.drafter else []):   # batch's
                 t[b].zero_()                  # window): none may hold an earlier request's junk (0 * NaN = NaN)
@@ -477,7 +471,6 @@ class Engine:
             raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
                              "in this dtype or its weights are broken")
         r.tokens = [got[0]]
-        self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
         return got[0]
 
     def head_prefill(self, b: int, feats, ids, n: int):
@@ -492,13 +485,18 @@ class Engine:
             if s.request is not None:
                 s.Ld += s.pend
 
-    def free(self, b: int, method: Method):
-        method.finish(self, b)
-        self.slots[b] = Slot()
-        self.L[b], self.active[b] = 0, 0
+    def seat(self, b: int, r: Request | None):
+        """Slot b takes request r (None: it empties): its lengths start at 0, host and device alike, and
+        the batch's sampling mode follows its requests."""
+        self.slots[b] = Slot(r, pend=int(r is not None))
+        self.L[b], self.active[b] = 0, int(r is not None)
         if self.drafter is not None:
             self.drafter.Ld[b] = 0
         self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
+
+    def free(self, b: int, method: Method):
+        method.finish(self, b)
+        self.seat(b, None)
 
     # -- one round for every slot
     def step(self, method: Method, record: bool = False, full: bool = False) -> tuple:
@@ -567,8 +565,6 @@ def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_id
         if r.tokens[-1] in eos or len(r.tokens) >= max_new_tokens:
             r.finished_s = time.perf_counter() - t0
             eng.free(b, method)
-            return True
-        return False
 
     while queue or any(eng.requests()):
         for b in range(eng.B):                       # 1. refill free slots between rounds

@@ -533,8 +533,7 @@ class Eagle3Tree(Method):
         self.drafted = torch.tensor([k + (s if s is not None else cfg.depth - 1) * k * k for s in stops], device=dev)
         self.taus = torch.tensor([self.thresholds[c] for c in stops[:-1]], dtype=torch.float64, device=dev)
         self.log_tau = self.slot_thresholds().to(dev)
-        self.retrieves = any(R for _, R in self.stages.values()) or (self.policy == "replace" and cfg.retrieve)
-        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if self.retrieves else None
+        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if cfg.retrieve else None
         self.anchor = "deepest" if cfg.ablation == "tail" or self.policy == "replace" else "root"
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
         self.record_tpl = None           # the warm-up's: a retrieval under the root to record
@@ -701,7 +700,7 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree
             anchor = torch.full_like(root, -1)
         under = torch.where(anchor >= 0, d_tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
         r_tok = retrieve(m.M, under, m.tpl)
-        free = n - kept.sum(1) if m.cfg.retrieve or m.cfg.ablation else torch.zeros_like(root)
+        free = n - kept.sum(1)
     return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.tpl, anchor, free), active > 0)
 
 

@@ -69,6 +69,13 @@ class SlotSampling:
     def tensors(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.greedy]
 
+    def rows(self, slots: torch.Tensor) -> "SlotSampling":
+        """The parameters of the requests `slots` (B',) alone (a prefill's one request)."""
+        out = SlotSampling.__new__(SlotSampling)
+        for name, t in zip(("temperature", "top_p", "top_k", "seed", "greedy"), self.tensors()):
+            setattr(out, name, t.index_select(0, slots))
+        return out
+
 
 _M32 = 0xFFFFFFFF
 
