@@ -19,7 +19,6 @@ come and go) run in tests/compile_check.py.
 import dataclasses
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -27,16 +26,17 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli as CLI
-import calibrate as CAL
 import engine as E
 import graft as GR
 import model as M
 import verify as V
 from conftest import ROOT
-from draft import Eagle3, HeadConfig
 from engine import Request
 from test_lossless import prompts, random_head
 from verify import Sampling, Tree
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check as GC  # noqa: E402  (the placement check and OneDevice live there: the GPU machine runs them too)
 
 GREEDY = Sampling()
 CHECKPOINTS = (0, 1, 3)
@@ -100,65 +100,7 @@ def reference(plain):
 
 # ----------------------------------------------------------------------------- placement
 
-TARGET = dict(arch="qwen3", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-              intermediate_size=128, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096, qk_norm=True)
-
-
-def placement_check(batch: int, window: bool, device: str = "meta") -> dict:
-    """Every compiled step of every method, in whole rounds (batch + 1 requests through `batch` slots:
-    a refill), on tensors of `device` (meta holds no data, so it runs anywhere; any op that mixes a CPU
-    tensor with it raises, as CUDA would), greedy and sampled, and the verify step at every size
-    --budget auto times. The host's reads of data-less tensors (the prefill's, commit's, the
-    checkpoints') read ones. Returns {"<method>/<sampling>": "ok" or the error's first line,
-    "<method>/<sampling>/<step>": the error of the step that raised, "cost/verify_<n>": ..., "missing":
-    steps the engine compiled that never ran}."""
-    a = M.ModelArgs(**TARGET)
-    layer = M.ModelArgs(vocab_size=a.vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
-                        intermediate_size=128)
-    with torch.device("meta"):
-        model = M.Transformer(a)
-        head = Eagle3(HeadConfig(layer=layer, target_hidden=a.dim, vocab_size=a.vocab_size, draft_vocab_size=256))
-    model, head = model.to_empty(device=device), head.to_empty(device=device)
-    head.embed_tokens, model.max_seq_len, model.path = model.embed_tokens, 256, "random"
-    nodes, path = CLI.room([(m, GR.Config(budget=60)) for m in E.METHODS], (4, 4), batch)
-    eng = E.Engine(model, None, head, GR.ContinuationMatrix(a.vocab_size, 8, device=device), batch, nodes, path, 4, 4,
-                   chunk=16, window=window)
-    out, ran, tag = {}, set(), [None]
-    for name in sorted(eng.steps.names):             # each step, watched: which ran, which raised
-        def watched(*args, _step=getattr(eng.steps, name), _name=name, **kw):
-            ran.add(_name)
-            try:
-                return _step(*args, **kw)
-            except Exception as e:
-                out.setdefault(f"{tag[0]}/{_name}", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                raise
-        setattr(eng.steps, name, watched)
-    tolist = torch.Tensor.tolist
-    ones = lambda self: [1] * self.numel() if self.is_meta else tolist(self)
-    cfg = GR.Config(budget=12, checkpoints=CHECKPOINTS, thresholds={0: 0.5, 1: 0.5, 3: 0.5})
-    with mock.patch.object(torch.Tensor, "tolist", ones), torch.no_grad():
-        for name in E.METHODS:
-            for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
-                tag[0] = f"{name}/{'sampled' if s.temperature else 'greedy'}"
-                m = eng.make(name, cfg)
-                try:
-                    E.run(eng, m, [Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 3)
-                    out[tag[0]] = "ok"
-                except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
-                    out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    for b, r in enumerate(eng.requests()):
-                        if r is not None:
-                            eng.free(b, m)
-        for n in (9, 13, 17, 25, 33, 49, 61):          # every size --budget auto times, and the GPU check's
-            tag[0] = f"cost/verify_{n}"
-            tree, P = CAL.cost_tree(torch.zeros(n, dtype=torch.long, device=device), batch)
-            try:
-                eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), eng.smp, eng.mode, P, True, eng.root)
-                out[tag[0]] = "ok"
-            except Exception as e:          # noqa: BLE001
-                out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    out["missing"] = sorted(eng.steps.names - ran)
-    return out
+placement_check = GC.placement_check
 
 
 @pytest.mark.parametrize("batch, window", [(1, True), (1, False), (3, False)])
@@ -181,6 +123,39 @@ def test_a_template_left_on_the_cpu_is_caught(monkeypatch):
     assert {k.split("/")[0] for k in bad} == retrieving
     assert {k.split("/")[2] for k in bad if k.count("/") == 2} == {"assemble", "recycle_tree"}
     assert "graft/greedy/assemble" in bad
+
+
+# What a step may do on the CPU, or on meta, but not in a CUDA graph: an operand left on the CPU. Each
+# takes the decode step's logits (B, 1, V) and bonus (B,) and mixes in a CPU tensor.
+MIXED = {
+    "cpu_constant": lambda lg, tok: tok + torch.tensor(0),                    # a 0-dim constant made in the step
+    "index_select": lambda lg, tok: lg.index_select(-1, torch.zeros(1, dtype=torch.long)),
+    "gather": lambda lg, tok: lg.gather(-1, torch.zeros(*lg.shape[:-1], 1, dtype=torch.long)),
+    "scatter_add_": lambda lg, tok: torch.zeros_like(lg).scatter_add_(-1, torch.zeros(*lg.shape[:-1], 1, dtype=torch.long),
+                                                                      lg[..., :1]),
+    "embedding": lambda lg, tok: F.embedding(tok, torch.zeros(lg.shape[-1], 2)),
+    "searchsorted": lambda lg, tok: torch.searchsorted(torch.tensor([0.0, 1.0]), lg),
+}
+
+
+@pytest.mark.parametrize("op", list(MIXED))
+def test_an_operand_left_on_the_cpu_is_caught(monkeypatch, op):
+    """Each op CUDA refuses with a CPU operand (or, a 0-dim constant, captures only by skipping CUDA
+    graphs), put into the decode step: meta's own checks let it through, OneDevice fails ar's runs
+    in the decode step, and nothing else."""
+    decode = E.decode
+
+    def mixed(*a, **kw):
+        v = decode(*a, **kw)
+        MIXED[op](v.logits, v.bonus)
+        return v
+    monkeypatch.setattr(E, "decode", mixed)                 # (Engine binds its steps when built)
+    meta_alone = placement_check(1, False, methods=("ar",), strict=False)
+    assert "decode" not in meta_alone.pop("missing") and set(meta_alone.values()) == {"ok"}
+    got = placement_check(1, False, methods=("ar",))
+    bad = {k: v for k, v in got.items() if k != "missing" and v != "ok"}
+    assert set(bad) == {"ar/greedy", "ar/greedy/decode", "ar/sampled", "ar/sampled/decode"}, bad
+    assert "mixes devices" in bad["ar/greedy/decode"]
 
 
 def test_gpu_check_fake_cuda_runs(tmp_path):
