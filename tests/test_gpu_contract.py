@@ -262,10 +262,12 @@ class Transfers(TorchDispatchMode):
 
 @pytest.fixture
 def transfers(monkeypatch):
-    """tolist() on a CPU tensor reads memory without any aten call, and torch.tensor(..., device=)
-    on a CPU is no copy at all: both counted at the Python call."""
+    """tolist() on a CPU tensor reads memory without any aten call, and torch.tensor(..., device=) or
+    a CPU tensor's .to(device) on a CPU is no copy at all: all counted at the Python call. A .to()
+    with a device is a copy to the device on a GPU (pageable memory: a blocking one) unless it comes
+    from pinned memory without blocking, which is not counted."""
     t = Transfers()
-    tolist, tensor, as_tensor = torch.Tensor.tolist, torch.tensor, torch.as_tensor
+    tolist, tensor, as_tensor, to = torch.Tensor.tolist, torch.tensor, torch.as_tensor, torch.Tensor.to
 
     def counted(self):
         t.syncs += t.active
@@ -276,9 +278,16 @@ def transfers(monkeypatch):
             t.to_device += t.active and kw.get("device") is not None
             return make(*a, **kw)
         return f
+
+    def moved(self, *a, **kw):
+        device, _, non_blocking, _ = torch._C._nn._parse_to(*a, **kw)
+        t.to_device += t.active and device is not None and self.device.type == "cpu" and not (
+            non_blocking and self.is_pinned())
+        return to(self, *a, **kw)
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
     monkeypatch.setattr(torch, "tensor", built(tensor))
     monkeypatch.setattr(torch, "as_tensor", built(as_tensor))
+    monkeypatch.setattr(torch.Tensor, "to", moved)
     return t
 
 
@@ -337,6 +346,23 @@ def test_no_host_data_enters_a_round(pair, taus, transfers, name):
     with transfers:
         res = E.run(eng, m, requests("greedy"), 20, ())
     assert transfers.to_device == len(STREAM) and res.rounds > 5
+
+
+def test_a_pageable_copy_per_round_is_counted(pair, taus, transfers, monkeypatch):
+    """A host tensor moved to the device with .to() once a round (a blocking copy from pageable
+    memory on a GPU, a no-op on a CPU) is counted: the check above would fail by one a round."""
+    eng = engine(pair, 3)
+    m = method(eng, "graft", taus)
+    E.run(eng, m, requests("greedy")[:1], 8, ())
+    step = E.Engine.step
+
+    def with_a_copy(self, *a, **kw):
+        torch.zeros(2, dtype=torch.long).to(self.device)
+        return step(self, *a, **kw)
+    monkeypatch.setattr(E.Engine, "step", with_a_copy)
+    with transfers:
+        res = E.run(eng, m, requests("greedy"), 20, ())
+    assert transfers.to_device == len(STREAM) + res.rounds
 
 
 # ----------------------------------------------------------------------------- masked rows
@@ -441,3 +467,48 @@ def test_cache_rows_are_16_aligned(pair):
         assert eng.cache.rows % 16 == 0 and eng.drafter.cache.rows % 16 == 0
         assert eng.cache.k[0].shape[0] == B and eng.drafter.cache.k[0].shape[0] == B
     assert M.cache_rows(4225) == 4240 and M.cache_rows(4224) == 4224
+
+
+def unmarked(eng) -> list:
+    """Declared statics whose address is not marked static for dynamo (torch._dynamo.mark_static_address
+    sets _dynamo_static_input_type): on a GPU each would be copied into its CUDA graph on every replay."""
+    return [t for t in eng.steps.statics if getattr(t, "_dynamo_static_input_type", None) is None]
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """Engines built from here on take their steps' CUDA branch (Steps.cuda) on the CPU: what Steps
+    does with the statics on a GPU, without one. Nothing runs a round: CUDA graph marks would need CUDA.
+    Pinned host memory (pld's buffer) needs CUDA too: allocated unpinned."""
+    init, zeros = E.Steps.__init__, torch.zeros
+
+    def cuda(self, *a, **kw):
+        init(self, *a, **kw)
+        self.cuda = True
+    monkeypatch.setattr(E.Steps, "__init__", cuda)
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **kw: zeros(*a, **kw))
+    for k in ("cache_size_limit", "accumulated_cache_size_limit", "fail_on_recompile_limit_hit"):    # (a compiled
+        if hasattr(torch._dynamo.config, k):                                    # Steps sets them: restored after)
+            monkeypatch.setattr(torch._dynamo.config, k, getattr(torch._dynamo.config, k))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_static_is_marked_on_a_gpu(pair, taus, as_if_cuda, batch):
+    """A compiled engine on a GPU marks every static's address (the caches, round state, sampling rows,
+    every method's buffers, made after the engine): none is copied per replay."""
+    eng = engine(pair, batch, compile=True, backend="aot_eager")
+    for name in E.METHODS:
+        method(eng, name, taus)
+    assert len(eng.steps.statics) > 30 and [f"{tuple(t.shape)} {t.dtype}" for t in unmarked(eng)] == []
+
+
+def test_a_missing_mark_is_caught(pair, taus, as_if_cuda, monkeypatch):
+    """mark_static_address removed (on a CPU it is never called, so nothing else would notice): every
+    static the engine and the method allocated is reported (the token hash, a table shared by every
+    engine in the process, may have been marked by an earlier one)."""
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=False: None)
+    eng = engine(pair, 1, compile=True, backend="aot_eager")
+    m = method(eng, "graft", taus)
+    got = {id(t) for t in unmarked(eng)}
+    assert {id(t) for t in eng.cache.tensors() + [eng.L, eng.root] + m.tensors()} <= got
+    assert len(got) >= len(eng.steps.statics) - 1
