@@ -14,7 +14,8 @@ reads them (those tests run last).
                 every section, in one call within the limit
   lifetimes     every method compiled (aot_eager) with every step output poisoned as it expires: lossless
   one_verify_graph  the verify passes --budget auto times share one graph per path length
-  statics       every tensor a compiled step reads on every call is declared static
+  statics       every tensor a compiled step reads on two calls or more is declared static
+  statics_shared  the same with a method's buffer left undeclared, two instances sharing their graphs
   inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
@@ -89,6 +90,48 @@ def run(section, fn, result):
     except Exception:       # noqa: BLE001 - reported to the test, which fails with it
         result[section] = {"error": traceback.format_exc()[-3000:]}
     result.setdefault("_seconds", {})[section] = round(time.time() - t0, 1)      # (what each section costs)
+
+
+def recording():
+    """({graph: [[tensor arguments of each call]]}, a dynamo backend that records them and runs the graph)."""
+    calls = {}
+
+    def backend(gm, example_inputs):
+        key = len(calls)
+        calls[key] = []
+
+        def run(*args):
+            calls[key].append([a for a in args if torch.is_tensor(a)])
+            return gm(*args)
+        return run
+    return calls, backend
+
+
+def known(eng) -> set:
+    """ids of what a step may read in place on a GPU: declared statics, parameters and buffers."""
+    out = {id(t) for t in eng.steps.statics}
+    return out | {id(t) for mod in (eng.model, eng.drafter.head) for t in list(mod.parameters()) + list(mod.buffers())}
+
+
+def unstated(calls: dict, known: set, every: bool = False) -> list:
+    """The tensors (shape and dtype) that reached one graph, at one argument position, in two or more
+    of its calls as the same object, and are not `known`: state living across calls that nobody
+    declared static. (every=True: only those that were there in every call, the older rule, which a
+    graph shared by two method instances hides: their buffers alternate.) `calls` holds every
+    argument alive, so no id is reused."""
+    bad = set()
+    for seen in calls.values():
+        if len(seen) < 2:
+            continue
+        for i in range(max(map(len, seen))):
+            at = [c[i] for c in seen if i < len(c)]
+            counts = {}
+            for t in at:
+                counts[id(t)] = counts.get(id(t), 0) + 1
+            for t in at:
+                if id(t) not in known and (counts[id(t)] == len(seen) if every else counts[id(t)] >= 2):
+                    bad.add(f"{tuple(t.shape)} {t.dtype}")
+    return sorted(bad)
 
 
 def main(out: str, only=()):
@@ -169,20 +212,11 @@ def main(out: str, only=()):
         return {"new_graphs": counters["stats"]["unique_graphs"] - before}
 
     def statics():
-        """Every tensor a compiled step reads on every call (the same object each time) is declared
-        static (or is a parameter or buffer): on a GPU anything else is copied in on every replay."""
-        calls = {}
-
-        def backend(gm, example_inputs):
-            key = len(calls)
-            calls[key] = []
-
-            def run(*args):
-                calls[key].append([a for a in args if torch.is_tensor(a)])
-                return gm(*args)
-            return run
+        """Every tensor a compiled step reads on more than one call (the same object) is declared static
+        (or is a parameter or buffer): on a GPU anything else is copied in on every replay."""
         out = {}
         for attention, B in (("window", 1), ("full", 1), ("window", 2)):
+            calls, backend = recording()
             eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention, batch=B)
             for m in E.METHODS:
                 p = E.make_method(eng, m, CFG)
@@ -191,18 +225,28 @@ def main(out: str, only=()):
                         E.generate(eng, p, ids, 12, GREEDY, ())
                 else:                        # a stream through the slots, refilled
                     E.run(eng, p, [E.Request(ids, GREEDY, i) for i, ids in enumerate(PROMPTS_LONG)], 12)
-            known = {id(t) for t in eng.steps.statics}
-            known |= {id(t) for mod in (eng.model, eng.drafter.head) for t in list(mod.parameters()) + list(mod.buffers())}
-            bad = set()
-            for key, seen in calls.items():
-                if len(seen) < 2:
-                    continue
-                for i, t in enumerate(seen[0]):
-                    if all(i < len(c) and c[i] is t for c in seen) and id(t) not in known:
-                        bad.add(f"{tuple(t.shape)} {t.dtype}")
-            out[attention if B == 1 else f"{attention}@{B}"] = sorted(bad)
-            calls.clear()
+            out[attention if B == 1 else f"{attention}@{B}"] = unstated(calls, known(eng))
         return out
+
+    def statics_shared():
+        """The blind spot of a check that wants a tensor in *every* call of a graph: two graft instances
+        (other thresholds) share their graphs, so a buffer left out of Method.tensors() (here m.taus)
+        alternates between two objects. What the rule of `statics` and the all-calls rule report."""
+        calls, backend = recording()
+        eng = tiny_engine(tmp, compile=True, backend=backend, attention="full")
+        tensors = GR.Eagle3Tree.tensors
+        GR.Eagle3Tree.tensors = lambda self: [t for t in tensors(self) if t is not self.taus]
+        try:
+            ms = [E.make_method(eng, "graft", dataclasses.replace(CFG, thresholds={0: t, 1: 0.1, 2: 0.02}))
+                  for t in (0.3, 0.31)]
+            for ids in PROMPTS_LONG:
+                for m in ms:
+                    E.generate(eng, m, ids, 12, GREEDY, ())
+        finally:
+            GR.Eagle3Tree.tensors = tensors
+        taus = f"{tuple(ms[0].taus.shape)} {ms[0].taus.dtype}"
+        return {"taus": taus, "flagged": unstated(calls, known(eng)),
+                "flagged_if_in_every_call": unstated(calls, known(eng), every=True)}
 
     def batch():
         """B = 2 (aot_eager, full attention, every step output poisoned as it expires): after a first
@@ -226,6 +270,7 @@ def main(out: str, only=()):
         return out
 
     for section, fn in (("batch", batch), ("lifetimes", lifetimes), ("one_verify_graph", one_verify_graph), ("statics", statics),
+                        ("statics_shared", statics_shared),
                         ("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
                         ("gpu_check", gpu_check), ("inductor", inductor)):
         if only and section not in only:

@@ -104,10 +104,29 @@ def test_compiled_verify_serves_every_budget():
 
 
 def test_compiled_steps_read_only_static_state():
-    """Every tensor a compiled step reads on every call (the same object each time: RoPE tables, the
+    """Every tensor a compiled step reads on two calls or more (the same object: RoPE tables, the
     column indices, the token hash, templates, caches) is declared static or is a parameter or buffer;
     on a GPU anything else is copied into the graph on every replay. One request, and two slots."""
     assert compile_result("statics") == {"window": [], "full": [], "window@2": []}
+
+
+def test_compiled_statics_check_sees_a_buffer_two_instances_share():
+    """A method's buffer left out of its tensors() (graft's thresholds on the device), with two graft
+    instances whose graphs are shared: the check above reports it; a check wanting the tensor in
+    every call of a graph would not (the two instances' buffers alternate)."""
+    got = compile_result("statics_shared")
+    assert got["flagged"] == [got["taus"]] and got["flagged_if_in_every_call"] == []
+
+
+def test_statics_rule():
+    """The rule itself, on recorded calls: a tensor at one position of one graph in two calls or more
+    and not known is reported; a new tensor each call is not; a known one is not."""
+    import compile_check as CC
+    a, b, new = torch.zeros(3), torch.ones(2), lambda: torch.zeros(4)
+    calls = {0: [[a, new()], [b, new()], [a, new()], [b, new()]], 1: [[new()]]}
+    assert CC.unstated(calls, set()) == ["(2,) torch.float32", "(3,) torch.float32"]
+    assert CC.unstated(calls, set(), every=True) == []
+    assert CC.unstated(calls, {id(a), id(b)}) == []
 
 
 @pytest.mark.parametrize("method", list(E.METHODS) + ["graft-stop", "prune-stop"])
