@@ -17,8 +17,10 @@ The compiled checks (aot_eager: the same tracing as a GPU's compile: statics, re
 come and go) run in tests/compile_check.py.
 """
 import dataclasses
+import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -163,6 +165,48 @@ def test_gpu_check_fake_cuda_runs(tmp_path):
                         str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("placement  ok")
+
+
+def test_gpu_check_plan(capsys):
+    """--dry-run runs nothing and prints the plan: every section in order with its graphs and time;
+    each section's limit is its expected share of what is left, so the limits add up to the total
+    when every section takes all of its own, and a section that finishes early leaves its time to
+    the later ones."""
+    assert GC.main(["--dry-run", "--time-limit", "420"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in out[1::2]] == list(GC.SECTIONS) == ["env", "placement", "engine", "lossless",
+                                                                          "speed", "peer"]
+    assert "no GPU has run this" in out[0] and "graphs: ar: prefill, ar: decode" in out[6]
+    assert sum(len(g) for s, _, g, *_ in GC.PLAN if s == "engine") == len(GC.ENGINE_GRAPHS) == 10
+    names, left, limits = list(GC.SECTIONS), 417.0, []
+    for s in names:
+        limits.append(GC.limit_for(s, names, left, False))
+        left -= limits[-1]
+    assert abs(sum(limits) - 417.0) < 1e-6
+    assert GC.limit_for("peer", names, 100.0, False) == 100.0               # the last takes all that is left
+    assert GC.limit_for("speed", names, 340, False) > GC.limit_for("speed", names, 170, False)
+
+
+def test_gpu_check_stops_a_section_at_its_limit(tmp_path):
+    """A section past its share is killed (its process group: inductor's workers too) and reported,
+    the summary is written and printed, and the exit code is 1."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--sections", "placement",
+                        "--time-limit", "5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["complete"] and not s["sections"]["placement"]["ok"]
+    assert s["sections"]["placement"]["why"].startswith("timed out after 2 s")
+    assert "summary: FAILED" in r.stdout and r.stdout.rstrip().endswith("summary.json)")
+
+
+def test_gpu_check_peer_refuses_transformers_own_compile(monkeypatch, tmp_path):
+    """The peer measures our compiled decode forward, not transformers' compile around it: without
+    disable_compile its static-cache generate() would compile the model itself (on a GPU; the CPU
+    rehearsal is made eligible the same way), and the section fails before timing anything."""
+    monkeypatch.setattr(GC, "PEER_COMPILED", {k: v for k, v in GC.PEER_COMPILED.items() if k != "disable_compile"})
+    args = types.SimpleNamespace(tiny=True, tokens=3, chunk=16)
+    with pytest.raises(SystemExit, match="transformers compiled the model itself"):
+        GC.section_peer(args, lambda r: None)
 
 
 # ----------------------------------------------------------------------------- output lifetimes
