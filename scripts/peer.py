@@ -55,8 +55,8 @@ def main(argv=None):
     hf.eval()
     eos = eng.tokenizer.eos_ids or None
     kw = dict(do_sample=False, max_new_tokens=a.max_new_tokens, eos_token_id=eos, pad_token_id=(eos or [0])[0])
-    if a.static:
-        kw["cache_implementation"] = "static"
+    if a.static:       # our compiled forward, and transformers compiles nothing itself (on CUDA it would, around ours)
+        kw.update(cache_implementation="static", disable_compile=True)
         hf.forward = torch.compile(hf.forward, fullgraph=True)
     ours = {"eager": (eng, E.make_method(eng, "ar"))}
     if a.ours_compiled:
