@@ -597,6 +597,12 @@ def main(argv=None) -> dict:
             jsonl.close()
     bar(done, total, t0, "interrupted" if interrupted else "done")
     sys.stderr.write("\n")
+    # the host's work per round of each run (replays, eager ops, syncs): counted on the first prompt after
+    # the timed runs, never during them (counting slows a round)
+    first = next((p[0] for u in units for p in [prompts[u]] if p), None)
+    round_work = {} if interrupted or first is None else {
+        f"{x} {m}" + (f"@{b}" if b else ""): CLI.round_work(engines[x], meth, first, a.max_new_tokens, sampling)
+        for (x, m, b), meth in runs.items()}
 
     sweep = len({r["budget"] for r in rows if r["budget"]}) > 1     # a budget column when budgets differ
     report = {"meta": {
@@ -619,7 +625,7 @@ def main(argv=None) -> dict:
         "contexts": contexts, "graft_over_eagle3": graft_over_eagle3(rows),
         "pass_ms": {x: {str(n): ms for n, ms in c.items()} for x, c in cost.items()}, "pass_context": cost_context,
         "pass_ms_by_context": {str(c): {str(n): ms for n, ms in v.items()} for c, v in by_context.items()},
-        "compiled_over_eager": compiled_over_eager(rows),
+        "compiled_over_eager": compiled_over_eager(rows), "round_work": round_work,
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
         "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}

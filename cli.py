@@ -6,11 +6,13 @@ import math
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
 from checkpoint import DTYPES, free_memory, load_head, load_model, resolve_checkpoint
 from data import read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
+from engine import generate as generate_one
 from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
 from model import GraftError
 from tokenizer import load_tokenizer
@@ -384,6 +386,54 @@ def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling,
     gap = abs(float(score[a] - score[b]))
     tie = set(top.indices.tolist()) == {a, b} and gap <= tol
     return {"kind": "near-tie" if tie else "differs", "position": pos, "gap": round(gap, 6), "tolerance": round(tol, 6)}
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def round_work(eng: Engine, method: Method, ids: list, max_new_tokens: int, sampling: Sampling = Sampling()) -> dict:
+    """The host's work per decoding round of one generation of `ids` (the prefill excluded), counted,
+    not timed: step calls (on a GPU each is a CUDA graph replay), aten ops dispatched outside the steps
+    (eager work: each a kernel launch on a GPU, or a host op), and host syncs (the round's own count).
+    Counting slows the round, so it runs apart from timed runs; run it after them (or after a
+    generation that compiled the steps). Returns {"rounds", "replays_per_round", "eager_ops_per_round",
+    "syncs_per_round"}; per-round figures are means."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    steps, calls, at = eng.steps, [0], {}
+    saved = {name: getattr(steps, name) for name in steps.names}
+
+    def watched(step):
+        def run(*a, **kw):
+            calls[0] += 1
+            with _disable_current_modes():        # a step runs as it always does (a mode would change its guards)
+                return step(*a, **kw)
+        return run
+    ops, syncs = _Count(), []
+
+    def first(_tokens):                           # after the prefill: the rounds start here
+        at.setdefault("calls", calls[0])
+        at.setdefault("ops", ops.n)
+    try:
+        for name, step in saved.items():
+            setattr(steps, name, watched(step))
+        with ops:
+            generate_one(eng, method, ids, max_new_tokens, sampling, (), on_tokens=first,
+                       on_round=lambda rnd, got: syncs.append(rnd.syncs))
+    finally:
+        for name, step in saved.items():
+            setattr(steps, name, step)
+    r = max(len(syncs), 1)
+    return {"rounds": len(syncs), "replays_per_round": round((calls[0] - at.get("calls", 0)) / r, 3),
+            "eager_ops_per_round": round((ops.n - at.get("ops", 0)) / r, 3), "syncs_per_round": round(sum(syncs) / r, 3)}
 
 
 def run(main, argv=None):

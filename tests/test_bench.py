@@ -49,6 +49,12 @@ def test_report_rows_lossless_and_baseline(tiny, capsys):
     assert ar["speedup"] == 1.0 and ar["mat"] == 1.0 and ar["verified_per_round"] == 0
     assert rows[1]["draft_forwards_per_round"] > 0 and rows[1]["verified_per_round"] > 0
     assert saved["meta"]["mismatches"] == [] and saved["meta"]["machine"]["cpu_count"]
+    work = {k.split("@")[0]: v for k, v in saved["meta"]["round_work"].items()}   # the host's work per round
+    assert set(work) == {f"eager {m}" for m in ("ar", "eagle3", "graft", "recycle", "pld")}
+    assert work["eager ar"]["replays_per_round"] == 1 and work["eager ar"]["syncs_per_round"] == 1
+    assert work["eager pld"]["replays_per_round"] == 1 and work["eager recycle"]["replays_per_round"] == 3
+    assert work["eager eagle3"]["replays_per_round"] == 8 + 3       # extend and 7 levels (depth 8), assemble, verify, learn
+    assert work["eager graft"]["syncs_per_round"] >= 1 and all(w["eager_ops_per_round"] > 0 for w in work.values())
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("| dataset | method |")
     assert json.loads(out[-1]) == saved                  # the last stdout line is the report, compact
