@@ -6,9 +6,9 @@ reads them (those tests run last).
                 backend (dynamo tracing with fullgraph, functionalised cache writes, no codegen): every
                 method, greedy and sampled, two prompts, tokens equal to the eager engine's
   recompiles    after compile_warmup, graphs compiled by rounds at other prompt/context lengths
-  warmup        the calibration warm-up on the compiled engine (aot_eager): it runs (more rounds than
-                dynamo's recompile limit), and records what the eager engine's records (Youden's
-                thresholds, hit rates, the matrix)
+  warmup        the calibration warm-up with --budget auto on the compiled engine (aot_eager): it runs
+                (more rounds than dynamo's recompile limit), records what the eager engine's records
+                (Youden's thresholds, hit rates, the matrix), and the graphs each step then holds
   demo          the demo pair, aot_eager, graft, greedy and sampled
   gpu_check     scripts/gpu_check.py --tiny --time-limit 420: the GPU check's code end to end on the CPU,
                 every section, in one call within the limit
@@ -154,13 +154,18 @@ def main(out: str, only=()):
         return {"graphs_after_warmup": counters["stats"]["unique_graphs"] - before}
 
     def warmup():
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         eager, comp = tiny_pair("aot_eager", tmp)
         got = []
         for e in (eager, comp):
-            cal = CAL.warm_up(e, GR.Config(budget=8, checkpoints=(0, 1, 2)), rounds=3, max_new_tokens=40, use_cache=False)
-            got.append((cal.get("graft", "youden")["thresholds"], cal.hit_rates, e.matrix.M.clone()))
+            cal = CAL.warm_up(e, GR.Config(budget=8, checkpoints=(0, 1, 2)), rounds=3, max_new_tokens=40, use_cache=False,
+                              auto_budget=True)
+            got.append((cal.get("graft", "youden")["thresholds"], cal.hit_rates, e.matrix.M.clone(), cal.budget_curve))
+        graphs = {n: len(_debug_get_cache_entry_list(getattr(comp.steps, n)._torchdynamo_orig_callable))
+                  for n in sorted(comp.steps.names)}        # each step's graphs: its code object's cache entries
         return {"youden": got[0][0] == got[1][0], "hit_rates": got[0][1] == got[1][1],
-                "matrix": bool(torch.equal(got[0][2], got[1][2]))}
+                "matrix": bool(torch.equal(got[0][2], got[1][2])), "graphs": graphs,
+                "budgets": sorted(int(b) for b in got[1][3]["graft"])}
 
     def demo():
         ckpt, head = str(HERE.parent / "checkpoints" / "stdlib-qwen3"), str(HERE.parent / "checkpoints" / "stdlib-qwen3-eagle3")
@@ -271,7 +276,8 @@ def main(out: str, only=()):
 
     for section, fn in (("batch", batch), ("lifetimes", lifetimes), ("one_verify_graph", one_verify_graph), ("statics", statics),
                         ("statics_shared", statics_shared),
-                        ("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup), ("demo", demo),
+                        ("every_method", every_method), ("recompiles", recompiles), ("warmup", warmup),
+                        ("demo", demo),
                         ("gpu_check", gpu_check), ("inductor", inductor)):
         if only and section not in only:
             continue

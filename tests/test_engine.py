@@ -50,7 +50,17 @@ def test_compiled_warmup_records_what_eager_records():
     """The calibration warm-up on a compiled engine runs past dynamo's recompile limit (its records
     live outside the compiled steps) and gives the eager warm-up's Youden thresholds, hit rates and
     matrix."""
-    assert compile_result("warmup") == {"youden": True, "hit_rates": True, "matrix": True}
+    got = compile_result("warmup")
+    assert {k: got[k] for k in ("youden", "hit_rates", "matrix")} == {"youden": True, "hit_rates": True, "matrix": True}
+
+
+def test_compiled_auto_budget_warmup_compiles_a_constant_number_of_graphs():
+    """--budget auto prices 6 budgets here: the warm-up's dense tree and one graft instance make the
+    assemble graphs (2, not one per budget), one verify graph per path length serves every size,
+    and every other step compiles once or twice (prefill: with and without features)."""
+    got = compile_result("warmup")
+    assert got["budgets"] == [8, 12, 16, 24, 32, 48]
+    assert got["graphs"]["assemble"] == 2 and sum(got["graphs"].values()) <= 13, got["graphs"]
 
 
 def test_compiled_with_inductor_equals_eager():
