@@ -3,7 +3,7 @@
     python scripts/gpu_check.py --out DIR                     # a GPU: Qwen3-8B's widths, within --time-limit (420 s)
     python scripts/gpu_check.py --dry-run [--time-limit S]    # the plan: sections, graphs, expected and allowed time
     python scripts/gpu_check.py --tiny --out DIR              # the same code on a CPU, tiny shapes (the suite runs it)
-    python scripts/gpu_check.py --fake-cuda                   # placement only (the suite runs it)
+    python scripts/gpu_check.py --fake-cuda                   # placement only (the suite calls its check directly)
 
 It installs nothing and needs neither gguf nor a download: it runs on the lent machine's own torch
 (2.11) and transformers (5.17). Random weights shaped like Qwen3-8B (hidden 4096, 32/8 heads, head_dim
