@@ -4,12 +4,17 @@ B = 1 and B > 1.
 CUDA graphs (torch.compile mode="reduce-overhead") and SDPA's kernel choice have rules a CPU never
 enforces. Each test here enforces one of them on the CPU, for one request and for a batch:
   placement   every step of every method runs on a non-CPU device (meta: data-less), whole rounds with
-              refills, so a CPU tensor mixed into a step fails here as it would on a GPU
+              refills, under gpu_check.OneDevice (no op with tensors on two devices), so a CPU tensor
+              mixed into a step fails here as it would on a GPU, also where meta alone lets it through
+              (index_select, gather, scatter_add_, embedding, searchsorted, a 0-dim constant)
   lifetimes   every step output is poisoned when it expires (next generation, or the step's next run):
               every method stays lossless, so nothing reads an output after a replay
   host syncs  device-to-host reads per round are counted and equal the documented number: at B = 1 one
               per round plus one per checkpoint reached (plus one per admitted request)
-  host data   no tensor is built from host data for the device inside a round (a blocking copy on a GPU)
+  host data   no tensor is built from host data for the device, nor moved there with .to(), inside a
+              round (a blocking copy on a GPU)
+  statics     on a GPU every declared static is marked static for dynamo (Steps' CUDA branch, on the CPU)
+  gpu check   scripts/gpu_check.py's plan and limits, a section stopped at its share, its peer section
   masked rows non-finite values in cache rows nobody may see change no token, in both attention modes
   attention   masked grouped-query attention never asks SDPA for enable_gqa (the math kernel on a GPU)
   code        every step has its own code object (its own dynamo cache); caches are 16-row aligned
