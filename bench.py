@@ -287,11 +287,12 @@ def parse_args(argv=None):
                f"{', '.join(DATA.FILES)} (from ../shared/data), spec_bench:CATEGORY ({', '.join(DATA.SPEC_BENCH_CATEGORIES)}), "
                f"{', '.join(DATA.GENERATED)} (made at run time from the stories model / this Python's standard library), "
                f"{', '.join(DATA.LONG)} (long context, --context tokens each, from this Python's standard library "
-               f"and its documentation), or a .jsonl/.json/.txt file of prompts")
+               f"and its documentation), or a file of prompts ({DATA.PROMPT_FORMATS})")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default=None,
                    help="default: ar,eagle3,prune,graft (with --batch: every batched method)")
-    p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
+    p.add_argument("--datasets", default=None, help="default: mt_bench,humaneval,gsm8k for the default demo pair (SmolLM2), mt_bench "
+                                                          "with --ckpt")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")
     p.add_argument("--json-out", default=None,
                    help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
@@ -462,7 +463,7 @@ def main(argv=None) -> dict:
     a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
-        wp = read_prompts(a.warmup_file) if a.warmup_file else None
+        wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
         cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                           calibration=a.calibration, auto_budget=a.auto_budget)
         if a.auto_budget and cal.methods:
@@ -640,7 +641,8 @@ def main(argv=None) -> dict:
         draw = plot_context if len(contexts or []) > 1 else plot
         draw(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
     report_mismatches(mismatches, dtype, "ar", log)
-    print(json.dumps(report, separators=(",", ":")))
+    if not a.json_out:        # the report goes to one place: --json-out's file, or else stdout's last line
+        print(json.dumps(report, separators=(",", ":")))
     if interrupted:
         raise KeyboardInterrupt
     return report
@@ -788,7 +790,8 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     report_mismatches(mismatches, dtype, "ar alone", log)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, separators=(",", ":")))
+    else:                     # the report goes to one place: --json-out's file, or else stdout's last line
+        print(json.dumps(report, separators=(",", ":")))
     return report
 
 

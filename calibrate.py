@@ -550,16 +550,38 @@ def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: 
 
 # ----------------------------------------------------------------------------- set-up and warm-up
 
+def content_stamp(path: str) -> str:
+    """What a model is, read from its bytes (not its path, size or file times: a folder whose weights
+    were replaced by another model's of the same size, times kept by `cp -p`, is another model): a
+    hash of its config files whole and, of each weight file (.safetensors, .gguf, .bin), its size and
+    STAMP_BLOCKS blocks of 64 KiB spread evenly from its first byte to its last (the header, and
+    weights from every part of the file). A few MiB read, whatever the model's size."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))
+                                                if f.endswith((".safetensors", ".gguf", ".bin", ".json"))]
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)}:{size};".encode())
+        with open(f, "rb") as fh:
+            if f.endswith(".json"):
+                h.update(fh.read())
+                continue
+            for i in range(STAMP_BLOCKS):
+                fh.seek(max(0, size - 65536) * i // (STAMP_BLOCKS - 1))
+                h.update(fh.read(65536))
+    return h.hexdigest()
+
+
+STAMP_BLOCKS = 32
+
+
 def state_path_for(engine: Engine, *settings) -> str:
-    """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model), the cache length, everything that changes what
-    the calibration measured (dtype, device and which one, torch's version and thread count, eager or
-    compiled and how, attention over a window or the whole cache), and every setting that shaped the
+    """Warm-up state is cached per (target, head) as their bytes say (content_stamp: a retrained or
+    replaced model in the same folder is a different model), the cache length, everything that changes
+    what the calibration measured (dtype, device and which one, torch's version and thread count, eager
+    or compiled and how, attention over a window or the whole cache), and every setting that shaped the
     warm-up."""
-    def stamp(path):
-        files = ([path] if os.path.isfile(path) else
-                 [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
-        return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    stamp = lambda path: [path, content_stamp(path)]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
     dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")

@@ -107,9 +107,12 @@ def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     A counter-based generator: the draw for position p is the same whether p is decoded alone or as
     one node of a tree, in a batch or not, on any device. That is what makes speculative sampling
     reproduce plain sampling token for token (GRAFT.md section 5). seed: int64, broadcastable to
-    positions ((B, 1) against (B, N)); data, so a new seed compiles nothing."""
+    positions ((B, 1) against (B, N)); data, so a new seed compiles nothing. Every seed in [0, 2^63)
+    keys its own stream: the high 32 bits, when not zero, rehash each position's key."""
     base = _hash32(seed * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (..., N)
+    hi = seed >> 32
+    h_pos = torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
     h = _hash32(h_pos[..., None] ^ token_hash(vocab, positions.device))            # (..., N, V)
     u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
