@@ -19,6 +19,7 @@ import sys
 from functools import lru_cache
 
 import torch
+from tqdm import tqdm
 
 from draft import select
 from engine import CALIBRATED, CPU_COMPILE, WARMUP_PROMPTS, Engine, Request, compile_warmup, run, sync
@@ -246,7 +247,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     is skipped, never truncated; a warm-up in which no generation ran, or none left a round long
     enough to score (usable_records), calibrates nothing (the thresholds never prune, with a warning)
     and is not cached."""
-    log = log or (lambda s: None)
+    show, log = log is not None, log or (lambda s: None)       # a caller that logs sees progress bars too
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
@@ -282,6 +283,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         for b, g in enumerate(got):
             if g is None:
                 continue
+            bar.update(len(g[0]) + 1)
             r = engine.slots[b].request
             engine.matrix.record(rec["rank"][b], rnd.v.target[b], rnd.tree.valid[b])
             if d:
@@ -296,7 +298,11 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
             reqs.append(Request(ids))
     engine.clock.reset()
+    # the bar counts tokens of at most max_new_tokens a generation (one that stops early ends short of it)
+    bar = tqdm(total=len(reqs) * max_new_tokens, desc="warm-up", unit="tok", file=sys.stderr, dynamic_ncols=True,
+               disable=not show)
     res = run(engine, m, reqs, max_new_tokens, engine.tokenizer.eos_ids, on_round=record, record=True) if reqs else None
+    bar.close()
     times = engine.clock.read()
     for r in records:              # what the target generated after each round's root: its truth
         full = r["request"].ids + r["request"].tokens
@@ -318,7 +324,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     calibrations, curve, spread = {}, {}, None
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
-        options, spread = calibration_options(engine, cfg, records, res, times, budgets or (cfg.budget,), rates)
+        options, spread = calibration_options(engine, cfg, records, res, times, budgets or (cfg.budget,), rates, show)
         log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
             f"go to the smaller")
         calibrations = {"throughput": {}, "youden": {}}
@@ -371,7 +377,8 @@ def usable_records(records: list, depth: int) -> list:
 
 
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dict, budgets, rates) -> tuple:
+def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dict, budgets, rates,
+                        show: bool = False) -> tuple:
     """({method: {budget: (rounds, cost)}}, spread): the options as choose_budget reads them, for
     eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
     tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
@@ -395,7 +402,7 @@ def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dic
         return memo[(i, s, K, R)]
 
     out = {"eagle3": {}, "prune": {}, "graft": {}}
-    for b in budgets:
+    for b in tqdm(budgets, desc="calibration", unit="budget", file=sys.stderr, dynamic_ncols=True, disable=not show):
         t_asm = assembly_seconds(eng, dataclasses.replace(cfg, budget=b), rates)
         for method in out:
             c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d)

@@ -126,6 +126,9 @@ def main(argv=None):
         host = torch.stack([t.tokens[0], t.parents[0], t.valid[0].long(),
                             t.retrieved[0].long() if t.retrieved is not None else t.valid[0].long() * 0]).tolist()
         path = rnd.v.path[0, :len(acc) + 1].tolist()
+        sys.stdout.flush()        # the text so far, then the tree on lines of its own (stdout keeps the text alone)
+        if stream.shown and not stream.shown.endswith("\n"):
+            print(file=err)
         print(render_round(rounds[0], *host, path, rnd.stages[0], bonus, eng.tokenizer.decode, source=m.source), file=err)
 
     res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,

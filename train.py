@@ -32,6 +32,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from checkpoint import hf_model_args, load_head, load_model, read_config, save_head
 from model import GraftError, ModelArgs
@@ -203,15 +204,24 @@ def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, samplin
     return seqs
 
 
+_BARS = {}
+
+
 def progress(what: str, i: int, n: int, t0: float, extra: str = ""):
-    w = 30
-    done = int(w * i / max(n, 1))
-    el = time.time() - t0
-    eta = el / max(i, 1) * (n - i)
-    sys.stderr.write(f"\r{what} [{'#' * done}{'.' * (w - done)}] {i}/{n} {el:.0f}s<{eta:.0f}s {extra}   ")
+    """Step i of n of `what` (data, views, train): tqdm's bar on stderr, a count, the time and an
+    estimate; one bar per `what` until it is done (a resumed run's bar starts at its step). t0 is kept
+    for the callers' own logs; tqdm keeps its own clock."""
+    b = _BARS.get(what)
+    if b is None or b.total != n or i < b.n:
+        if b is not None:
+            b.close()
+        b = _BARS[what] = tqdm(total=n, initial=max(i - 1, 0), desc=what, file=sys.stderr, dynamic_ncols=True)
+    b.update(i - b.n)
+    if extra:
+        b.set_postfix_str(extra, refresh=False)
     if i >= n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+        b.close()
+        del _BARS[what]
 
 
 def draft_vocab(seqs: list, vocab: int, size: int) -> torch.Tensor:
