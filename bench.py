@@ -449,7 +449,7 @@ def main(argv=None) -> dict:
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
-                           methods=todo)
+                           methods=todo, more_batches=sizes or ())
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
@@ -495,7 +495,7 @@ def main(argv=None) -> dict:
     for x, e in engines.items():
         if e.compiling:
             log(f"compile: {E.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
-    w = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+    w = eng.tokenizer.encode(CAL.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     for (x, _, _), meth in runs.items():
         E.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
@@ -680,7 +680,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     budget = CAL.method_config(cal, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
     cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
-    warm = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+    warm = eng.tokenizer.encode(CAL.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     streams, refs, alone = {}, {}, {}
     ar1 = eng.make("ar")
     E.generate(eng, ar1, warm, 8, sampling, ())                 # first-call costs, before the clock

@@ -29,6 +29,9 @@ class ArgumentParser(argparse.ArgumentParser):
 # Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
 # uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
+# The most nodes a verified tree may hold (--budget, --recycle-size): 16x the paper's largest budget (60);
+# a pass over more costs far more than the tokens it could accept.
+MAX_TREE_NODES = 1024
 
 
 # Warm-up generations before a run (--warmup): five generic prompts; the demo runs two, which keeps
@@ -114,7 +117,7 @@ def check_args(a, budgets=None):
     need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
-    need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
+    need(1 <= a.recycle_size <= MAX_TREE_NODES, f"--recycle-size must be in [1, {MAX_TREE_NODES}], got {a.recycle_size}")
     need(a.warmup is None or a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
     need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
@@ -130,8 +133,10 @@ def check_args(a, budgets=None):
     budgets = budgets or [a.budget]
     need(all(b >= 1 for b in budgets), f"--budget must be >= 1, got {min(budgets)}")
     most = a.draft_top_k + (a.depth - 1) * a.draft_top_k ** 2        # the candidates a full-depth draft holds
-    need(max(budgets) <= most, f"--budget {max(budgets)} exceeds the {most} candidate nodes a draft tree of "
-                               f"--draft-top-k {a.draft_top_k} and --depth {a.depth} holds")
+    need(max(budgets) <= min(most, MAX_TREE_NODES),
+         f"--budget {max(budgets)} exceeds " + (f"the {most} candidate nodes a draft tree of --draft-top-k "
+                                                f"{a.draft_top_k} and --depth {a.depth} holds" if most < MAX_TREE_NODES
+                                                else f"{MAX_TREE_NODES} nodes, the largest tree a pass verifies"))
     cps = numbers("--checkpoints", a.checkpoints)
     need(all(0 <= c < a.depth for c in cps), f"--checkpoints must be depths in [0, --depth {a.depth}), got {cps}")
     need(cps == sorted(set(cps)), f"--checkpoints must be increasing, got {cps}")
@@ -183,12 +188,14 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None) -> Engine:
+                 methods: list | None = None, more_batches=()) -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
-    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). Errors:
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). more_batches: batch
+    sizes engines on this model will take later (bench --batch), checked against memory here too, before
+    the weights load. Errors:
     GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
     the memory there is (checked before they are allocated)."""
     if dtype not in DTYPES:
@@ -211,10 +218,11 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                          f"a chunk longer than the cache")
     if methods is None:
         methods = [(m, Config(budget=max(AUTO_BUDGETS))) for m in METHODS]
-    nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), batch)
     # the sizes from input against the memory there is, before the weights load (the head's cache is
     # counted once it is loaded, below)
-    check_batch_memory(args, max_seq_len, None, batch, max(nodes, longest), chunk, matrix_k, DTYPES[dtype], device)
+    for b in [batch, *more_batches]:
+        nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), b)
+        check_batch_memory(args, max_seq_len, None, b, max(nodes, longest), chunk, matrix_k, DTYPES[dtype], device)
     model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
     head = None
     if draft:

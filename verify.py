@@ -295,31 +295,32 @@ def commit(v: Verified, tree: Tree) -> list:
 
 
 class Clock:
-    """Time per phase of a round, without host syncs: on a CPU each mark reads the wall clock; on a GPU
-    it records a CUDA event, and the events are read once, when the generation is over."""
+    """Time per phase of a round, without host syncs: on a CPU each mark reads `timer` (the wall clock;
+    the calibration sets time.process_time); on a GPU it records a CUDA event, and the events are read
+    once, when the generation is over."""
 
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.cuda, self.timer = torch.device(device).type == "cuda", time.perf_counter
         self.reset()
 
     def reset(self):
         """Forget every phase; timing restarts at the next start() (no event is recorded here, so an
         engine on fake CUDA tensors can be built on a machine without CUDA)."""
         self.totals, self.events = {}, []
-        self.last = time.perf_counter()
+        self.last = self.timer()
 
     def start(self):
         if self.cuda:
             self.events.append((None, self._event()))
         else:
-            self.last = time.perf_counter()
+            self.last = self.timer()
 
     def mark(self, phase: str):
         """The time since the previous mark goes to `phase`."""
         if self.cuda:
             self.events.append((phase, self._event()))
         else:
-            now = time.perf_counter()
+            now = self.timer()
             self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
             self.last = now
 

@@ -224,7 +224,7 @@ def test_both_calibrations_and_auto_budget(tiny):
         assert r["budget"] == want
     curve = meta["expected_tokens_per_s_by_budget"]
     assert set(curve) == {"eagle3", "prune", "graft"}
-    tie = 1 - bench.CAL.TIE_SPREADS * meta["cost_spread"]
+    tie = 1 - bench.CAL.tie_tolerance(meta["cost_spread"])
     for m in curve:           # the chosen budget: the smallest within the timing's spread of the curve's best
         best = max(curve[m].values())
         chosen = min((int(b) for b, r in curve[m].items() if r >= best * tie))
