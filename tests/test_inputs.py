@@ -403,7 +403,7 @@ def test_show_tree_starts_on_a_line_of_its_own(tmp_path, monkeypatch):
     lines = both.getvalue().split("\n")
     rounds = [l for l in lines if "round " in l and ": drafted" in l]
     assert len(rounds) >= 2 and all(l.startswith("round ") for l in rounds)
-    assert out.getvalue() == res["text"]
+    assert out.getvalue() == res["text"] + "\n"         # the text, and the line it ends
 
 
 def test_help_is_current(capsys):
