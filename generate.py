@@ -81,9 +81,6 @@ def main(argv=None):
     a.warmup = WARMUP_RUNS if a.warmup is None else a.warmup
     draft = a.draft or known_head(a.ckpt)
     method = a.method or ("graft" if draft else "ar")
-    if a.method is None and not draft:
-        print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
-              f"(graft), or --method recycle or --method pld, which need no head", file=err)
     if method in NEEDS_HEAD and not draft:      # before anything loads or warms up
         raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
@@ -94,6 +91,9 @@ def main(argv=None):
     todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
     eng = build_engine(a.ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
                        attention=a.attention, chunk=a.prefill_chunk, batch=B, methods=todo)
+    if a.method is None and not draft:     # (once the checkpoint has loaded: a bad one is its own error)
+        print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
+              f"(graft), or --method recycle or --method pld, which need no head", file=err)
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     ids = enc(a.prompt or "") if many is None else None
     for x in [ids] if many is None else (many := [enc(t) for t in many]):
