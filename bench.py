@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import calibrate as CAL
 import cli as CLI
@@ -131,14 +132,6 @@ def decode_rate(res: E.Result) -> float:
     (seconds - times["prefill"]); the prefill phase ends when the first token is chosen, so what is
     left is the rounds alone. (End to end, tokens_per_s = len(tokens) / seconds.)"""
     return (len(res.tokens) - 1) / max(res.seconds - res.times.get("prefill", 0.0), 1e-9)
-
-
-def bar(done: int, total: int, t0: float, what: str):
-    w, el = 30, time.time() - t0
-    n = int(w * done / max(total, 1))
-    eta = el / max(done, 1) * (total - done)
-    sys.stderr.write(f"\r[{'#' * n}{'.' * (w - n)}] {done}/{total} {el:.0f}s<{eta:.0f}s {what:<28.28}")
-    sys.stderr.flush()
 
 
 def table(rows: list, sweep: bool, executions: bool = False) -> str:
@@ -287,11 +280,12 @@ def parse_args(argv=None):
                f"{', '.join(DATA.FILES)} (from ../shared/data), spec_bench:CATEGORY ({', '.join(DATA.SPEC_BENCH_CATEGORIES)}), "
                f"{', '.join(DATA.GENERATED)} (made at run time from the stories model / this Python's standard library), "
                f"{', '.join(DATA.LONG)} (long context, --context tokens each, from this Python's standard library "
-               f"and its documentation), or a .jsonl/.json/.txt file of prompts")
+               f"and its documentation), or a file of prompts ({DATA.PROMPT_FORMATS})")
     p.add_argument("--ckpt", default=None, help="target: a local HF folder, a .gguf file or a hub id (default: the demo pair)")
     p.add_argument("--methods", default=None,
                    help="default: ar,eagle3,prune,graft (with --batch: every batched method)")
-    p.add_argument("--datasets", default=None, help="default: mt_bench (humaneval for the demo pair)")
+    p.add_argument("--datasets", default=None, help="default: mt_bench,humaneval,gsm8k for the default demo pair (SmolLM2), mt_bench "
+                                                          "with --ckpt")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset (default: all)")
     p.add_argument("--json-out", default=None,
                    help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
@@ -455,14 +449,14 @@ def main(argv=None) -> dict:
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
-                           methods=todo)
+                           methods=todo, more_batches=sizes or ())
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
     a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
-        wp = read_prompts(a.warmup_file) if a.warmup_file else None
+        wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
         cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
                           calibration=a.calibration, auto_budget=a.auto_budget)
         if a.auto_budget and cal.methods:
@@ -501,7 +495,7 @@ def main(argv=None) -> dict:
     for x, e in engines.items():
         if e.compiling:
             log(f"compile: {E.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
-    w = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+    w = eng.tokenizer.encode(CAL.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     for (x, _, _), meth in runs.items():
         E.generate(engines[x], meth, w, 16, sampling, eng.tokenizer.eos_ids)
 
@@ -540,8 +534,9 @@ def main(argv=None) -> dict:
             log(f"{label(d, c)}: refused {skipped[d, c]} of {len(ids)} prompts: longer than --max-seq-len "
                 f"{eng.model.max_seq_len} minus --max-new-tokens {a.max_new_tokens} (never truncated)")
 
-    rows, mismatches, done, t0 = [], [], 0, time.time()
+    rows, mismatches, done = [], [], 0
     total = sum(len(p) for p in prompts.values()) * len(runs)
+    bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)     # a count, the time, an estimate
     jsonl = open(runs_path(a.json_out), "w") if a.json_out else None
     interrupted = False
     try:
@@ -553,9 +548,8 @@ def main(argv=None) -> dict:
                     # load then hit all methods alike instead of whichever ran last
                     base = None
                     for (x, m, b), meth in runs.items():
-                        bar(done, total, t0, f"{Path(label(d, c)).name} {m}"
-                            + (f"@{b}" if len(budgets) > 1 and b else "")
-                            + (f" {x}" if len(engines) > 1 else ""))
+                        bar.set_description(f"{Path(label(d, c)).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
+                                            + (f" {x}" if len(engines) > 1 else ""))
                         res = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
                         edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
                                 if refs[d, c] else None)
@@ -570,11 +564,11 @@ def main(argv=None) -> dict:
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
                                                "prompt": i, **why})
-                            sys.stderr.write(f"\n{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} "
-                                             f"dataset={label(d, c)} "
-                                             f"execution={x} method={m} budget={b} prompt={i} first differing "
-                                             f"position={why['position']}" +
-                                             (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else "") + "\n")
+                            tqdm.write(f"{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={label(d, c)} "
+                                       f"execution={x} method={m} budget={b} prompt={i} first differing "
+                                       f"position={why['position']}" +
+                                       (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else ""),
+                                       file=sys.stderr)
                         if jsonl:      # each finished run at once: an interrupted bench keeps what it did
                             jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m,
                                                     "budget": b, "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
@@ -585,6 +579,7 @@ def main(argv=None) -> dict:
                                                     **res.stats()}) + "\n")
                             jsonl.flush()
                         done += 1
+                        bar.update(1)
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution
                 ar = {x: acc[(x, "ar", None)].rates() for x in engines}
                 # a long-context unit keeps its rows when every prompt was refused: the table shows it
@@ -595,8 +590,8 @@ def main(argv=None) -> dict:
     finally:
         if jsonl:
             jsonl.close()
-    bar(done, total, t0, "interrupted" if interrupted else "done")
-    sys.stderr.write("\n")
+    bar.set_description("interrupted" if interrupted else "done")
+    bar.close()
     # the host's work per round of each run (replays, eager ops, syncs): counted on the first prompt after
     # the timed runs, never during them (counting slows a round)
     first = next((p[0] for u in units for p in [prompts[u]] if p), None)
@@ -646,7 +641,8 @@ def main(argv=None) -> dict:
         draw = plot_context if len(contexts or []) > 1 else plot
         draw(rows, a.plot, f"{Path(a.ckpt).name}, {dtype}, {report['meta']['date']}")
     report_mismatches(mismatches, dtype, "ar", log)
-    print(json.dumps(report, separators=(",", ":")))
+    if not a.json_out:        # the report goes to one place: --json-out's file, or else stdout's last line
+        print(json.dumps(report, separators=(",", ":")))
     if interrupted:
         raise KeyboardInterrupt
     return report
@@ -690,7 +686,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     budget = CAL.method_config(cal, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
     cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
-    warm = eng.tokenizer.encode(E.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
+    warm = eng.tokenizer.encode(CAL.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     streams, refs, alone = {}, {}, {}
     ar1 = eng.make("ar")
     E.generate(eng, ar1, warm, 8, sampling, ())                 # first-call costs, before the clock
@@ -708,6 +704,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     rows, mismatches, cost, policies, thresholds, nodes, ctx = [], [], {}, {}, {}, None, BATCH_PASS_CONTEXT
     # CPU time on a CPU: on a shared machine a wall clock mostly measures the neighbours
     timer = time.perf_counter if eng.cuda else time.process_time
+    bar = tqdm(total=len(sizes) * len(datasets) * len(methods), unit="stream", file=sys.stderr, dynamic_ncols=True)
     for B in sizes:                    # one engine at a time: its caches, its compiled steps
         be = eng if B == eng.B else CLI.batch_engine(eng, B, todo)      # (B = 1: the engine already built)
         made = {m: be.make(m, cfgs[m], cal, eng.matrix.copy() if m in E.NEEDS_MATRIX else None) for m in methods}
@@ -722,9 +719,10 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         for d in datasets:
             ar_tps = ar_cpu = None
             for m, meth in made.items():
-                log(f"{Path(d).name}: {m} at batch {B} ({len(streams[d])} prompts)")
+                bar.set_description(f"{Path(d).name}: {m} at batch {B} ({len(streams[d])} prompts)")
                 res = E.run(be, meth, [E.Request(x, seeded(i), i) for i, x in enumerate(streams[d])],
                             a.max_new_tokens, eos)
+                bar.update(1)
                 st = res.stats()
                 kinds = []
                 for i, (r, t) in enumerate(zip(res.requests, refs[d])):
@@ -745,6 +743,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
             nodes = max((x.N for m, x in made.items() if m in E.NEEDS_HEAD), default=max(x.N for x in made.values()))
         ctx, cost[B] = CAL.pass_cost(be, sorted({1, nodes}), context=BATCH_PASS_CONTEXT, timer=timer)
         del be, made
+    bar.close()
     order = {d: i for i, d in enumerate(datasets)}            # the table: by dataset, then B, then method
     rows.sort(key=lambda r: order[r["dataset"]])
     gain, gain_cpu = {}, {}
@@ -794,7 +793,8 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     report_mismatches(mismatches, dtype, "ar alone", log)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, separators=(",", ":")))
+    else:                     # the report goes to one place: --json-out's file, or else stdout's last line
+        print(json.dumps(report, separators=(",", ":")))
     return report
 
 

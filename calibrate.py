@@ -19,9 +19,10 @@ import sys
 from functools import lru_cache
 
 import torch
+from tqdm import tqdm
 
 from draft import select
-from engine import CALIBRATED, CPU_COMPILE, WARMUP_PROMPTS, Engine, Request, compile_warmup, run, sync
+from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_HIT_RATES, Calibration, Config, ContinuationMatrix,
                    Template, build_template, graft_trees, with_root)
 from verify import Sampling, Tree, sampling_mode
@@ -92,13 +93,16 @@ def throughput(rounds: list, taus: dict, cost: dict, checkpoints) -> float:
     return tokens / max(sum(cost[s] for s in stages), 1e-12)
 
 
-def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16) -> tuple:
+def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, grid: int = 16, tol: float = 0.0) -> tuple:
     """Thresholds maximising rate(tau) (see above). Each tau_c ranges over 0 (never prune), the
     midpoints between its observed confidences, and above 1 (always prune). Every combination of up to
     `grid` cuts per checkpoint (evenly spaced among them) is scored at once, since checkpoints interact
     (a round pruned early never reaches a later one); coordinate ascent over all cuts then refines the
     best. Deterministic: the first best in grid order wins, and a change must strictly improve the
-    rate. Returns ({c: tau_c}, tokens/s)."""
+    rate. With a tie tolerance `tol` (a fraction; tie_tolerance): rates that close are what the
+    timings cannot tell apart, so the search stays on a grid of TIE_GRID cuts a checkpoint (neighbouring
+    cuts far enough apart that noise does not hop between them; no refinement), and when never pruning
+    comes within tol of the best it is the choice. Returns ({c: tau_c}, tokens/s)."""
     checkpoints = tuple(checkpoints)
     m = len(checkpoints)
     conf = torch.tensor([[c[k] for k in checkpoints] for c, _ in rounds], dtype=torch.float64).reshape(len(rounds), m)
@@ -109,6 +113,7 @@ def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, gri
         seen = torch.unique(conf[:, k])                                         # sorted
         cands.append(torch.cat([torch.zeros(1, dtype=torch.float64), (seen[1:] + seen[:-1]) / 2,
                                 torch.full((1,), 1.0 + 1e-6, dtype=torch.float64)]))
+    grid = TIE_GRID if tol > 0 else grid
     while grid > 2 and grid ** m * max(len(rounds), 1) > 2e7:       # keep the grid's tensor small
         grid -= 1
     coarse = [v if v.numel() <= grid else v[torch.round(torch.arange(grid) * (v.numel() - 1) / (grid - 1)).long()]
@@ -117,7 +122,7 @@ def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, gri
     best = float(rates.max())
     idx = [int(i) for i in torch.unravel_index(torch.argmax(rates), rates.shape)] if m else []
     taus = [float(coarse[k][i]) for k, i in enumerate(idx)]
-    improved = True
+    improved = tol == 0
     while improved:
         improved = False
         for k in range(m):                      # all of checkpoint k's cuts, the others held
@@ -127,6 +132,9 @@ def throughput_thresholds(rounds: list, cost: dict, checkpoints=CHECKPOINTS, gri
             i = int(torch.argmax(r))
             if float(r[i]) > best * (1 + 1e-12):
                 best, taus[k], improved = float(r[i]), float(cands[k][i]), True
+    never = float(_rates(conf, tok, secs, [torch.zeros(1, dtype=torch.float64)] * m).reshape(-1)[0]) if m else best
+    if never >= best * (1 - tol):
+        return dict.fromkeys(checkpoints, 0.0), never
     return dict(zip(checkpoints, taus)), best
 
 
@@ -144,26 +152,39 @@ def _rates(conf, tok, secs, grids) -> torch.Tensor:
     return t.sum(-1) / c.sum(-1).clamp_min(1e-12)
 
 
-# Near-equal budgets: expected rates within this many spreads (robust_costs) of the best. Each
-# budget's verify cost is off by about one spread, either way, so the difference of two is off by up
-# to about twice that; three leaves room (simulated: far fewer flips than two, at a cost of three
-# spreads of throughput at most, about 1% on a quiet machine).
+# Near-equal choices: expected rates within this many spreads (robust_costs) of the best, and never
+# closer than MIN_TIE. Each budget's verify cost is off by about one spread, either way, so the
+# difference of two is off by up to about twice that; three leaves room (simulated: far fewer flips
+# than two, at a cost of three spreads of throughput at most, about 1% on a quiet machine). The floor,
+# measured: cold runs of one warm-up on this 2-core machine, a neighbour busy or not, differ run to run
+# by about 5% in each cost ratio (draft forward, assembly, each verify size, measured in CPU time), far
+# more than one run's spread says; the choices of eight recorded runs (tests/data/calibration_timings.json,
+# scripts/calibration_timings.py) agree with a 10% floor and a grid of 8 cuts, not with 2% or 5%. Its
+# price: an expected rate up to 10% below the best the noise allows, on choices that close.
 TIE_SPREADS = 3
+MIN_TIE = 0.10
+TIE_GRID = 8
 
 
-def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0) -> tuple:
+def tie_tolerance(spread: float, floor: float = MIN_TIE) -> float:
+    """Rates closer than this fraction of the best are ties: the smaller budget, and never pruning,
+    win them (choose_budget, throughput_thresholds), the same way on every run."""
+    return max(TIE_SPREADS * spread, floor)
+
+
+def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0, floor: float = 0.0) -> tuple:
     """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
     candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
-    the smallest budget whose expected rate (tokens/s) is within TIE_SPREADS * spread of the best
-    one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0: exact
-    ties only), and the whole curve, for the log and the report. Budgets that close are what the
+    the smallest budget whose expected rate (tokens/s) is within tie_tolerance(spread, floor) of the
+    best one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0 and no
+    floor: exact ties only), and the whole curve, for the log and the report. Budgets that close are what the
     timing's noise tells apart, so they go to the smaller one, the same way every time."""
-    fits, curve = {}, {}
+    fits, curve, tol = {}, {}, tie_tolerance(spread, floor)
     for b in sorted(options):
-        fits[b] = throughput_thresholds(*options[b], checkpoints)
+        fits[b] = throughput_thresholds(*options[b], checkpoints, tol=tol)
         curve[b] = fits[b][1]
     top = max(curve.values())
-    b = next(b for b in sorted(curve) if curve[b] >= top * (1 - max(TIE_SPREADS * spread, 1e-12)))
+    b = next(b for b in sorted(curve) if curve[b] >= top * (1 - max(tol, 1e-12)))
     return (b, *fits[b], curve)
 
 
@@ -206,6 +227,19 @@ def _template(rates: tuple, n: int) -> Template:
 # ----------------------------------------------------------------------------- the warm-up
 
 
+# Generic prompts for warm-up (filling the matrix, measuring hit rates, calibrating thresholds).
+WARMUP_PROMPTS = [
+    "Once upon a time, there was a little",
+    "Write a short story about a dog who finds a ball in the park.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Explain in simple words why the sky is blue.",
+    "List three tips for staying healthy and explain each one.",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "The little girl went to the store with her mom. They",
+    "Summarize the following: The meeting covered the budget, the schedule and the new hires.",
+]
+
+
 CALIBRATIONS = ("throughput", "youden")
 
 # What --budget auto chooses from (verification budgets: candidate nodes per round).
@@ -230,9 +264,44 @@ def warmup_method(cfg: Config, drafter_geometry, auto_budget: bool) -> tuple:
     return "eagle3", dataclasses.replace(cfg, budget=max(budgets))
 
 
+def warmup_path(engine: Engine, cfg: Config, prompts, rounds: int, max_new_tokens: int, chat: bool,
+                auto_budget: bool) -> str:
+    """The cache file of this warm-up (state_path_for over every setting that shapes it)."""
+    d = engine.drafter
+    budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
+    return state_path_for(engine, list(prompts or WARMUP_PROMPTS)[:rounds], rounds, max_new_tokens, chat,
+                          tuple(cfg.checkpoints) if d else (), budgets or cfg.budget, engine.matrix.k,
+                          (d.top_k, d.depth) if d else None, engine.B)
+
+
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
             use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
             auto_budget: bool = False) -> Calibration:
+    """The warm-up (calibrate_now), at most one at a time per cache file: runs of one command started
+    together take turns on a lock beside it, so the later ones read what the first measured and every
+    run chooses the same budget and thresholds (measuring again would see the machine's noise: see
+    TIE_SPREADS). With use_cache=False it always measures."""
+    path = warmup_path(engine, cfg, prompts, rounds, max_new_tokens, chat, auto_budget) if use_cache else None
+    lock = None
+    if path is not None:
+        try:
+            import fcntl
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock = open(path + ".lock", "a")
+            fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+        except (ImportError, OSError):                # no POSIX locks, or a read-only cache folder: go unlocked
+            lock = None
+    try:
+        return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, use_cache, chat, log, calibration,
+                             auto_budget)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
+                  use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
+                  auto_budget: bool = False) -> Calibration:
     """Fill the continuation matrix (engine.matrix, the prior every request starts from), measure
     per-rank hit rates and calibrate the thresholds by running a few generations with the dense tree
     (GRAFT.md sections 3, 4, 6), on the engine's B slots. Returns the Calibration the methods read.
@@ -246,13 +315,12 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     is skipped, never truncated; a warm-up in which no generation ran, or none left a round long
     enough to score (usable_records), calibrates nothing (the thresholds never prune, with a warning)
     and is not cached."""
-    log = log or (lambda s: None)
+    show, log = log is not None, log or (lambda s: None)       # a caller that logs sees progress bars too
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
-    path = state_path_for(engine, prompts, rounds, max_new_tokens, chat, checkpoints, budgets or cfg.budget,
-                          engine.matrix.k, (d.top_k, d.depth) if d else None, engine.B)
+    path = warmup_path(engine, cfg, prompts, rounds, max_new_tokens, chat, auto_budget)
 
     def use(calibrations: dict, curve: dict, rates, spread) -> Calibration:
         cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread)
@@ -276,12 +344,19 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     if engine.compiling:
         compile_warmup(engine, [m])
     records, reqs = [], []
+    phases = {"draft": [], "update": []}     # per round: seconds a draft forward, seconds the update
+    seen = {}
 
     def record(rnd, got):          # every round, before the next: what the calibration replays
+        now = engine.clock.read()
+        phases["draft"].append((now.get("draft", 0.0) - seen.get("draft", 0.0)) / max(rnd.forwards, 1))
+        phases["update"].append(now.get("update", 0.0) - seen.get("update", 0.0))
+        seen.update(now)
         rec = rnd.record
         for b, g in enumerate(got):
             if g is None:
                 continue
+            bar.update(len(g[0]) + 1)
             r = engine.slots[b].request
             engine.matrix.record(rec["rank"][b], rnd.v.target[b], rnd.tree.valid[b])
             if d:
@@ -295,9 +370,15 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
         if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:   # a prompt too long is skipped
             reqs.append(Request(ids))
+    engine.clock.timer = cost_timer(engine)         # the costs the calibration reads (measure_costs)
     engine.clock.reset()
-    res = run(engine, m, reqs, max_new_tokens, engine.tokenizer.eos_ids, on_round=record, record=True) if reqs else None
-    times = engine.clock.read()
+    # the bar counts tokens of at most max_new_tokens a generation (one that stops early ends short of it)
+    bar = tqdm(total=len(reqs) * max_new_tokens, desc="warm-up", unit="tok", file=sys.stderr, dynamic_ncols=True,
+               disable=not show)
+    if reqs:
+        run(engine, m, reqs, max_new_tokens, engine.tokenizer.eos_ids, on_round=record, record=True)
+    bar.close()
+    engine.clock.timer = time.perf_counter
     for r in records:              # what the target generated after each round's root: its truth
         full = r["request"].ids + r["request"].tokens
         r["truth"] = full[r["L"] + 1:r["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
@@ -318,12 +399,13 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
     calibrations, curve, spread = {}, {}, None
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
-        options, spread = calibration_options(engine, cfg, records, res, times, budgets or (cfg.budget,), rates)
-        log(f"warm-up: verify timings' spread {spread:.2%}: budgets within {TIE_SPREADS} spreads of the best "
-            f"go to the smaller")
+        timings = measure_costs(engine, cfg, budgets or (cfg.budget,), rates, phases)
+        options, spread = calibration_options(engine, cfg, records, timings, budgets or (cfg.budget,), show)
+        log(f"warm-up: verify timings' spread {spread:.2%}: rates within {tie_tolerance(spread):.1%} of the best "
+            f"are ties, which go to the smaller budget and to never pruning")
         calibrations = {"throughput": {}, "youden": {}}
         for method, opts in options.items():
-            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread)
+            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread, MIN_TIE)
             calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
                                                   "rate": round(rate, 3)}
             calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
@@ -371,20 +453,45 @@ def usable_records(records: list, depth: int) -> list:
 
 
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dict, budgets, rates) -> tuple:
+def measure_costs(eng: Engine, cfg: Config, budgets, rates, phases: dict) -> dict:
+    """The samples the calibration's costs come from, in seconds: {"draft": per warm-up round, the
+    seconds a draft forward took; "update": per round, the update's seconds (both from the warm-up's
+    own clock, `phases`); "assemble": {widest budget: samples} (assembly_samples; its cost barely
+    depends on the budget: a top-k over every drafted candidate, then a template fill, on a GPU one
+    graph replay; timed once, at the widest budget, an upper bound, so the warm-up builds one graft
+    instance and compiles one assemble graph, not one per budget: 0.6-1.3 ms at every budget on the
+    demo pair, eager, no trend); "verify": {N: samples}, a
+    target pass over B trees of N nodes (pass_cost: interleaved, each after an untimed pass)}. Plain
+    lists of floats: what a test replays (a real run's timings, saved) to show the choice holds."""
+    stats = {}
+    pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, timer=cost_timer(eng), stats=stats)
+    return {"draft": list(phases["draft"]), "update": list(phases["update"]),
+            "assemble": {max(budgets): assembly_samples(eng, dataclasses.replace(cfg, budget=max(budgets)), rates)},
+            "verify": {n: list(xs) for n, xs in stats["samples"].items()}}
+
+
+def robust_round_costs(timings: dict) -> tuple:
+    """(t_fwd, t_upd, t_asm, {N: t_ver}, spread), seconds, from measure_costs' samples: the
+    fastest sample of each (interference on a shared machine only ever adds time, so the fastest is
+    the cost without it; robust_costs), the verify costs made non-decreasing in N (monotone), and the
+    relative spread of the verify samples (how well those minima are pinned: the tie tolerance)."""
+    low = lambda xs: min(xs) if xs else 0.0
+    ver, spread = robust_costs(timings["verify"])
+    return (low(timings["draft"]), low(timings["update"]), low(timings["assemble"][max(timings["assemble"])]),
+            monotone(ver), spread)
+
+
+@torch.no_grad()
+def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, budgets, show: bool = False) -> tuple:
     """({method: {budget: (rounds, cost)}}, spread): the options as choose_budget reads them, for
     eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
     tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
     would have accepted (stage_tree, matched against what the target generated); cost: seconds per
-    round per stage, from this engine's own steps: draft forwards (timed in the warm-up: `times`, its
-    clock's seconds per phase, over res, the warm-up's Run), the assembly, the verify pass at B + 1
-    nodes (pass_cost: fastest of interleaved samples, monotone in B), and the update."""
+    round per stage, from this engine's own steps, robust statistics of `timings` (measure_costs, or a
+    replay of a saved run): the draft forwards, the assembly, the verify pass at B + 1 nodes, the update."""
     d = eng.drafter
     k, D = d.top_k, d.depth
-    t_fwd = times.get("draft", 0.0) / max(res.draft_forwards, 1)
-    t_upd = times.get("update", 0.0) / max(res.rounds, 1)
-    timing = {}
-    _, t_ver = pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, stats=timing)
+    costs, spread = stage_costs(eng, cfg, timings, budgets)
     usable = usable_records(records, D)
     memo = {}
 
@@ -395,24 +502,32 @@ def calibration_options(eng: Engine, cfg: Config, records: list, res, times: dic
         return memo[(i, s, K, R)]
 
     out = {"eagle3": {}, "prune": {}, "graft": {}}
-    # The assembly's cost barely depends on the budget (a top-k over every drafted candidate, then a
-    # template fill; on a GPU one graph replay): timed once, at the widest budget (an upper bound), so
-    # the warm-up builds one graft instance and compiles one assemble graph, not one per budget. (The
-    # demo pair, eager, 2 timings at each AUTO_BUDGETS size: 0.6-1.3 ms, no trend with the budget.)
-    t_asm = assembly_seconds(eng, dataclasses.replace(cfg, budget=max(budgets)), rates)
-    for b in budgets:
+    for b in tqdm(budgets, desc="calibration", unit="budget", file=sys.stderr, dynamic_ncols=True, disable=not show):
         for method in out:
-            c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d)
-            stages = c.stages()
-            cost = {s: (D if s is None else s + 1) * t_fwd + t_asm + t_ver[b + 1] / 1000 + t_upd for s in stages}
+            stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d).stages()
             rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
-            out[method][b] = (rounds, cost)
-    return out, timing["spread"]
+            out[method][b] = (rounds, costs[method][b])
+    return out, spread
 
 
-def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float:
+def stage_costs(eng: Engine, cfg: Config, timings: dict, budgets) -> tuple:
+    """({method: {budget: {stage: seconds a round}}}, spread) for eagle3, prune and graft: per stage a
+    round ends in, its draft forwards, the assembly, the verify pass over budget + 1 nodes and the
+    update, robust statistics of `timings` (robust_round_costs)."""
+    d = eng.drafter
+    t_fwd, t_upd, t_asm, t_ver, spread = robust_round_costs(timings)
+    out = {}
+    for method in ("eagle3", "prune", "graft"):
+        for b in budgets:
+            stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d).stages()
+            out.setdefault(method, {})[b] = {s: (d.depth if s is None else s + 1) * t_fwd + t_asm + t_ver[b + 1] + t_upd
+                                             for s in stages}
+    return out, spread
+
+
+def assembly_samples(eng: Engine, cfg: Config, rates, repeats: int = 5) -> list:
     """Seconds of one keep-retrieve-graft step (graft.assemble, one graph for every stage) on the
-    drafter's current candidates: the fastest of `repeats` samples, each after an untimed call."""
+    drafter's current candidates: `repeats` samples, each after an untimed call."""
     # made without eng.make's room check: nothing is verified, and the room (warmup_method's dense
     # tree, cli.room) need not hold graft's deeper retrieval paths
     g = METHODS["graft"](eng, dataclasses.replace(cfg, policy="stop"), Calibration(hit_rates=rates), eng.matrix.copy())
@@ -421,7 +536,7 @@ def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float
     def one(_):
         eng.steps.mark()
         eng.steps.assemble(g, eng.root, eng.active)
-    return robust_costs(time_passes(one, [0], repeats, sync=lambda: sync(eng.device)))[0][0]
+    return time_passes(one, [0], repeats, cost_timer(eng), lambda: sync(eng.device))[0]
 
 
 # ----------------------------------------------------------------------------- measured costs
@@ -433,6 +548,15 @@ def assembly_seconds(eng: Engine, cfg: Config, rates, repeats: int = 5) -> float
 # fastest sample (interference only ever adds time: the fastest is the pass without it) and, as the
 # measurement's spread, how far the second fastest lies above it; monotone then fits what physics
 # says, a bigger tree never costs less; choose_budget prefers the smaller of budgets within that spread.
+# On a CPU every cost is CPU time (cost_timer): a neighbour that takes the core away for a while
+# slows every wall-clock sample of that while, so the fastest sample does not undo it.
+
+def cost_timer(eng: Engine):
+    """The clock costs are measured with: on a CPU this process's CPU time, which a neighbour taking
+    the core away does not inflate (it inflates every wall-clock sample of a shared machine, and
+    unevenly across components measured minutes apart); on a GPU the wall clock after a sync."""
+    return time.perf_counter if eng.cuda else time.process_time
+
 
 def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
     """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
@@ -554,16 +678,38 @@ def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: 
 
 # ----------------------------------------------------------------------------- set-up and warm-up
 
+def content_stamp(path: str) -> str:
+    """What a model is, read from its bytes (not its path, size or file times: a folder whose weights
+    were replaced by another model's of the same size, times kept by `cp -p`, is another model): a
+    hash of its config files whole and, of each weight file (.safetensors, .gguf, .bin), its size and
+    STAMP_BLOCKS blocks of 64 KiB spread evenly from its first byte to its last (the header, and
+    weights from every part of the file). A few MiB read, whatever the model's size."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))
+                                                if f.endswith((".safetensors", ".gguf", ".bin", ".json"))]
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)}:{size};".encode())
+        with open(f, "rb") as fh:
+            if f.endswith(".json"):
+                h.update(fh.read())
+                continue
+            for i in range(STAMP_BLOCKS):
+                fh.seek(max(0, size - 65536) * i // (STAMP_BLOCKS - 1))
+                h.update(fh.read(65536))
+    return h.hexdigest()
+
+
+STAMP_BLOCKS = 32
+
+
 def state_path_for(engine: Engine, *settings) -> str:
-    """Warm-up state is cached per (target, head), their weight files' size and date (a retrained
-    model in the same folder is a different model), the cache length, everything that changes what
-    the calibration measured (dtype, device and which one, torch's version and thread count, eager or
-    compiled and how, attention over a window or the whole cache), and every setting that shaped the
+    """Warm-up state is cached per (target, head) as their bytes say (content_stamp: a retrained or
+    replaced model in the same folder is a different model), the cache length, everything that changes
+    what the calibration measured (dtype, device and which one, torch's version and thread count, eager
+    or compiled and how, attention over a window or the whole cache), and every setting that shaped the
     warm-up."""
-    def stamp(path):
-        files = ([path] if os.path.isfile(path) else
-                 [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".bin"))])
-        return [path] + [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    stamp = lambda path: [path, content_stamp(path)]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
     dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")

@@ -201,6 +201,19 @@ def gguf_in_folder(path: str) -> str | None:
     return os.path.join(path, found[0]) if found else None
 
 
+class NotCached(GraftError):
+    """A hub id that is not in the local hub cache while the hub cannot be reached."""
+
+    def __init__(self, ckpt: str):
+        self.ckpt = ckpt
+        super().__init__(f"{ckpt} is not in the local hub cache and the hub cannot be reached (HF_HUB_OFFLINE is "
+                         f"set or there is no network): run `hf download {ckpt}` where there is one, or pass a local "
+                         f"folder")
+
+
+HEAD_PATTERNS = ["*.json", "*.safetensors", "*.bin"]
+
+
 def resolve_checkpoint(ckpt: str, patterns=None) -> str:
     """A local folder, a .gguf file (or a folder holding exactly one and no config.json), or a Hugging
     Face hub id downloaded (json, safetensors, tokenizer) to the hub cache."""
@@ -222,8 +235,7 @@ def resolve_checkpoint(ckpt: str, patterns=None) -> str:
     except Exception as e:  # hub errors are many and verbose; the user needs one line
         reason = type(e).__name__
         if offline or "offline" in str(e).lower() or "LocalEntryNotFound" in reason:
-            raise GraftError(f"{ckpt} is not in the local hub cache and the hub is offline "
-                             f"(HF_HUB_OFFLINE is set or there is no network)") from None
+            raise NotCached(ckpt) from None
         raise GraftError(f"could not fetch {ckpt} from the hub: {reason}: {str(e).splitlines()[0][:200]}") from None
 
 
@@ -479,7 +491,7 @@ def read_head_weights(path: str) -> dict:
 
 def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
     """Load a published EAGLE-3 head for `target` (a model.Transformer), checking that it fits."""
-    path = resolve_checkpoint(ckpt, patterns=["*.json", "*.safetensors", "*.bin"])
+    path = resolve_checkpoint(ckpt, patterns=HEAD_PATTERNS)
     cfg = read_config(path)
     c = head_config(cfg)
     sd = normalize_names(read_head_weights(path))

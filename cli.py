@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
-from checkpoint import DTYPES, free_memory, load_head, load_model, resolve_checkpoint
-from data import read_prompts
+from checkpoint import DTYPES, HEAD_PATTERNS, NotCached, free_memory, load_head, load_model, resolve_checkpoint
+from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
 from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
@@ -31,6 +31,9 @@ class ArgumentParser(argparse.ArgumentParser):
 # Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
 # uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
+# The most nodes a verified tree may hold (--budget, --recycle-size): 16x the paper's largest budget (60);
+# a pass over more costs far more than the tokens it could accept.
+MAX_TREE_NODES = 1024
 
 
 # Warm-up generations before a run (--warmup): five generic prompts; the demo runs two, which keeps
@@ -51,7 +54,8 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--chat", action="store_true", help="format prompts with the checkpoint's chat template")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: the model's context)")
+    p.add_argument("--max-seq-len", type=int, default=None, help=f"KV cache length in tokens (default: the model's context, at most "
+                                                                 f"{DEFAULT_MAX_SEQ_LEN}; larger up to the context when given)")
     p.add_argument("--budget", default="auto",
                    help="verification budget: candidate nodes per round, or auto (the default): the warm-up "
                         f"picks it from {', '.join(map(str, AUTO_BUDGETS))} by measured throughput on this machine "
@@ -76,7 +80,7 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"warm-up generations (0 = none; default {WARMUP_RUNS}, {DEMO_WARMUP_RUNS} for generate.py's demo)")
-    p.add_argument("--warmup-file", default=None, help="prompts for warm-up (one per line or jsonl)")
+    p.add_argument("--warmup-file", default=None, help=f"prompts for warm-up ({PROMPT_FORMATS})")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the warm-up cache")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step (default: on with CUDA, where it means CUDA graphs; off on a CPU)")
@@ -115,7 +119,7 @@ def check_args(a, budgets=None):
     need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
-    need(a.recycle_size >= 1, f"--recycle-size must be >= 1, got {a.recycle_size}")
+    need(1 <= a.recycle_size <= MAX_TREE_NODES, f"--recycle-size must be in [1, {MAX_TREE_NODES}], got {a.recycle_size}")
     need(a.warmup is None or a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
     need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
@@ -130,6 +134,11 @@ def check_args(a, budgets=None):
         need(a.budget is not None, "--budget takes a number of nodes or auto")
     budgets = budgets or [a.budget]
     need(all(b >= 1 for b in budgets), f"--budget must be >= 1, got {min(budgets)}")
+    most = a.draft_top_k + (a.depth - 1) * a.draft_top_k ** 2        # the candidates a full-depth draft holds
+    need(max(budgets) <= min(most, MAX_TREE_NODES),
+         f"--budget {max(budgets)} exceeds " + (f"the {most} candidate nodes a draft tree of --draft-top-k "
+                                                f"{a.draft_top_k} and --depth {a.depth} holds" if most < MAX_TREE_NODES
+                                                else f"{MAX_TREE_NODES} nodes, the largest tree a pass verifies"))
     cps = numbers("--checkpoints", a.checkpoints)
     need(all(0 <= c < a.depth for c in cps), f"--checkpoints must be depths in [0, --depth {a.depth}), got {cps}")
     need(cps == sorted(set(cps)), f"--checkpoints must be increasing, got {cps}")
@@ -143,7 +152,7 @@ def check_args(a, budgets=None):
         need(len(th) == len(cps), "--thresholds needs one value per checkpoint")
         need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
     if a.warmup_file:
-        read_prompts(a.warmup_file)
+        read_prompts(a.warmup_file, "--warmup-file")
 
 
 def numbers(flag: str, text: str, kind=int) -> list:
@@ -181,12 +190,14 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None) -> Engine:
+                 methods: list | None = None, more_batches=()) -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
-    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). Errors:
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). more_batches: batch
+    sizes engines on this model will take later (bench --batch), checked against memory here too, before
+    the weights load. Errors:
     GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
     the memory there is (checked before they are allocated)."""
     if dtype not in DTYPES:
@@ -199,25 +210,54 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         raise GraftError(f"--attention must be window or full, got {attention!r}")
     if compile and attention == "window" and str(device).startswith("cuda"):
         raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
-    path = resolve_checkpoint(ckpt)
+    path, head_path = resolve_pair(ckpt, draft)
     tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    args = target_args(path)
     if max_seq_len is None:
-        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, tok_context(path))
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, args.max_position_embeddings)
+    if chunk > max(max_seq_len, PREFILL_CHUNK):
+        raise GraftError(f"--prefill-chunk {chunk} is longer than --max-seq-len {max_seq_len}: a prompt never needs "
+                         f"a chunk longer than the cache")
+    if methods is None:
+        methods = [(m, Config(budget=max(AUTO_BUDGETS))) for m in METHODS]
+    # the sizes from input against the memory there is, before the weights load (the head's cache is
+    # counted once it is loaded, below)
+    for b in [batch, *more_batches]:
+        nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), b)
+        check_batch_memory(args, max_seq_len, None, b, max(nodes, longest), chunk, matrix_k, DTYPES[dtype], device)
     model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
     head = None
     if draft:
-        head = load_head(draft, model)
+        head = load_head(head_path, model)
         if top_k > head.config.draft_vocab_size:
             raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
                              f"({head.config.draft_vocab_size} tokens)")
-    if methods is None:
-        methods = [(m, Config(budget=max(AUTO_BUDGETS))) for m in METHODS]
     nodes, longest = room([(m, c) for m, c in methods if head is not None or not METHODS[m].needs_head],
                           (top_k, depth), batch)
-    check_batch_memory(model, head, batch, max(nodes, longest, chunk, 64), matrix_k, DTYPES[dtype], device)
+    check_batch_memory(model.args, max_seq_len, head, batch, max(nodes, longest), chunk, matrix_k, DTYPES[dtype],
+                       device)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
     return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
                   window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes)
+
+
+def resolve_pair(ckpt: str, draft: str | None) -> tuple:
+    """Local paths of the target and its head (None without one), the head's looked up first, and both
+    before any weight is read: what is missing from the hub cache offline is named at once, with the
+    commands that fetch it. Errors: GraftError, one line."""
+    paths, missing = {}, []
+    for name, patterns in ((draft, HEAD_PATTERNS), (ckpt, None)):
+        if name:
+            try:
+                paths[name] = resolve_checkpoint(name, patterns)
+            except NotCached:
+                missing.append(name)
+    if missing:
+        raise GraftError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in the local hub cache and "
+                         f"the hub cannot be reached (HF_HUB_OFFLINE is set or there is no network): where there is "
+                         "one, run " + " and ".join(f"`hf download {m}`" for m in missing) + ", or pass local folders "
+                         "(--ckpt FOLDER" + (", --draft FOLDER" if draft else "") + ")")
+    return paths[ckpt], paths.get(draft) if draft else None
 
 
 def engine_room(eng: Engine, batch: int, methods: list) -> tuple:
@@ -227,8 +267,8 @@ def engine_room(eng: Engine, batch: int, methods: list) -> tuple:
     d = eng.drafter
     nodes, path = room([(m, c) for m, c in methods if d is not None or not METHODS[m].needs_head],
                        (d.top_k, d.depth) if d else None, batch)
-    check_batch_memory(eng.model, d.head if d else None, batch, max(nodes, path, eng.chunk, 64), eng.matrix.k,
-                       eng.dtype, eng.device)
+    check_batch_memory(eng.model.args, eng.model.max_seq_len, d.head if d else None, batch, max(nodes, path),
+                       eng.chunk, eng.matrix.k, eng.dtype, eng.device)
     return nodes, path
 
 
@@ -243,30 +283,43 @@ def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
                   backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None)
 
 
-def check_batch_memory(model, head, batch: int, slack: int, matrix_k: int, dtype, device):
-    """Refuse (GraftError, one line) a batch whose caches would not fit the memory there is: per request
-    the target's and the head's KV caches and two continuation matrices (a method's and the prior's)."""
-    a, size = model.args, torch.empty(0, dtype=dtype).element_size()
-    rows = model.max_seq_len + slack
-    per = 2 * a.n_layers * a.n_kv_heads * a.head_dim * rows * size + 2 * (a.vocab_size + 1) * (matrix_k * 4 + 1)
+def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chunk: int, matrix_k: int, dtype,
+                       device):
+    """Refuse (GraftError, one line) sizes from input whose buffers would not fit the memory there is,
+    before they are allocated: per request the target's and the head's KV caches (--max-seq-len rows,
+    plus room for the largest of a tree's `nodes` and a prefill `chunk`) and two continuation matrices
+    (a method's and the prior's), and one pass's working set (its logits in float32, a few copies for
+    sampling, and its attention mask). args: the target's ModelArgs; head: the loaded head or None."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    rows = max_seq_len + max(nodes, chunk, 64)
+    cache = 2 * args.n_layers * args.n_kv_heads * args.head_dim * rows * size
     if head is not None:
         c = head.config.layer
-        per += 2 * c.n_kv_heads * c.head_dim * rows * size
+        cache += 2 * c.n_kv_heads * c.head_dim * rows * size
+    per = cache + 2 * (args.vocab_size + 1) * (matrix_k * 4 + 1)
+    T = max(nodes, chunk)                                          # the rows of the widest pass
+    work = batch * T * (4 * 4 * args.vocab_size + rows + 4 * args.dim * 8)
     free = free_memory(device)
-    if free is not None and batch * per > free:
-        raise GraftError(f"--batch {batch} needs {batch * per / 2**30:.1f} GiB of caches ({per / 2**20:.0f} MiB a "
-                         f"request at --max-seq-len {model.max_seq_len}), more than the {free / 2**30:.1f} GiB free "
-                         f"on {device}: lower --batch or --max-seq-len")
+    if free is not None and batch * per + work > free:
+        raise GraftError(f"--batch {batch} with --max-seq-len {max_seq_len}, trees of {nodes} nodes (--budget, "
+                         f"--recycle-size) and --prefill-chunk {chunk} needs {(batch * per + work) / 2**30:.1f} GiB "
+                         f"({batch * per / 2**30:.1f} GiB of caches, {work / 2**30:.1f} GiB for one pass), more than "
+                         f"the {free / 2**30:.1f} GiB free on {device}: lower one of them")
 
 
-def tok_context(path: str) -> int:
-    """The model's context (max_position_embeddings), read before its weights."""
+def target_args(path: str):
+    """The target's ModelArgs, read from its config (or GGUF metadata) before its weights."""
     from checkpoint import hf_model_args, is_gguf, read_config
     if is_gguf(path):
         from gguf_checkpoint import gguf_model_args, gguf_read
         reader, meta = gguf_read(path)
-        return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path).max_position_embeddings
-    return hf_model_args(read_config(path)).max_position_embeddings
+        return gguf_model_args(meta, {t.name: t for t in reader.tensors}, path)
+    return hf_model_args(read_config(path))
+
+
+def tok_context(path: str) -> int:
+    """The model's context (max_position_embeddings), read before its weights."""
+    return target_args(path).max_position_embeddings
 
 
 class TextStream:

@@ -28,14 +28,15 @@ from verify import Sampling
 # ----------------------------------------------------------------------------- prompt files
 
 def read_text(path: str, what: str = "prompt file") -> str:
-    """A text file, strictly UTF-8 (a binary file is refused, not decoded into garbage)."""
+    """A text file, strictly UTF-8 (a binary file is refused, not decoded into garbage). A leading
+    UTF-8 byte-order mark (Notepad, PowerShell) is not text: it is dropped."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as e:
         raise GraftError(f"cannot read {what} {path}: {e.strerror or e}") from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise GraftError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
     if "\x00" in text:
@@ -43,21 +44,43 @@ def read_text(path: str, what: str = "prompt file") -> str:
     return text
 
 
-def read_prompts(path: str) -> list:
-    """Many prompts (warm-up, training, bench datasets): one per line, or jsonl records with `turns`
-    (the first turn) or `prompt`. Errors: GraftError naming the line."""
-    out = []
-    for i, l in enumerate(read_text(path, "prompts file").splitlines(), 1):
-        if not l.strip():
-            continue
-        if not l.lstrip().startswith("{"):
-            out.append(l)
-            continue
+# What a prompts file is, chosen once per file by its name: JSON lines, a JSON array, or plain text.
+PROMPT_FORMATS = "FILE.jsonl: one JSON record a line ({\"prompt\": ...} or {\"turns\": [...]}); FILE.json: an " \
+                 "array of such records; any other name: plain text, one prompt a line"
+
+
+def read_prompts(path: str, what: str = "prompts file") -> list:
+    """Many prompts (--prompts, --warmup-file, bench's and train's prompt files), in the format the
+    file's name says (PROMPT_FORMATS): .jsonl records with `turns` (the first turn) or `prompt`, a
+    .json array of them, or else plain text with one prompt per line. Text lines end at "\n" (a
+    "\r\n" ending is one ending) and nowhere else: a form feed, U+2028 or U+0085 inside a line stays in
+    its prompt. Blank lines are skipped. Errors: GraftError naming the line, or the file when it holds
+    no prompt."""
+    text = read_text(path, what)
+    if path.endswith(".json"):
         try:
-            rec = json.loads(l)
+            recs = json.loads(text)
         except json.JSONDecodeError as e:
-            raise GraftError(f"bad json on line {i} of {path}: {e}") from None
-        out.append(prompt_of(rec, f"line {i} of {path}"))
+            raise GraftError(f"bad json in {path}: {e}") from None
+        if not isinstance(recs, list):
+            raise GraftError(f"{path}: a .json prompts file holds an array of records")
+        out = [prompt_of(r, f"record {i} of {path}") for i, r in enumerate(recs)]
+    else:
+        lines = [l[:-1] if l.endswith("\r") else l for l in text.split("\n")]
+        out = []
+        for i, l in enumerate(lines, 1):
+            if not l.strip():
+                continue
+            if not path.endswith(".jsonl"):
+                out.append(l)
+                continue
+            try:
+                rec = json.loads(l)
+            except json.JSONDecodeError as e:
+                raise GraftError(f"bad json on line {i} of {path}: {e}") from None
+            out.append(prompt_of(rec, f"line {i} of {path}"))
+    if not out:
+        raise GraftError(f"{what} {path}: no prompts in the file")
     return out
 
 
@@ -143,7 +166,7 @@ def load_dataset(name: str, limit: int | None, eng) -> list:
     if name == "stdlib":
         return stdlib_prompts(limit or GENERATED_DEFAULT)
     if os.path.isfile(name):
-        return read_prompts(name)[:limit]
+        return read_prompts(name, "dataset")[:limit]
     base, _, cat = name.partition(":")
     path, field = FILES[base]
     recs = [r for r in read_records(data_dir() / path) if not cat or r.get("category") == cat]

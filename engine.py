@@ -49,19 +49,6 @@ def default_budget(device) -> int:
     return GPU_BUDGET if str(device).startswith("cuda") else CPU_BUDGET
 
 
-# Generic prompts for warm-up (filling the matrix, measuring hit rates, calibrating thresholds).
-WARMUP_PROMPTS = [
-    "Once upon a time, there was a little",
-    "Write a short story about a dog who finds a ball in the park.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Explain in simple words why the sky is blue.",
-    "List three tips for staying healthy and explain each one.",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "The little girl went to the store with her mom. They",
-    "Summarize the following: The meeting covered the budget, the schedule and the new hires.",
-]
-
-
 # ----------------------------------------------------------------------------- the target's prefill step
 
 def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, slot: torch.Tensor,
@@ -490,6 +477,9 @@ class Engine:
         the batch's sampling mode follows its requests."""
         self.slots[b] = Slot(r, pend=int(r is not None))
         self.L[b], self.active[b] = 0, int(r is not None)
+        if r is not None:    # rows past L meet the mask's zero weights (0 * NaN = NaN): zeros, whatever the slot held
+            for c in [self.cache] + ([self.drafter.cache] if self.drafter else []):
+                c.clear(b)
         if self.drafter is not None:
             self.drafter.Ld[b] = 0
         self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
@@ -641,7 +631,7 @@ def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), 
     if not eng.compiling:
         return 0.0
     t0 = time.perf_counter()
-    ids = eng.tokenizer.encode(WARMUP_PROMPTS[0])[:max(1, eng.model.max_seq_len - 16)] or [0]
+    ids = list(range(1, min(17, eng.model.max_seq_len - 15, eng.model.args.vocab_size))) or [0]    # any ids do
     for m in methods:
         kept = m.matrix.state_dict() if m.matrix is not None else None
         run(eng, m, [Request(ids, sampling) for _ in range(eng.B)], 8, (), full=True)

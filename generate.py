@@ -19,7 +19,7 @@ from calibrate import AUTO_BUDGETS, method_config, needs_warmup, warm_up, warmup
 from cli import (DEMO_WARMUP_RUNS, classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, build_engine, check_args,
                  config_from_args, render_round, run)
 import data
-from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
+from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
 from engine import CALIBRATED, METHODS, NEEDS_HEAD, Request, compile_warmup, generate, run as run_requests
 from model import GraftError
 from verify import Sampling
@@ -32,12 +32,12 @@ def parse_args(argv=None):
     p.add_argument("--method", default=None, choices=METHODS,
                    help="default: graft when a head is known or given, else ar")
     p.add_argument("--demo", default=None, choices=DEMOS,
-                   help="without --ckpt: which shipped pair (default: smollm2 on CUDA or a CPU with native "
-                        "bfloat16, else stdlib)")
+                   help="without --ckpt: which shipped pair (default: smollm2, SmolLM2-135M-Instruct with its head, "
+                        "in bfloat16 on a CPU that computes it natively, else float32; stdlib: the tiny code pair)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None, help="the prompt: the whole file, as written (UTF-8)")
     p.add_argument("--prompts", default=None,
-                   help="many prompts: a text file with one per line, or .jsonl (with --batch; results in input order)")
+                   help=f"many prompts (with --batch; results in input order): {PROMPT_FORMATS}")
     p.add_argument("--batch", type=int, default=None,
                    help="requests per target pass: B slots refilled from --prompts as requests finish (every "
                         "method; no streaming; default: as many as prompts, at most 1)")
@@ -91,6 +91,9 @@ def main(argv=None):
     todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
     eng = build_engine(a.ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
                        attention=a.attention, chunk=a.prefill_chunk, batch=B, methods=todo)
+    if a.method is None and not draft:     # (once the checkpoint has loaded: a bad one is its own error)
+        print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
+              f"(graft), or --method recycle or --method pld, which need no head", file=err)
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     ids = enc(a.prompt or "") if many is None else None
     for x in [ids] if many is None else (many := [enc(t) for t in many]):
@@ -99,7 +102,7 @@ def main(argv=None):
                              f"--max-seq-len ({eng.model.max_seq_len})")
     cal = None
     if needs_warmup(method, a.auto_budget) and a.warmup > 0:
-        wp = read_prompts(a.warmup_file) if a.warmup_file else None
+        wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
         cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
                       log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
         cfg = method_config(cal, method, cfg, a.auto_budget)
@@ -123,6 +126,9 @@ def main(argv=None):
         host = torch.stack([t.tokens[0], t.parents[0], t.valid[0].long(),
                             t.retrieved[0].long() if t.retrieved is not None else t.valid[0].long() * 0]).tolist()
         path = rnd.v.path[0, :len(acc) + 1].tolist()
+        sys.stdout.flush()        # the text so far, then the tree on lines of its own (stdout keeps the text alone)
+        if stream.shown and not stream.shown.endswith("\n"):
+            print(file=err)
         print(render_round(rounds[0], *host, path, rnd.stages[0], bonus, eng.tokenizer.decode, source=m.source), file=err)
 
     res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,
@@ -141,13 +147,7 @@ def main(argv=None):
            "attention": "window" if eng.window else "full", "compile_seconds": round(eng.steps.compile_seconds, 2), **st}
     if base is not None:
         b = generate(eng, base, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids)
-        same, why = b.tokens == res.tokens, ""
-        if not same and eng.dtype != torch.float32:      # rounding of a 1-row and an N-row pass, or a real difference?
-            tie = classify_mismatch(eng, ids, b.tokens, res.tokens, s)
-            if tie["kind"] == "near-tie":
-                same, why = "near-tie", (f" (token {tie['position']} sits at a near-tie of the target's own {dtype} "
-                                         f"scores, gap {tie['gap']:.3g}: rounding, not the method; --dtype float32 "
-                                         f"gives the exact check)")
+        same, why = verdict(eng, [(ids, b.tokens, res.tokens, s)])
         print(f"[ar, {how}] {len(b.tokens)} tokens in {b.seconds:.2f}s = {b.tokens_per_s:.1f} tokens/s; "
               f"{method} speedup {res.tokens_per_s / b.tokens_per_s:.2f}x ({how} against {how}), "
               f"identical output: {same}{why}", file=err)
@@ -172,9 +172,10 @@ def check_batch_args(a):
         raise GraftError(f"--batch must be >= 1, got {a.batch}")
     if a.show_tree:
         raise GraftError("--show-tree shows one request's rounds: not with --batch")
-    texts = read_prompts(a.prompts)
-    if not texts:
-        raise GraftError(f"--prompts {a.prompts}: no prompts in the file")
+    texts = read_prompts(a.prompts, "--prompts")
+    if a.seed + len(texts) - 1 >= 2 ** 63:          # request i samples with --seed + i
+        raise GraftError(f"--seed {a.seed}: request i samples with --seed + i, and {len(texts)} prompts take it past "
+                         f"2^63 - 1")
     return texts
 
 
@@ -204,10 +205,10 @@ def run_batch(a, eng, method, cfg, cal, prompts: list, s: Sampling) -> dict:
                        for r, t in zip(res.requests, texts)]}
     if a.compare and method != "ar":
         b = run_requests(eng, eng.make("ar"), reqs(), a.max_new_tokens, eng.tokenizer.eos_ids)
-        same = verdict(eng, b.requests, res.requests)
+        same, why = verdict(eng, [(q.ids, q.tokens, r.tokens, q.sampling) for q, r in zip(b.requests, res.requests)])
         bs = b.stats()
         print(f"[ar, batch {eng.B}] {bs['tokens_per_s']:.1f} tokens/s; {method} "
-              f"{st['tokens_per_s'] / bs['tokens_per_s']:.2f}x, identical output: {same}", file=err)
+              f"{st['tokens_per_s'] / bs['tokens_per_s']:.2f}x, identical output: {same}{why}", file=err)
         out.update(ar_tokens_per_s=bs["tokens_per_s"], speedup=round(st["tokens_per_s"] / bs["tokens_per_s"], 3),
                    lossless=same)
     if a.json:
@@ -215,18 +216,25 @@ def run_batch(a, eng, method, cfg, cal, prompts: list, s: Sampling) -> dict:
     return out
 
 
-def verdict(eng, base: list, got: list):
-    """Whether each request's tokens equal plain decoding's: True, False, or "near-tie" when every
-    difference sits at a near-tie of the target's own scores (bfloat16/float16 rounding: classify_mismatch),
-    the same verdict at every B."""
-    same = True
-    for b, r in zip(base, got):
-        if b.tokens == r.tokens:
+def verdict(eng, runs: list) -> tuple:
+    """Whether each request's tokens equal plain decoding's, one rule at every B (the single path is a
+    batch of one). runs: [(prompt ids, ar's tokens, the method's tokens, Sampling)]. Returns (verdict,
+    why): True; "near-tie" when every difference sits at a near-tie of the target's own scores
+    (bfloat16/float16 rounding: classify_mismatch), why naming the first; False on any real difference
+    (and in float32, where the check is exact)."""
+    same, why = True, ""
+    for i, (ids, base, got, s) in enumerate(runs):
+        if base == got:
             continue
-        if eng.dtype == torch.float32 or classify_mismatch(eng, b.ids, b.tokens, r.tokens, b.sampling)["kind"] != "near-tie":
-            return False
+        tie = classify_mismatch(eng, ids, base, got, s) if eng.dtype != torch.float32 else {"kind": "exact"}
+        if tie["kind"] != "near-tie":
+            return False, ""
+        if same is True:
+            who = f"request {i}: " if len(runs) > 1 else ""
+            why = (f" ({who}token {tie['position']} sits at a near-tie of the target's own {str(eng.dtype)[6:]} scores, "
+                   f"gap {tie['gap']:.3g}: rounding, not the method; --dtype float32 gives the exact check)")
         same = "near-tie"
-    return same
+    return same, why
 
 
 def meaning(res, base, cuda: bool) -> str:

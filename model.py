@@ -166,6 +166,11 @@ class KVCache:
         self.k[i].index_put_((b, self.hi, rows[:, None, :]), k)
         self.v[i].index_put_((b, self.hi, rows[:, None, :]), v)
 
+    def clear(self, b: int):
+        """Zero request b's rows in every layer (Engine.seat, when a request takes the slot)."""
+        for t in self.k + self.v:
+            t[b].zero_()
+
     def read(self, i: int, n_keys: int, slots: torch.Tensor | None) -> tuple:
         """Layer i's cache rows 0..n_keys-1, (B', H_kv, n_keys, D) each: a view for every request, a
         gathered copy for the requests `slots` (a prefill of one request)."""

@@ -389,8 +389,19 @@ class Tokenizer:
             if legacy is not None and not isinstance(legacy, bool):
                 raise GraftError(f"malformed tokenizer_config.json in {path}: legacy must be true or false, "
                                  f"not {_short(legacy)}")
+            # add_bos_token / add_eos_token: what transformers' Llama tokenizer adds (defaults true, false)
+            self.add_ends = []
+            for name, default in (("add_bos_token", True), ("add_eos_token", False)):
+                on = cfg.obj.get(name, default)
+                if not isinstance(on, bool):
+                    raise GraftError(f"malformed tokenizer_config.json in {path}: {name} must be true or false, "
+                                     f"not {_short(on)}")
+                self.add_ends.append(on)
             self.tk = sentencepiece_tokenizer(spm_file)
             self.spm = SentencePieceEncoder(spm_file, legacy is not False)
+            for on, name, i in zip(self.add_ends, ("BOS", "EOS"), (self.spm.sp.bos_id(), self.spm.sp.eos_id())):
+                if on and i < 0:
+                    raise GraftError(f"tokenizer_config.json in {path} adds {name}, which {spm_file} does not have")
         else:
             raise GraftError(f"no tokenizer.json or tokenizer.model in {path}")
         self.chat_template = pick_chat_template(cfg.obj.get("chat_template"), "tokenizer_config.json")
@@ -478,15 +489,18 @@ class Tokenizer:
                              f"({text[e.start]!r})") from None
         if self.spm is not None:
             ids = self.spm.encode(text)
-            if add_special_tokens and self.spm.bos is not None and ids[:1] != [self.spm.bos]:
+            add_bos, add_eos = self.add_ends if add_special_tokens else (False, False)
+            if add_bos and self.spm.bos is not None and ids[:1] != [self.spm.bos]:
                 ids = [self.spm.bos] + ids
+            if add_eos and self.spm.sp.eos_id() >= 0:
+                ids = ids + [self.spm.sp.eos_id()]
         else:
             ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids if text else []
             if add_special_tokens and len(ids) > 1 and ids[0] == ids[1]:
                 plain = self.tk.encode(text, add_special_tokens=False).ids
                 if plain[:1] == ids[:1] and ids[1:1 + len(plain)] == plain:   # the added first token is the text's
                     ids = ids[1:]
-        if add_special_tokens and not ids and self.bos_id is not None:
+        if add_special_tokens and not ids and self.bos_id is not None and (self.spm is None or self.add_ends[0]):
             ids = [self.bos_id]  # an empty prompt is just BOS (generation "from BOS")
         return ids
 

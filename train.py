@@ -32,13 +32,14 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from checkpoint import hf_model_args, load_head, load_model, read_config, save_head
 from model import GraftError, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
 from verify import Sampling
-from data import STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
+from data import PROMPT_FORMATS, STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
 from calibrate import cache_dir
 
 
@@ -203,15 +204,24 @@ def self_distill(model, tok, prompts: list, new_tokens: int, batch: int, samplin
     return seqs
 
 
+_BARS = {}
+
+
 def progress(what: str, i: int, n: int, t0: float, extra: str = ""):
-    w = 30
-    done = int(w * i / max(n, 1))
-    el = time.time() - t0
-    eta = el / max(i, 1) * (n - i)
-    sys.stderr.write(f"\r{what} [{'#' * done}{'.' * (w - done)}] {i}/{n} {el:.0f}s<{eta:.0f}s {extra}   ")
+    """Step i of n of `what` (data, views, train): tqdm's bar on stderr, a count, the time and an
+    estimate; one bar per `what` until it is done (a resumed run's bar starts at its step). t0 is kept
+    for the callers' own logs; tqdm keeps its own clock."""
+    b = _BARS.get(what)
+    if b is None or b.total != n or i < b.n:
+        if b is not None:
+            b.close()
+        b = _BARS[what] = tqdm(total=n, initial=max(i - 1, 0), desc=what, file=sys.stderr, dynamic_ncols=True)
+    b.update(i - b.n)
+    if extra:
+        b.set_postfix_str(extra, refresh=False)
     if i >= n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+        b.close()
+        del _BARS[what]
 
 
 def draft_vocab(seqs: list, vocab: int, size: int) -> torch.Tensor:
@@ -422,7 +432,7 @@ def train_eagle3(a) -> str:
         save_sequences(data_path, seqs, source)
         log(f"data: {len(seqs)} windows of {a.seq_len + 1} tokens from {len(files)} files, {time.time() - t0:.0f}s")
     else:
-        prompts = read_prompts(a.prompts)
+        prompts = read_prompts(a.prompts, "--prompts")
         if a.max_prompts:
             prompts = prompts[:a.max_prompts]
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
@@ -720,7 +730,7 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eagle3", help="train an EAGLE-3 head for a target by self-distillation")
     e.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
-    e.add_argument("--prompts", default=None, help="text file (one prompt per line) or jsonl with turns/prompt")
+    e.add_argument("--prompts", default=None, help=PROMPT_FORMATS)
     e.add_argument("--texts", nargs="+", default=None, metavar="PATH",
                    help="instead of --prompts: real texts (files, or folders: their .py files, sorted) cut into "
                         "windows of --seq-len + 1 tokens; labels are still the target's own distribution")
@@ -778,13 +788,13 @@ def parse_args(argv=None):
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--restart", action="store_true")
     sp = sub.add_parser("stdlib-prompts", help="write code prompts from the stdlib (train or held-out files)")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", required=True, help="FILE.jsonl")
     sp.add_argument("--n", type=int, default=400)
     sp.add_argument("--lines", type=int, default=24)
     sp.add_argument("--heldout", action="store_true")
     sp.add_argument("--seed", type=int, default=0)
     cp = sub.add_parser("chat-prompts", help="write chat prompts from ../shared/data (no benchmark set we report)")
-    cp.add_argument("--out", required=True)
+    cp.add_argument("--out", required=True, help="FILE.jsonl")
     h = sub.add_parser("stories-head", help="train the stories260K-hf head (the recipe of the shipped one) into --out "
                                             "(default: the cache folder)")
     h.add_argument("--out", default=None)
@@ -798,6 +808,9 @@ def main(argv=None):
         return train_eagle3(a)
     if a.cmd == "target":
         return train_target(a)
+    if a.cmd in ("stdlib-prompts", "chat-prompts") and not a.out.endswith(".jsonl"):
+        raise GraftError(f"{a.cmd} writes JSON lines: name --out FILE.jsonl (a prompts file's format is read "
+                         f"from its name), not {a.out}")
     if a.cmd == "stdlib-prompts":
         with open(a.out, "w") as fh:
             for t in stdlib_snippets(a.heldout, a.n, a.lines, a.seed):

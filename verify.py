@@ -107,9 +107,12 @@ def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     A counter-based generator: the draw for position p is the same whether p is decoded alone or as
     one node of a tree, in a batch or not, on any device. That is what makes speculative sampling
     reproduce plain sampling token for token (GRAFT.md section 5). seed: int64, broadcastable to
-    positions ((B, 1) against (B, N)); data, so a new seed compiles nothing."""
+    positions ((B, 1) against (B, N)); data, so a new seed compiles nothing. Every seed in [0, 2^63)
+    keys its own stream: the high 32 bits, when not zero, rehash each position's key."""
     base = _hash32(seed * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (..., N)
+    hi = seed >> 32
+    h_pos = torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
     h = _hash32(h_pos[..., None] ^ token_hash(vocab, positions.device))            # (..., N, V)
     u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
@@ -292,31 +295,32 @@ def commit(v: Verified, tree: Tree) -> list:
 
 
 class Clock:
-    """Time per phase of a round, without host syncs: on a CPU each mark reads the wall clock; on a GPU
-    it records a CUDA event, and the events are read once, when the generation is over."""
+    """Time per phase of a round, without host syncs: on a CPU each mark reads `timer` (the wall clock;
+    the calibration sets time.process_time); on a GPU it records a CUDA event, and the events are read
+    once, when the generation is over."""
 
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.cuda, self.timer = torch.device(device).type == "cuda", time.perf_counter
         self.reset()
 
     def reset(self):
         """Forget every phase; timing restarts at the next start() (no event is recorded here, so an
         engine on fake CUDA tensors can be built on a machine without CUDA)."""
         self.totals, self.events = {}, []
-        self.last = time.perf_counter()
+        self.last = self.timer()
 
     def start(self):
         if self.cuda:
             self.events.append((None, self._event()))
         else:
-            self.last = time.perf_counter()
+            self.last = self.timer()
 
     def mark(self, phase: str):
         """The time since the previous mark goes to `phase`."""
         if self.cuda:
             self.events.append((phase, self._event()))
         else:
-            now = time.perf_counter()
+            now = self.timer()
             self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
             self.last = now
 

@@ -227,3 +227,26 @@ def test_text_that_is_not_unicode_is_one_line_error(spm_models, tmp_path, tiny_c
         with pytest.raises(M.GraftError) as e:
             tok.encode("a\udcff b")
         assert "not valid Unicode" in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- add_bos_token / add_eos_token
+
+@pytest.mark.parametrize("bos, eos", [(False, False), (False, True), (True, True), (True, False)])
+def test_bos_and_eos_follow_tokenizer_config_flags(spm_models, tmp_path, bos, eos):
+    """tokenizer_config.json's add_bos_token / add_eos_token, as transformers' Llama tokenizer reads them."""
+    sp = processor(spm_models, "llama")
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    hf = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab), legacy=True, add_bos_token=bos,
+                        add_eos_token=eos, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok = checkpoint(spm_models, tmp_path, "llama", add_bos_token=bos, add_eos_token=eos)
+    for s in ["Once upon a time", "def f(x):\n\treturn x", ""]:     # (no leading space: see above)
+        assert tok.encode(s) == hf.encode(s), repr(s)
+        assert tok.encode(s, add_special_tokens=False) == sp.encode(s)
+
+
+def test_malformed_bos_flag_is_one_line_error(spm_models, tmp_path):
+    with pytest.raises(M.GraftError) as e:
+        checkpoint(spm_models, tmp_path, "llama", add_bos_token="yes")
+    assert "add_bos_token" in str(e.value) and "\n" not in str(e.value)
