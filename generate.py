@@ -91,15 +91,15 @@ def main(argv=None):
     todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
     eng = build_engine(a.ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
                        attention=a.attention, chunk=a.prefill_chunk, batch=B, methods=todo)
-    if a.method is None and not draft:     # (once the checkpoint has loaded: a bad one is its own error)
-        print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
-              f"(graft), or --method recycle or --method pld, which need no head", file=err)
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     ids = enc(a.prompt or "") if many is None else None
     for x in [ids] if many is None else (many := [enc(t) for t in many]):
         if len(x) + a.max_new_tokens > eng.model.max_seq_len:
             raise GraftError(f"prompt ({len(x)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                              f"--max-seq-len ({eng.model.max_seq_len})")
+    if a.method is None and not draft:     # (once the inputs are known good: a bad one is its own error)
+        print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
+              f"(graft), or --method recycle or --method pld, which need no head", file=err)
     cal = None
     if needs_warmup(method, a.auto_budget) and a.warmup > 0:
         wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None

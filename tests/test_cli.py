@@ -228,7 +228,7 @@ def test_budget_auto_calibrates_eagle3(pair, monkeypatch, capsys):
     import calibrate as CAL
     import generate as GEN
     monkeypatch.setenv("GRAFT_CACHE", str(pair[0].parent / "cache"))
-    monkeypatch.setattr(CAL, "choose_budget", lambda options, checkpoints, spread=0.0:
+    monkeypatch.setattr(CAL, "choose_budget", lambda options, checkpoints, spread=0.0, floor=0.0:
                         (12, {c: 0.0 for c in checkpoints}, 1.0, {12: 1.0}))
     out = GEN.main(["--ckpt", str(pair[0]), "--draft", str(pair[1]), "--method", "eagle3", "--warmup", "1",
                   "--no-cache", "--max-new-tokens", "4", "--prompt", "Hello"])
