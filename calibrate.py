@@ -295,7 +295,11 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, use_cache, chat, log, calibration,
                              auto_budget)
     finally:
-        if lock is not None:
+        if lock is not None:     # removed while held: a run waiting on it then reads the cache; a later one
+            try:                 # locks a new file, and reads the cache too
+                os.remove(path + ".lock")
+            except OSError:
+                pass
             lock.close()
 
 

@@ -206,9 +206,9 @@ class NotCached(GraftError):
 
     def __init__(self, ckpt: str):
         self.ckpt = ckpt
-        super().__init__(f"{ckpt} is not in the local hub cache and the hub cannot be reached (HF_HUB_OFFLINE is "
-                         f"set or there is no network): run `hf download {ckpt}` where there is one, or pass a local "
-                         f"folder")
+        super().__init__(f"{ckpt} is not in the local hub cache and the hub is offline or unreachable "
+                         f"(HF_HUB_OFFLINE is set or there is no network): run `hf download {ckpt}` where there is "
+                         f"one, or pass a local folder")
 
 
 HEAD_PATTERNS = ["*.json", "*.safetensors", "*.bin"]

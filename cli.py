@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
-from checkpoint import DTYPES, HEAD_PATTERNS, NotCached, free_memory, load_head, load_model, resolve_checkpoint
+from checkpoint import DTYPES, HEAD_PATTERNS, NotCached, cache_budget, free_memory, load_head, load_model, resolve_checkpoint
 from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
@@ -215,6 +215,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     args = target_args(path)
     if max_seq_len is None:
         max_seq_len = min(DEFAULT_MAX_SEQ_LEN, args.max_position_embeddings)
+    max_seq_len = cache_budget(args, max_seq_len, DTYPES[dtype], device)      # the context first, then memory
     if chunk > max(max_seq_len, PREFILL_CHUNK):
         raise GraftError(f"--prefill-chunk {chunk} is longer than --max-seq-len {max_seq_len}: a prompt never needs "
                          f"a chunk longer than the cache")
@@ -254,7 +255,7 @@ def resolve_pair(ckpt: str, draft: str | None) -> tuple:
                 missing.append(name)
     if missing:
         raise GraftError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in the local hub cache and "
-                         f"the hub cannot be reached (HF_HUB_OFFLINE is set or there is no network): where there is "
+                         f"the hub is offline or unreachable (HF_HUB_OFFLINE is set or there is no network): where there is "
                          "one, run " + " and ".join(f"`hf download {m}`" for m in missing) + ", or pass local folders "
                          "(--ckpt FOLDER" + (", --draft FOLDER" if draft else "") + ")")
     return paths[ckpt], paths.get(draft) if draft else None
