@@ -292,8 +292,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         except (ImportError, OSError):                # no POSIX locks, or a read-only cache folder: go unlocked
             lock = None
     try:
-        return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, use_cache, chat, log, calibration,
-                             auto_budget)
+        return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, path, chat, log, calibration, auto_budget)
     finally:
         if lock is not None:     # removed while held: a run waiting on it then reads the cache; a later one
             try:                 # locks a new file, and reads the cache too
@@ -304,7 +303,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
 
 
 def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
-                  use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
+                  path: str | None = None, chat: bool = False, log=None, calibration: str = "throughput",
                   auto_budget: bool = False) -> Calibration:
     """Fill the continuation matrix (engine.matrix, the prior every request starts from), measure
     per-rank hit rates and calibrate the thresholds by running a few generations with the dense tree
@@ -315,7 +314,8 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     that maximise the expected tokens/s on this machine (throughput_thresholds); "youden" maximises
     Youden's J per checkpoint at cfg.budget. `calibration` is the one a "stop" method reads by default
     (Calibration.chosen); "replace" reads Youden's (graft.POLICIES). Cached per (target, head) and all
-    that changes the measured costs or the warm-up (state_path_for). A prompt too long for the cache
+    that changes the measured costs or the warm-up (state_path_for) in `path` (warmup_path; None: not
+    read, not written). A prompt too long for the cache
     is skipped, never truncated; a warm-up in which no generation ran, or none left a round long
     enough to score (usable_records), calibrates nothing (the thresholds never prune, with a warning)
     and is not cached."""
@@ -324,7 +324,6 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
-    path = warmup_path(engine, cfg, prompts, rounds, max_new_tokens, chat, auto_budget)
 
     def use(calibrations: dict, curve: dict, rates, spread) -> Calibration:
         cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread)
@@ -332,7 +331,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
             f"{ {c: round(t, 3) for c, t in cal.thresholds.items()} }, hit rates {[round(a, 3) for a in cal.hit_rates]}")
         return cal
 
-    if use_cache:
+    if path is not None:
         got = load_state(path, engine.matrix, checkpoints)
         cal = read_calibrations(got["meta"], checkpoints if d else None) if got is not None else None
         if cal is not None:        # (a cache whose calibrations do not fit these settings counts as absent)
@@ -421,7 +420,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
             f"(--calibration youden, budget {cfg.budget})")
     log(f"warm-up: {ran} of {len(prompts)} generations ran")
     cal = use(calibrations, curve, rates, spread)
-    if use_cache:
+    if path is not None:
         save_state(path, engine.matrix, cal.thresholds if d else {},
                    {"hit_rates": list(rates), "generations": ran, "cost_spread": spread,
                     "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
