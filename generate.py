@@ -22,6 +22,7 @@ import data
 from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
 from engine import CALIBRATED, METHODS, NEEDS_HEAD, Request, compile_warmup, generate, run as run_requests
 from model import GraftError
+import tp
 from verify import Sampling
 
 
@@ -103,8 +104,9 @@ def main(argv=None):
     cal = None
     if needs_warmup(method, a.auto_budget) and a.warmup > 0:
         wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-        cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat,
+        cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
                       log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
+        cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
         cfg = method_config(cal, method, cfg, a.auto_budget)
     elif a.auto_budget and method in CALIBRATED:
         print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)
@@ -155,9 +157,18 @@ def main(argv=None):
                    speedup=round(res.tokens_per_s / b.tokens_per_s, 3), lossless=same)
         if method != "ar":
             print(meaning(res, b, eng.cuda), file=err)
+    memory(out)
     if a.json:
         print(json.dumps(out))
     return out
+
+
+def memory(out: dict):
+    """Peak resident memory of every rank (tp.peak_rss_mib, MiB) into the JSON; printed under torchrun."""
+    out["peak_rss_mib"] = [round(m) for m in tp.every(tp.peak_rss_mib())]
+    if len(out["peak_rss_mib"]) > 1:
+        print(f"tensor parallel over {len(out['peak_rss_mib'])} ranks: peak memory per rank "
+              f"{', '.join(map(str, out['peak_rss_mib']))} MiB", file=sys.stderr)
 
 
 def check_batch_args(a):
@@ -211,6 +222,7 @@ def run_batch(a, eng, method, cfg, cal, prompts: list, s: Sampling) -> dict:
               f"{st['tokens_per_s'] / bs['tokens_per_s']:.2f}x, identical output: {same}{why}", file=err)
         out.update(ar_tokens_per_s=bs["tokens_per_s"], speedup=round(st["tokens_per_s"] / bs["tokens_per_s"], 3),
                    lossless=same)
+    memory(out)
     if a.json:
         print(json.dumps(out))
     return out
