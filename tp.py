@@ -100,17 +100,23 @@ class Shards:
     Errors: GraftError, one line, for a world size the heads (or the MLP widths) cannot be split into."""
 
     def __init__(self, args: ModelArgs, rank: int, n: int):
-        sizes = {"query heads": args.n_heads, "KV heads": args.n_kv_heads}
+        sizes = {"query heads": args.n_heads}
         if not all(args.sparse_layers) or not args.sparse_layers:
             sizes["intermediate_size"] = args.intermediate_size
         if args.n_experts:
             sizes["moe_intermediate_size"] = args.moe_intermediate_size
-        if any(v % n for v in sizes.values()):
-            fits = [k for k in range(1, args.n_kv_heads + 1) if not any(v % k for v in sizes.values())]
-            raise GraftError(f"cannot split this model over {n} ranks: its {', '.join(f'{v} {k}' for k, v in sizes.items())} "
-                             f"must each divide evenly; world sizes that fit: {', '.join(map(str, fits))}")
+        kv_fits = lambda k: args.n_kv_heads % k == 0 or k % args.n_kv_heads == 0
+        if any(v % n for v in sizes.values()) or not kv_fits(n):
+            fits = [k for k in range(1, args.n_heads + 1) if not any(v % k for v in sizes.values()) and kv_fits(k)]
+            raise GraftError(f"cannot split this model over {n} ranks: its {', '.join(f'{k} ({v})' for k, v in sizes.items())} "
+                             f"must each divide evenly, and its {args.n_kv_heads} KV heads divide evenly or evenly "
+                             f"repeat; world sizes that fit: {', '.join(map(str, fits))}")
         self.full, self.rank, self.n = args, rank, n
-        self.args = dataclasses.replace(args, n_heads=args.n_heads // n, n_kv_heads=args.n_kv_heads // n,
+        # KV heads: H_kv/N a rank; with fewer KV heads than ranks (Qwen3-235B-A22B: 4 on 8) each rank
+        # holds the one its query heads read, repeated on N/H_kv ranks (as vLLM does)
+        self.kv = max(args.n_kv_heads // n, 1)
+        self.kv_first = rank * args.n_kv_heads // n if args.n_kv_heads < n else rank * self.kv
+        self.args = dataclasses.replace(args, n_heads=args.n_heads // n, n_kv_heads=self.kv,
                                         intermediate_size=args.intermediate_size // n,
                                         moe_intermediate_size=args.moe_intermediate_size // n)
 
@@ -140,6 +146,8 @@ class Shards:
         dim, size, pieces = rule
         if len(shape) <= dim or shape[dim] != size:
             return None
+        if what.startswith(("self_attn.k_proj", "self_attn.v_proj")):       # this rank's KV heads
+            return 0, [(self.kv_first * hd, (self.kv_first + self.kv) * hd)]
         part, local = size // pieces, size // pieces // self.n
         return dim, [(p * part + self.rank * local, p * part + (self.rank + 1) * local) for p in range(pieces)]
 
