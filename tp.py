@@ -60,8 +60,16 @@ def init(device: str) -> str:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-        atexit.register(dist.destroy_process_group)
+        atexit.register(leave)
     return device
+
+
+def leave():
+    """At exit: wait for every rank, then leave the group. A rank that tore its group down while
+    another still used it would abort in gloo's threads ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def same(obj):

@@ -41,6 +41,8 @@ def torchrun(n: int, *argv, timeout=300) -> subprocess.CompletedProcess:
 def sharded(n: int, spec: dict, tmp_path) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     p = torchrun(n, ROOT / "tests" / "tp_worker.py", tmp_path / "spec.json", tmp_path / "out.json")
+    if p.returncode:
+        open("/tmp/tp31/fail.log", "a").write(p.stderr)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text())
 
