@@ -5,7 +5,7 @@
 
 SPEC: {"models": [[ckpt, head or null], ...], "methods": [...] or null (all), "new": tokens,
 "batch": B > 1 also runs B requests at once, "compile": bool, "backend": torch.compile's (default
-inductor)}. OUT: {"model|method|B|greedy or
+inductor), "samplings": some of SAMPLINGS or null (all)}. OUT: {"model|method|B|greedy or
 sampled": [tokens of each request], ...}, plus "ranks_agree" (every rank's tokens the same),
 "peak_rss_mib" (every rank's) and "weights_mib" (every rank's parameters).
 """
@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 import tp  # noqa: E402
 from cli import batch_engine, build_engine  # noqa: E402
-from engine import Request, compile_warmup, generate, run  # noqa: E402
+from engine import Request, generate, run  # noqa: E402
 from graft import METHODS, Config  # noqa: E402
 from verify import Sampling  # noqa: E402
 
@@ -37,13 +37,10 @@ def tokens_of(spec: dict) -> dict:
         todo = [(m, cfg) for m in methods]
         eng = build_engine(ckpt, head, "cpu", "float32", max_seq_len=96, top_k=4, depth=4, batch=spec["batch"],
                            methods=todo, compile=spec.get("compile", False), backend=spec.get("backend", "inductor"))
-        one = batch_engine(eng, 1, todo)
+        one = eng if spec["batch"] == 1 else batch_engine(eng, 1, todo)
         weights = max(weights, sum(p.numel() * p.element_size() for p in eng.model.parameters()))
-        if spec.get("compile"):
-            compile_warmup(one, [one.make(m, cfg) for m in methods], SAMPLINGS["sampled"])
-            compile_warmup(eng, [eng.make(m, cfg) for m in methods], SAMPLINGS["sampled"])
         for m in methods:
-            for kind, s in SAMPLINGS.items():
+            for kind, s in [(k, SAMPLINGS[k]) for k in spec.get("samplings") or SAMPLINGS]:
                 r = generate(one, one.make(m, cfg), PROMPTS[0], spec["new"], s)
                 out[f"{Path(ckpt).name}|{m}|1|{kind}"] = [r.tokens]
                 if spec["batch"] > 1:
