@@ -295,6 +295,9 @@ def check_finite(name: str, t: torch.Tensor):
         raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
 
 
+REMAP_BYTES = 64 * 2 ** 20
+
+
 def read_safetensors(files: list, device="cpu", dtype=None, keep=None, shards=None) -> dict:
     """Memory-mapped read; tensors are cast to `dtype` (floating ones only) on their way to `device`.
     pytorch_model*.bin files are read with weights_only=True (tensors and plain containers, never
@@ -318,11 +321,23 @@ def read_safetensors(files: list, device="cpu", dtype=None, keep=None, shards=No
                     out[name] = cast(t if take is None else shards.cut(t, take))
             continue
         try:
-            with safe_open(f, framework="pt", device="cpu") as fh:
-                for name in fh.keys():
-                    if keep is None or keep(name):
-                        take = shards.take(name, fh.get_slice(name).get_shape()) if shards else None
-                        out[name] = cast(fh.get_tensor(name) if take is None else shards.cut(fh.get_slice(name), take))
+            names, i = None, 0
+            while names is None or i < len(names):
+                # Under TP every tensor is a copy of this rank's part, and the file is mapped again after
+                # each REMAP_BYTES: the pages a read touched (and the kernel's readahead) then leave this
+                # process, so a rank's peak memory is its part plus one window, not the whole file.
+                with safe_open(f, framework="pt", device="cpu") as fh:
+                    names = [n for n in fh.keys() if keep is None or keep(n)] if names is None else names
+                    mapped = 0
+                    while i < len(names) and (shards is None or mapped < REMAP_BYTES):
+                        name, i = names[i], i + 1
+                        if shards is None:
+                            out[name] = cast(fh.get_tensor(name))
+                            continue
+                        part = fh.get_slice(name)
+                        take = shards.take(name, part.get_shape())
+                        out[name] = cast(fh.get_tensor(name).clone() if take is None else shards.cut(part, take))
+                        mapped += math.prod(part.get_shape()) * out[name].element_size()
         except Exception as e:
             raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
     return out

@@ -165,7 +165,7 @@ class Shards:
         is read from the file)."""
         dim, spans = take
         pieces = [t[(slice(None),) * dim + (slice(a, b),)] for a, b in spans]
-        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim)
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
 
     def connect(self, model):
         """The two all-reduces of every layer, as forward hooks on its attention and its MLP (or MoE)
