@@ -606,7 +606,7 @@ def main(argv=None) -> dict:
     sweep = len({r["budget"] for r in rows if r["budget"]}) > 1     # a budget column when budgets differ
     report = {"meta": {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1],
                     "python": platform.python_version(), "torch": torch.__version__, "device": str(a.device),
                     "gpu": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else None},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -779,7 +779,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
               f"({c[nodes] / c[1]:.2f}x B tokens)")
     report = {"meta": {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1], "torch": torch.__version__,
                     "device": str(a.device)},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),

@@ -58,8 +58,8 @@ def init(device: str) -> str:
     if cuda:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():      # (NCCL's communicator made now, before any CUDA graph captures)
+        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": torch.device(device)} if cuda else {}))
         atexit.register(leave)
     return device
 
