@@ -17,8 +17,8 @@ only that, so its peak memory is about 1/N of the sharded weights plus the repli
 The embedding and lm_head are replicated, not split by vocabulary: every rank then holds the full hidden
 states and full logits, so verification, sampling, drafting (the head reads the residual stream after
 the all-reduces) and retrieval run on every rank with no communication at all, and the one host sync a
-round stays one. A vocabulary split would save 2*V*D bytes*(N-1)/N a rank (about 2.2 GB at N=8 for
-Qwen3-235B-A22B in bfloat16, under 2% of an H200) for a gather of (B, T, V) logits every pass.
+round stays one. A vocabulary split would save (N-1)/N of the two V x D matrices a rank (about 2.2 GB
+for Qwen3-235B-A22B at N=8 in bfloat16, under 2% of an H200) for a gather of (B, T, V) logits every pass.
 
 Every rank decides the same tokens: an all-reduce leaves the same bits on every rank (each element is
 summed once, then copied), sampling is position noise keyed on the seed (verify.position_noise, no

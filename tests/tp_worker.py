@@ -5,7 +5,8 @@
 
 SPEC: {"models": [[ckpt, head or null], ...], "methods": [...] or null (all), "new": tokens,
 "batch": B > 1 also runs B requests at once, "compile": bool, "backend": torch.compile's (default
-inductor), "samplings": some of SAMPLINGS or null (all)}. OUT: {"model|method|B|greedy or
+inductor), "samplings": some of SAMPLINGS or null (all), "round_work": methods whose host work a round
+(cli.round_work: step calls, eager ops, host syncs) to count}. OUT: {"model|method|B|greedy or
 sampled": [tokens of each request], ...}, plus "ranks_agree" (every rank's tokens the same),
 "peak_rss_mib" (every rank's) and "weights_mib" (every rank's parameters).
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
 
 import tp  # noqa: E402
-from cli import batch_engine, build_engine  # noqa: E402
+from cli import batch_engine, build_engine, round_work  # noqa: E402
 from engine import Request, generate, run  # noqa: E402
 from graft import METHODS, Config  # noqa: E402
 from verify import Sampling  # noqa: E402
@@ -47,6 +48,8 @@ def tokens_of(spec: dict) -> dict:
                     reqs = [Request(ids, dataclasses.replace(s, seed=s.seed + i), i) for i, ids in enumerate(PROMPTS)]
                     res = run(eng, eng.make(m, cfg), reqs, spec["new"])
                     out[f"{Path(ckpt).name}|{m}|{spec['batch']}|{kind}"] = [q.tokens for q in res.requests]
+        for m in spec.get("round_work", []):      # the host's work a round: the all-reduces add no sync
+            out[f"{Path(ckpt).name}|{m}|round_work"] = round_work(one, one.make(m, cfg), PROMPTS[0], spec["new"])
     out["ranks_agree"] = all(o == out for o in tp.every(dict(out)))
     out["peak_rss_mib"] = tp.every(tp.peak_rss_mib())
     out["weights_mib"] = tp.every(weights / 2 ** 20)
