@@ -110,12 +110,7 @@ def check_args(a, budgets=None):
     def need(ok, msg):
         if not ok:
             raise GraftError(msg)
-    need(math.isfinite(a.temperature) and a.temperature >= 0, f"--temperature must be a finite number >= 0, "
-                                                               f"got {a.temperature}")
-    need(math.isfinite(a.top_p) and 0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
-    need(a.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {a.top_k}")
-    need(0 <= a.seed < 2 ** 63, f"--seed must be in [0, 2^63), got {a.seed}")
-    need(a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    check_sampling(a.temperature, a.top_p, a.top_k, a.seed, a.max_new_tokens)
     need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
@@ -153,6 +148,27 @@ def check_args(a, budgets=None):
         need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
     if a.warmup_file:
         read_prompts(a.warmup_file, "--warmup-file")
+
+
+FLAG_NAMES = ("--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens")
+
+
+def check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names=FLAG_NAMES):
+    """A request's sampling and length, checked (GraftError, one line with its name from `names`):
+    what check_args checks of the flags, and api.py and serve.py of every request."""
+    t, p, k, sd, n = names
+    def need(ok, msg):
+        if not ok:
+            raise GraftError(msg)
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    need(num(temperature) and math.isfinite(temperature) and temperature >= 0,
+         f"{t} must be a finite number >= 0, got {temperature!r}")
+    need(num(top_p) and math.isfinite(top_p) and 0 < top_p <= 1, f"{p} must be in (0, 1], got {top_p!r}")
+    need(whole(top_k) and top_k >= 0, f"{k} must be an integer >= 0 (0 = off), got {top_k!r}")
+    need(whole(seed) and 0 <= seed < 2 ** 63, f"{sd} must be an integer in [0, 2^63), got {seed!r}")
+    need(whole(max_new_tokens) and max_new_tokens >= 1,
+         f"{n} must be an integer >= 1, got {max_new_tokens!r}")
 
 
 def numbers(flag: str, text: str, kind=int) -> list:

@@ -246,6 +246,7 @@ class Request:
     times: dict = field(default_factory=dict)   # generate(): seconds per phase (prefill, draft, assemble, verify, update)
     max_new_tokens: int | None = None    # its own limit (a server's request); None: the run's
     cancelled: bool = False              # set from outside (a client gone, a stop string): freed next step
+    done: bool = False                   # it ended (EOS, its limit, cancelled): no slot holds it
 
     @property
     def prompt_tokens(self) -> int:
@@ -564,7 +565,7 @@ class Scheduler:
 
     def done(self, b: int, r: Request):
         if r.cancelled or r.tokens[-1] in self.eos or len(r.tokens) >= self.limit(r):
-            r.finished_s = time.perf_counter() - self.t0
+            r.finished_s, r.done = time.perf_counter() - self.t0, True
             self.eng.free(b, self.method)
 
     def step(self):
@@ -575,6 +576,7 @@ class Scheduler:
             while eng.slots[b].request is None and self.waiting:
                 r = self.waiting.popleft()
                 if r.cancelled:
+                    r.done = True
                     continue
                 r.admitted_s = time.perf_counter() - self.t0
                 eng.admit(b, r, method)
