@@ -41,6 +41,15 @@ MAX_TREE_NODES = 1024
 WARMUP_RUNS, DEMO_WARMUP_RUNS = 5, 2
 
 
+# Tree shapes of other engines' EAGLE-3 defaults (--preset): (--draft-top-k, --depth, --budget,
+# --checkpoints). SGLang's --speculative-eagle-topk / --speculative-num-steps /
+# --speculative-num-draft-tokens (which counts the root: our budget is one less) as it picks them when
+# unset (5/4/8 for Llama targets, else 3/1/4, a chain); vLLM drafts a chain of num_speculative_tokens
+# (3 in its EAGLE-3 examples); the paper's dense tree is top-k 10, 8 levels, 60 nodes.
+PRESETS = {"sglang-llama": (4, 5, 7, "0,1"), "sglang": (1, 3, 3, "0,1"), "vllm": (1, 3, 3, "0,1"),
+           "paper": (10, 8, 60, "0,1,5")}
+
+
 def add_engine_flags(p, compare_calibrations: bool = False):
     """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
     --calibration may name both calibrations, to compare them in one run."""
@@ -68,6 +77,9 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     else:
         p.add_argument("--calibration", choices=CALIBRATIONS, default="throughput",
                        help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="the tree shape of another engine's EAGLE-3 default: sets --draft-top-k, --depth, --budget and "
+                        "--checkpoints (" + "; ".join(f"{k}: {v[0]}, {v[1]}, {v[2]}, {v[3]}" for k, v in PRESETS.items()) + ")")
     p.add_argument("--draft-top-k", type=int, default=10, help="draft children per expansion")
     p.add_argument("--depth", type=int, default=8, help="draft levels")
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
@@ -111,6 +123,13 @@ def check_args(a, budgets=None):
         if not ok:
             raise GraftError(msg)
     check_sampling(a.temperature, a.top_p, a.top_k, a.seed, a.max_new_tokens)
+    if getattr(a, "preset", None) is not None:
+        shape = dict(zip(("draft_top_k", "depth", "budget", "checkpoints"), PRESETS[a.preset]))
+        given = [k for k, d in (("draft_top_k", 10), ("depth", 8), ("budget", "auto"), ("checkpoints", "0,1,5"))
+                 if getattr(a, k) not in (d, None)]
+        need(not given, f"--preset {a.preset} sets the tree's shape: drop --" + ", --".join(g.replace("_", "-") for g in given))
+        for k, v in shape.items():
+            setattr(a, k, str(v) if k == "budget" else v)
     need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")

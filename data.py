@@ -610,7 +610,7 @@ def stories_head_dir() -> str:
 
 # ----------------------------------------------------------------------------- the demo and known heads
 
-# Published EAGLE-3 heads for well-known targets (eagle3.md section 3).
+# Published EAGLE-3 heads for well-known targets (their Hub pages).
 KNOWN_HEADS = {
     "meta-llama/Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
     "meta-llama/Meta-Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
