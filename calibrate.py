@@ -1,6 +1,6 @@
 """Calibration: the warm-up, Youden's and the throughput thresholds, the budget choice, the cache.
 
-GRAFT.md section 6 calibrates a threshold tau_c per checkpoint on warm-up rounds (Youden's J); the
+docs/graft.md section 6 calibrates a threshold tau_c per checkpoint on warm-up rounds (Youden's J); the
 throughput calibration [ours] picks the thresholds, and with --budget auto the budget, that maximise
 the expected tokens per second on this machine, from the same rounds and the engine's measured step
 costs, measured here robustly (pass_cost: interleaved sizes, the fastest sample, a monotone fit).
@@ -307,7 +307,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
                   auto_budget: bool = False) -> Calibration:
     """Fill the continuation matrix (engine.matrix, the prior every request starts from), measure
     per-rank hit rates and calibrate the thresholds by running a few generations with the dense tree
-    (GRAFT.md sections 3, 4, 6), on the engine's B slots. Returns the Calibration the methods read.
+    (docs/graft.md sections 3, 4, 6), on the engine's B slots. Returns the Calibration the methods read.
 
     Both calibrations are computed, for each calibrated method (eagle3, prune, graft; the ablations use
     graft's): "throughput" picks the thresholds (and, with auto_budget, the budget from AUTO_BUDGETS)

@@ -461,7 +461,7 @@ def head_config(cfg, what: str = "draft head config.json") -> HeadConfig:
     top) or speculators-style (the layer's keys under `transformer_layer_config`). Every field is
     checked (Fields); RoPE settings go through read_rope, the target's reader, so
     `rope_parameters` (transformers 5) and `rope_theta` (transformers 4) read the same. A head that
-    states no rope_theta runs at 10000, as the official Llama-3.1 head does (eagle3.md section 1.3).
+    states no rope_theta runs at 10000, as the official Llama-3.1 head does (SafeAILab/EAGLE's cnets.py).
     Errors: GraftError, one line."""
     c = Fields(cfg, what)
     archs = c.get("architectures", list, [])
@@ -601,7 +601,7 @@ def load_head(ckpt: str, target, device=None, dtype=None) -> Eagle3:
 def aux_layers(cfg: dict, n_layers: int) -> tuple | None:
     """The target features a head declares, as the layers whose input is captured (0..L, L = the last
     layer's output), or None (the default: inputs of layers 2, L//2, L-3). Two conventions meet here
-    (eagle3.md section 2): SGLang/SpecForge nest `eagle_config.eagle_aux_hidden_state_layer_ids` and
+    (as SGLang and vLLM read them): SGLang/SpecForge nest `eagle_config.eagle_aux_hidden_state_layer_ids` and
     count outputs of layers (so +1); vLLM and speculators configs put the key at the top and count
     inputs of layers. Errors: GraftError for ids that are not layers of this target."""
     c = Fields(cfg, "draft head config.json")

@@ -42,6 +42,15 @@ MAX_TREE_NODES = 1024
 WARMUP_RUNS, DEMO_WARMUP_RUNS = 5, 2
 
 
+# Tree shapes of other engines' EAGLE-3 defaults (--preset): (--draft-top-k, --depth, --budget,
+# --checkpoints). SGLang's --speculative-eagle-topk / --speculative-num-steps /
+# --speculative-num-draft-tokens (which counts the root: our budget is one less) as it picks them when
+# unset (5/4/8 for Llama targets, else 3/1/4, a chain); vLLM drafts a chain of num_speculative_tokens
+# (3 in its EAGLE-3 examples); the paper's dense tree is top-k 10, 8 levels, 60 nodes.
+PRESETS = {"sglang-llama": (4, 5, 7, "0,1"), "sglang": (1, 3, 3, "0,1"), "vllm": (1, 3, 3, "0,1"),
+           "paper": (10, 8, 60, "0,1,5")}
+
+
 def add_engine_flags(p, compare_calibrations: bool = False):
     """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
     --calibration may name both calibrations, to compare them in one run."""
@@ -69,6 +78,9 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     else:
         p.add_argument("--calibration", choices=CALIBRATIONS, default="throughput",
                        help="how the warm-up sets the thresholds: expected tokens/s (default) or Youden's J")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="the tree shape of another engine's EAGLE-3 default: sets --draft-top-k, --depth, --budget and "
+                        "--checkpoints (" + "; ".join(f"{k}: {v[0]}, {v[1]}, {v[2]}, {v[3]}" for k, v in PRESETS.items()) + ")")
     p.add_argument("--draft-top-k", type=int, default=10, help="draft children per expansion")
     p.add_argument("--depth", type=int, default=8, help="draft levels")
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
@@ -111,12 +123,14 @@ def check_args(a, budgets=None):
     def need(ok, msg):
         if not ok:
             raise GraftError(msg)
-    need(math.isfinite(a.temperature) and a.temperature >= 0, f"--temperature must be a finite number >= 0, "
-                                                               f"got {a.temperature}")
-    need(math.isfinite(a.top_p) and 0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
-    need(a.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {a.top_k}")
-    need(0 <= a.seed < 2 ** 63, f"--seed must be in [0, 2^63), got {a.seed}")
-    need(a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    check_sampling(a.temperature, a.top_p, a.top_k, a.seed, a.max_new_tokens)
+    if getattr(a, "preset", None) is not None:
+        shape = dict(zip(("draft_top_k", "depth", "budget", "checkpoints"), PRESETS[a.preset]))
+        given = [k for k, d in (("draft_top_k", 10), ("depth", 8), ("budget", "auto"), ("checkpoints", "0,1,5"))
+                 if getattr(a, k) not in (d, None)]
+        need(not given, f"--preset {a.preset} sets the tree's shape: drop --" + ", --".join(g.replace("_", "-") for g in given))
+        for k, v in shape.items():
+            setattr(a, k, str(v) if k == "budget" else v)
     need(a.max_seq_len is None or a.max_seq_len >= 1, f"--max-seq-len must be >= 1, got {a.max_seq_len}")
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
@@ -154,6 +168,27 @@ def check_args(a, budgets=None):
         need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
     if a.warmup_file:
         read_prompts(a.warmup_file, "--warmup-file")
+
+
+FLAG_NAMES = ("--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens")
+
+
+def check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names=FLAG_NAMES):
+    """A request's sampling and length, checked (GraftError, one line with its name from `names`):
+    what check_args checks of the flags, and api.py and serve.py of every request."""
+    t, p, k, sd, n = names
+    def need(ok, msg):
+        if not ok:
+            raise GraftError(msg)
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    need(num(temperature) and math.isfinite(temperature) and temperature >= 0,
+         f"{t} must be a finite number >= 0, got {temperature!r}")
+    need(num(top_p) and math.isfinite(top_p) and 0 < top_p <= 1, f"{p} must be in (0, 1], got {top_p!r}")
+    need(whole(top_k) and top_k >= 0, f"{k} must be an integer >= 0 (0 = off), got {top_k!r}")
+    need(whole(seed) and 0 <= seed < 2 ** 63, f"{sd} must be an integer in [0, 2^63), got {seed!r}")
+    need(whole(max_new_tokens) and max_new_tokens >= 1,
+         f"{n} must be an integer >= 1, got {max_new_tokens!r}")
 
 
 def numbers(flag: str, text: str, kind=int) -> list:

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head and tree drafting with checkpoints (its loader and writer: checkpoint.py).
 
-Spec: ../shared/reference/eagle3.md (sections 1, 3, 4). In short:
+EAGLE-3 (arXiv 2503.01840; the published heads of SafeAILab/EAGLE, SpecForge and AngelSlim). In short:
   fc          3*Ht -> H      fuses the target's low|mid|high features (depth 0 only)
   midlayer    one decoder layer whose attention reads [input_layernorm(emb), hidden_norm(hidden)] (2H wide)
   norm, lm_head              logits over the draft vocabulary; target id = draft id + d2t[draft id]
@@ -217,7 +217,7 @@ def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n:
     (tokens (B, n), parents (B, n), slots (B, n), rank (B, n)), parents indexing into the selection
     (-1 = the root), parents first; rank: a node's place in the score order (0 = best). A stable sort
     keeps a parent ahead of a child with an equal score, so the best K of the selection (rank < K) are
-    prefix-closed for every K (GRAFT.md section 2, step 2)."""
+    prefix-closed for every K (docs/graft.md section 2, step 2)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
     sel, back = torch.sort(order, dim=1)                            # slot order = parents first
     par = parents.gather(1, sel)

@@ -244,6 +244,9 @@ class Request:
     finished_s: float = 0.0              # last token: its latency (every prompt arrives at the start)
     seconds: float = 0.0                 # generate(): the whole generation, prefill included
     times: dict = field(default_factory=dict)   # generate(): seconds per phase (prefill, draft, assemble, verify, update)
+    max_new_tokens: int | None = None    # its own limit (a server's request); None: the run's
+    cancelled: bool = False              # set from outside (a client gone, a stop string): freed next step
+    done: bool = False                   # it ended (EOS, its limit, cancelled): no slot holds it
 
     @property
     def prompt_tokens(self) -> int:
@@ -526,63 +529,78 @@ def make_method(eng: Engine, name: str, cfg: Config | None = None, cal: Calibrat
 
 # ----------------------------------------------------------------------------- the loop
 
-@torch.no_grad()
-def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_ids=(), on_tokens=None,
-        on_round=None, record: bool = False, full: bool = False) -> Run:
-    """Decode every request (Request: token ids and sampling), B at a time: a finished request's slot
-    takes the next waiting one, prefilled between rounds. A request stops after an EOS or at
-    max_new_tokens. on_tokens(request) after each of its rounds (streaming); on_round(round, commits)
-    after every round (--show-tree, the warm-up's records with record=True). full: draft to full
-    depth (compile warm-up). Results in input order. Errors: GraftError for an empty prompt or one that
-    does not fit the cache, before anything runs."""
-    S = eng.model.max_seq_len
-    for r in requests:
+class Scheduler:
+    """The loop (nano-vllm's scheduler and step): requests waiting for a slot, and one iteration that
+    refills free slots, runs one round for every slot and hands each request what it returned. run()
+    steps it until nothing is left; a server adds requests as they arrive and steps while any is busy.
+    A request stops after an EOS, at its max_new_tokens (the run's when None) or once `cancelled`
+    (a client gone, a stop string met): its slot takes the next waiting request between rounds.
+    on_tokens(request) after each of its rounds (streaming); on_round(round, commits) after every round."""
+
+    def __init__(self, eng: Engine, method: Method, max_new_tokens: int, eos_ids=(), on_tokens=None, on_round=None,
+                 record: bool = False, full: bool = False):
+        self.eng, self.method, self.max_new, self.eos = eng, method, max_new_tokens, set(eos_ids)
+        self.on_tokens, self.on_round, self.record, self.full = on_tokens, on_round, record, full
+        self.waiting, self.rounds, self.forwards, self.prefill_s = deque(), 0, 0, 0.0
+        for b, r in enumerate(eng.requests()):        # a run that raised left its requests in their slots
+            if r is not None:
+                eng.free(b, method)
+        self.t0 = time.perf_counter()
+        eng.clock.start()
+
+    def add(self, r: Request):
+        """Queue r. Errors: GraftError for an empty prompt or one that does not fit the cache."""
         if not r.ids:
             raise GraftError("empty prompt")
-        if len(r.ids) + max_new_tokens > S:
-            raise GraftError(f"prompt ({len(r.ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
-                             f"--max-seq-len ({S})")
-    for b, r in enumerate(eng.requests()):           # a run that raised left its requests in their slots
-        if r is not None:
-            eng.free(b, method)
-    queue, eos = deque(requests), set(eos_ids)
-    rounds = forwards = 0
-    prefill_s = 0.0
-    t0, c0 = time.perf_counter(), time.process_time()
-    eng.clock.start()
+        if len(r.ids) + self.limit(r) > self.eng.model.max_seq_len:
+            raise GraftError(f"prompt ({len(r.ids)} tokens) + --max-new-tokens ({self.limit(r)}) exceeds "
+                             f"--max-seq-len ({self.eng.model.max_seq_len})")
+        self.waiting.append(r)
 
-    def done(b, r):
-        if r.tokens[-1] in eos or len(r.tokens) >= max_new_tokens:
-            r.finished_s = time.perf_counter() - t0
-            eng.free(b, method)
+    def limit(self, r: Request) -> int:
+        return self.max_new if r.max_new_tokens is None else r.max_new_tokens
 
-    while queue or any(eng.requests()):
-        for b in range(eng.B):                       # 1. refill free slots between rounds
-            while eng.slots[b].request is None and queue:
-                r = queue.popleft()
-                r.admitted_s = time.perf_counter() - t0
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(self.eng.requests())
+
+    def done(self, b: int, r: Request):
+        if r.cancelled or r.tokens[-1] in self.eos or len(r.tokens) >= self.limit(r):
+            r.finished_s, r.done = time.perf_counter() - self.t0, True
+            self.eng.free(b, self.method)
+
+    def step(self):
+        eng, method = self.eng, self.method
+        for b in range(eng.B):                       # 1. free the cancelled, refill free slots between rounds
+            if (r := eng.slots[b].request) is not None and r.cancelled:
+                self.done(b, r)
+            while eng.slots[b].request is None and self.waiting:
+                r = self.waiting.popleft()
+                if r.cancelled:
+                    r.done = True
+                    continue
+                r.admitted_s = time.perf_counter() - self.t0
                 eng.admit(b, r, method)
-                r.first_s = time.perf_counter() - t0
-                prefill_s += r.first_s - r.admitted_s
+                r.first_s = time.perf_counter() - self.t0
+                self.prefill_s += r.first_s - r.admitted_s
                 eng.clock.mark("prefill")
-                if on_tokens:
-                    on_tokens(r)
-                done(b, r)
+                if self.on_tokens:
+                    self.on_tokens(r)
+                self.done(b, r)
         if not any(eng.requests()):
-            continue
-        rnd, got = eng.step(method, record, full)     # 2. one round for every slot
-        rounds += 1
-        forwards += rnd.forwards
-        if on_round:
-            on_round(rnd, got)
+            return
+        rnd, got = eng.step(method, self.record, self.full)     # 2. one round for every slot
+        self.rounds += 1
+        self.forwards += rnd.forwards
+        if self.on_round:
+            self.on_round(rnd, got)
         for b, g in enumerate(got):                  # 3. what each request returns
             r = eng.slots[b].request
             if g is None:
                 continue
             acc, bonus, ret, nodes = g
             new = acc + [bonus]                      # cut after an EOS and at max_new_tokens
-            cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-            new = new[:min(cut, max_new_tokens - len(r.tokens))]
+            cut = next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))
+            new = new[:min(cut, self.limit(r) - len(r.tokens))]
             kept = min(len(new), len(acc))           # accepted tokens among those returned
             r.rounds += 1
             r.committed += len(new)
@@ -594,11 +612,26 @@ def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_id
             r.syncs += rnd.syncs
             r.stages[rnd.stages[b]] = r.stages.get(rnd.stages[b], 0) + 1
             r.tokens += new
-            if on_tokens:
-                on_tokens(r)
-            done(b, r)
+            if self.on_tokens:
+                self.on_tokens(r)
+            self.done(b, r)
+
+
+@torch.no_grad()
+def run(eng: Engine, method: Method, requests: list, max_new_tokens: int, eos_ids=(), on_tokens=None,
+        on_round=None, record: bool = False, full: bool = False) -> Run:
+    """Decode every request (Request: token ids and sampling), B at a time (Scheduler): a finished
+    request's slot takes the next waiting one, prefilled between rounds. record: the warm-up's records;
+    full: draft to full depth (compile warm-up). Results in input order. Errors: GraftError for an empty
+    prompt or one that does not fit the cache, before anything runs."""
+    s = Scheduler(eng, method, max_new_tokens, eos_ids, on_tokens, on_round, record, full)
+    for r in requests:
+        s.add(r)
+    c0 = time.process_time()
+    while s.busy():
+        s.step()
     sync(eng.device)
-    return Run(list(requests), time.perf_counter() - t0, rounds, forwards, prefill_s, time.process_time() - c0)
+    return Run(list(requests), time.perf_counter() - s.t0, s.rounds, s.forwards, s.prefill_s, time.process_time() - c0)
 
 
 def generate(eng: Engine, method: Method, prompt_ids: list, max_new_tokens: int, sampling: Sampling = Sampling(),

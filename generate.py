@@ -15,12 +15,13 @@ import sys
 
 import torch
 
-from calibrate import AUTO_BUDGETS, method_config, needs_warmup, warm_up, warmup_method
-from cli import (DEMO_WARMUP_RUNS, classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, build_engine, check_args,
-                 config_from_args, render_round, run)
+import api
+from calibrate import needs_warmup
+from cli import (DEMO_WARMUP_RUNS, classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, check_args,
+                 render_round, run)
 import data
-from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, known_head, read_prompts, read_text
-from engine import CALIBRATED, METHODS, NEEDS_HEAD, Request, compile_warmup, generate, run as run_requests
+from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, read_prompts, read_text
+from engine import CALIBRATED, METHODS, Request, compile_warmup, generate, run as run_requests
 from model import GraftError
 import tp
 from verify import Sampling
@@ -80,35 +81,22 @@ def main(argv=None):
             print(f"demo: {os.path.relpath(STDLIB_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
         a.warmup = DEMO_WARMUP_RUNS if a.warmup is None else a.warmup
     a.warmup = WARMUP_RUNS if a.warmup is None else a.warmup
-    draft = a.draft or known_head(a.ckpt)
-    method = a.method or ("graft" if draft else "ar")
-    if method in NEEDS_HEAD and not draft:      # before anything loads or warms up
-        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
-    dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
-    cfg = config_from_args(a)
     B = 1 if many is None else min(a.batch, len(many))          # no more slots than prompts
-    head = draft if method in NEEDS_HEAD else None
-    room = dataclasses.replace(cfg, budget=max(cfg.budget, *AUTO_BUDGETS)) if a.auto_budget else cfg
-    todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
-    eng = build_engine(a.ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
-                       attention=a.attention, chunk=a.prefill_chunk, batch=B, methods=todo)
+    eng, method, cfg = api.build(a.ckpt, a, a.method, B)
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     ids = enc(a.prompt or "") if many is None else None
     for x in [ids] if many is None else (many := [enc(t) for t in many]):
         if len(x) + a.max_new_tokens > eng.model.max_seq_len:
             raise GraftError(f"prompt ({len(x)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds "
                              f"--max-seq-len ({eng.model.max_seq_len})")
-    if a.method is None and not draft:     # (once the inputs are known good: a bad one is its own error)
+    if a.method is None and method == "ar":     # (once the inputs are known good: a bad one is its own error)
         print(f"no EAGLE-3 head is known for {a.ckpt}: plain decoding (ar). For a speedup pass --draft DIR_OR_HUB_ID "
               f"(graft), or --method recycle or --method pld, which need no head", file=err)
-    cal = None
-    if needs_warmup(method, a.auto_budget) and a.warmup > 0:
-        wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-        cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
-                      log=lambda s: print(s, file=err), calibration=a.calibration, auto_budget=a.auto_budget)
-        cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
-        cfg = method_config(cal, method, cfg, a.auto_budget)
-    elif a.auto_budget and method in CALIBRATED:
+    if needs_warmup(method, a.auto_budget) and a.warmup == 0 and not (a.auto_budget and method in CALIBRATED):
+        print(f"--warmup 0: {method} runs uncalibrated (" + ("an empty continuation matrix, " if METHODS[method].needs_matrix
+              else "") + ("no pruning thresholds" if a.thresholds is None else "the given thresholds") + ")", file=err)
+    cfg, cal = api.calibrated(eng, a, method, cfg, log=lambda s: print(s, file=err))
+    if cal is None and a.auto_budget and method in CALIBRATED:
         print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)
     s = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     if many is not None:

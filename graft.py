@@ -1,6 +1,6 @@
 """Graft: the continuation matrix, retrieval templates, hybrid trees, and every method's round.
 
-Follows ../shared/GRAFT.md sections 2-7; names are the paper's. Every step takes a batch of B
+Follows docs/graft.md sections 2-7; names are the paper's. Every step takes a batch of B
 requests (a single request is a batch of one). The pieces:
   ContinuationMatrix   M [V, k]: the target's recent top-k next tokens after each token (section 3);
                        each request reads and writes its own copy (B, V+1, k)
@@ -261,7 +261,7 @@ def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, active: tor
 class Config:
     """The shape of a round. `prune` stops drafting at checkpoints; `retrieve` fills the freed slots
     from the continuation matrix. eagle3 = neither, prune = prune only, graft = both. The ablations
-    (GRAFT.md section 7), all drafting to full depth: "fixed" splits the budget into a fixed draft and
+    (docs/graft.md section 7), all drafting to full depth: "fixed" splits the budget into a fixed draft and
     retrieval part (40 + 20 at budget 60); "root" and "tail" add retrieved nodes (20 at budget 60) on top
     of the dense tree, under the root or under the best deepest draft node."""
     budget: int = 60                   # candidate nodes under the root
@@ -509,7 +509,7 @@ class Eagle3Tree(Method):
     """eagle3: the dense EAGLE-3 tree, the best `budget` of a top_k x depth expansion. The methods
     below are configurations of the same round (`settings`): prune (stopped or thinned at the
     checkpoints, freed slots left empty, ECHO-style), graft (the freed slots filled by retrieval:
-    this project's point) and the ablations (GRAFT.md section 7)."""
+    this project's point) and the ablations (docs/graft.md section 7)."""
     needs_head = has_budget = True
     calibrated = "eagle3"
     settings = dict(prune=False, retrieve=False, ablation=None)
@@ -567,7 +567,7 @@ class Eagle3Tree(Method):
             out.append(math.log(tau) if tau > 0 else float("-inf"))
         return torch.tensor(out, dtype=torch.float32)
 
-    # -- the prompt: the head's committed rows (row t pairs feature t with token t+1, eagle3.md 4.1)
+    # -- the prompt: the head's committed rows (row t pairs feature t with token t+1: docs/graft.md, EAGLE-3 heads)
     def admit(self, eng, b):
         super().admit(eng, b)
         self._last = None

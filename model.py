@@ -48,7 +48,7 @@ class ModelArgs:
 
     @property
     def capture_layers(self) -> tuple:
-        """EAGLE-3 reads the residual stream at the *input* of these layers (eagle3.md section 2)."""
+        """EAGLE-3 reads the residual stream at the *input* of these layers (EAGLE-3's target-side capture, SafeAILab/EAGLE)."""
         L = self.n_layers  # tiny models may repeat a layer (L=5: 2, 2, 2); clamp for L < 5
         return tuple(sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)))
 

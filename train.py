@@ -3,7 +3,7 @@
     python train.py eagle3 --ckpt TARGET --prompts FILE --out DIR [--minutes 10] [--device cuda]
     python train.py eagle3 --ckpt TARGET --texts DIR [DIR ...] --seq-len 1024 [--init HEAD_DIR] --out DIR
 
-EAGLE-3 recipe (eagle3.md sections 1, 7), small enough to read in one go:
+EAGLE-3 recipe (arXiv 2503.01840, training-time test), small enough to read in one go:
   1. Self-distillation data: the target's own continuations of the prompts (greedy by default), made
      in batches with the static KV cache. Or, with --texts, windows of real long texts (long-context
      heads): the tokens are the text's, every label is still the target's own distribution there.

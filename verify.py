@@ -106,7 +106,7 @@ def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 
     A counter-based generator: the draw for position p is the same whether p is decoded alone or as
     one node of a tree, in a batch or not, on any device. That is what makes speculative sampling
-    reproduce plain sampling token for token (GRAFT.md section 5). seed: int64, broadcastable to
+    reproduce plain sampling token for token (docs/graft.md section 5). seed: int64, broadcastable to
     positions ((B, 1) against (B, N)); data, so a new seed compiles nothing. Every seed in [0, 2^63)
     keys its own stream: the high 32 bits, when not zero, rehash each position's key."""
     base = _hash32(seed * 0x2545F491 + 0x1234567)

@@ -3,7 +3,7 @@
     python scripts/head_by_position.py --ckpt TARGET [--draft HEAD] [--length 4096] [--texts 4] [--json-out F]
 
 Teacher-forced, one target pass (prefill in chunks) and one head pass per text: at row t the head reads
-the target's features of token t with token t+1 (eagle3.md section 4.1) and predicts the token after
+the target's features of token t with token t+1 (docs/graft.md, EAGLE-3 heads) and predicts the token after
 t+1; it agrees when its top-1 (mapped to the target's vocabulary) is the target's own top-1 there. That
 is the depth-0 acceptance a round starts with (a draft path is accepted token by token from its first
 node), measured by position, so a head trained on short windows shows where it stops working.

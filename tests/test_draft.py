@@ -663,7 +663,7 @@ def test_refuse_d2t_negative_target_id(official, target, tmp_path):
 
 
 # BUG: (draft.py normalize_names / load_head): tensors the head does not know are dropped silently.
-# eagle3.md section 1.2 lists variants a loader may meet, e.g. SpecForge's `fc_norm` (three
+# Published heads come in variants a loader may meet, e.g. SpecForge's `fc_norm` (three
 # RMSNorm(Ht) weights `fc_norm.{0,1,2}.weight` applied to the low/mid/high chunks before fc). Such a
 # head loads without complaint and drafts from un-normalised features, i.e. garbage. The loader should
 # either implement the variant or refuse unknown weight names (anything but fc / midlayer.* / norm /

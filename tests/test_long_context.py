@@ -2,7 +2,7 @@
 slot), every method stays lossless near the end of a 4K cache with two long requests side by side, and
 the head's agreement is measured by position.
 
-The prompt's logits seed the matrix (GRAFT.md section 3, "history"): every position's top-k, chunk by
+The prompt's logits seed the matrix (docs/graft.md section 3, "history"): every position's top-k, chunk by
 chunk, from the prefill passes themselves (no extra target pass), the same contents as one pass over
 the whole prompt would give.
 """

