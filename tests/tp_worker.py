@@ -5,7 +5,8 @@
 
 SPEC: {"models": [[ckpt, head or null], ...], "methods": [...] or null (all), "new": tokens,
 "batch": B > 1 also runs B requests at once, "compile": bool, "backend": torch.compile's (default
-inductor), "samplings": some of SAMPLINGS or null (all), "round_work": methods whose host work a round
+inductor), "samplings": some of SAMPLINGS or null (all), "samplings_alone": those of them
+also run at B = 1 (default all), "round_work": methods whose host work a round
 (cli.round_work: step calls, eager ops, host syncs) to count}. OUT: {"model|method|B|greedy or
 sampled": [tokens of each request], ...}, plus "ranks_agree" (every rank's tokens the same),
 "peak_rss_mib" (every rank's) and "weights_mib" (every rank's parameters).
@@ -42,8 +43,9 @@ def tokens_of(spec: dict) -> dict:
         weights = max(weights, sum(p.numel() * p.element_size() for p in eng.model.parameters()))
         for m in methods:
             for kind, s in [(k, SAMPLINGS[k]) for k in spec.get("samplings") or SAMPLINGS]:
-                r = generate(one, one.make(m, cfg), PROMPTS[0], spec["new"], s)
-                out[f"{Path(ckpt).name}|{m}|1|{kind}"] = [r.tokens]
+                if kind in (spec.get("samplings_alone") or SAMPLINGS):
+                    r = generate(one, one.make(m, cfg), PROMPTS[0], spec["new"], s)
+                    out[f"{Path(ckpt).name}|{m}|1|{kind}"] = [r.tokens]
                 if spec["batch"] > 1:
                     reqs = [Request(ids, dataclasses.replace(s, seed=s.seed + i), i) for i, ids in enumerate(PROMPTS)]
                     res = run(eng, eng.make(m, cfg), reqs, spec["new"])
