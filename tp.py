@@ -6,9 +6,10 @@
 What each of the N ranks holds (Shards.take names the slice of every checkpoint tensor; a rank reads
 only that, so its peak memory is about 1/N of the sharded weights plus the replicated ones):
   attention  q/k/v by heads (columns): H/N query heads and H_kv/N KV heads, contiguous, so local query
-             head h still reads local KV head h // G; the q/k norms are per head (each rank its own
-             heads'); the KV cache holds the rank's KV heads only. o_proj by rows (its input columns),
-             then one all-reduce of its output.
+             head h still reads local KV head h // G (with fewer KV heads than ranks, the one KV head its
+             query heads read, repeated); the q/k norms are per head (each rank its own heads'); the KV
+             cache holds the rank's KV heads only. o_proj by rows (its input columns), then one
+             all-reduce of its output.
   MLP        gate/up by columns (I/N), down by rows, then one all-reduce.
   Qwen3-MoE  every expert's gate/up/down the same way on every rank, the router replicated (every rank
              routes identically), one all-reduce after the experts' weighted combine.
