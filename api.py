@@ -43,14 +43,13 @@ def engine_options(**options) -> "argparse.Namespace":
     p = ArgumentParser()
     add_engine_flags(p)
     a = p.parse_args([])
+    kinds = {act.dest: act.type or (bool if act.nargs == 0 else str) for act in p._actions if act.dest != "help"}
     for k, v in options.items():
-        if k not in vars(a):
-            raise GraftError(f"unknown option {k}=: choose from {', '.join(sorted(vars(a)))}")
-        d = getattr(a, k)
-        ok = (v is None or d is None or isinstance(v, type(d)) or (isinstance(d, float) and type(v) is int)
-              or (k == "budget" and type(v) is int))
-        if not ok or (isinstance(v, bool) and not isinstance(d, bool) and d is not None):
-            raise GraftError(f"{k}= takes a {type(d).__name__}, got {v!r}")
+        if k not in kinds:
+            raise GraftError(f"unknown option {k}=: choose from {', '.join(sorted(kinds))}")
+        want = (int, str) if k == "budget" else (int, float) if kinds[k] is float else kinds[k]
+        if v is not None and (not isinstance(v, want) or (isinstance(v, bool) and kinds[k] is not bool)):
+            raise GraftError(f"{k}= must be {kinds[k].__name__}, got {v!r}")
         setattr(a, k, str(v) if k == "budget" else v)
     check_args(a)
     return a

