@@ -131,3 +131,40 @@ def test_what_a_method_needs_is_done_or_refused(tiny_ckpt, pair):
     # thresholds given: prune needs no warm-up
     p = api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="prune", warmup=0, thresholds="0.3,0.2,0.1", budget=8)
     assert p.calibration is None and p.config.thresholds == {0: 0.3, 1: 0.2, 5: 0.1}
+
+
+class _Holder:
+    """What a Sequence reads of its LLM: the tokenizer, the EOS ids, the live list."""
+    def __init__(self, tok):
+        self.tokenizer, self.eos, self.live = tok, set(), []
+
+
+@pytest.mark.parametrize("where", ["stdlib", "stories", "smollm2"])
+def test_streamed_pieces_are_the_final_text(where):
+    """Tokens arriving a few at a time, multi-byte characters split across them (byte-level BPE, and
+    SentencePiece's byte fallback), stop strings spanning tokens: the pieces joined equal the final text
+    and no piece holds half a character."""
+    import random
+    from engine import Request
+    from conftest import STORIES
+    path = {"stdlib": STDLIB_CKPT, "stories": str(STORIES), "smollm2": data.demo_model()}[where]
+    if path is None or not os.path.exists(path):
+        pytest.skip(f"{where} is not here")
+    tok = load_tokenizer(path)
+    rng = random.Random(0)
+    texts = ["héllo wörld — ünïcödé 日本語のテキスト 🎉🎉 end", "naïve café, ∑ x² ≤ 𝔘 STOP here"]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        for stop in ((), ("STOP",), ("テキ",)):
+            r = Request([1], max_new_tokens=len(ids))
+            seq = api.Sequence(_Holder(tok), r, stop)
+            pieces, i = [], 0
+            while i < len(ids) and not seq.done:
+                i += rng.randint(1, 3)
+                r.tokens = ids[:i]
+                seq.update(finished=i >= len(ids))
+                pieces.append(seq.pull())
+            final = tok.decode(ids)
+            want = final[:final.index(stop[0])] if stop and stop[0] in final else final
+            assert "".join(pieces) == seq.text == want, (where, stop)
+            assert not any("\ufffd" in p for p in pieces) or "\ufffd" in final
