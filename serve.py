@@ -278,7 +278,12 @@ async def answer(server, http: HTTPRequest, body: Body, prompt, chat: bool):
     if body.model != server.name:
         raise BadRequest(404, f"the model `{body.model}` does not exist: this server serves `{server.name}`",
                          "model", "model_not_found")
-    job = Job(asyncio.get_running_loop(), request_kw(body, server, prompt))
+    kw = request_kw(body, server, prompt)
+    try:                                     # tokenized here, beside the engine's thread, never in it
+        kw["prompt"] = await asyncio.to_thread(server.worker.llm.encode, prompt)
+    except GraftError as e:
+        raise BadRequest(400, str(e), "messages" if chat else "prompt") from None
+    job = Job(asyncio.get_running_loop(), kw)
     server.worker.send(job)
     try:
         first = await job.events.get()       # accepted, or refused (too long, bad token ids...)
