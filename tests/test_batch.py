@@ -268,8 +268,9 @@ def test_generate_batch_gives_each_request_its_own_seed(engines, tmp_path, capsy
     (["--prompts", "x.txt", "--batch", "2", "--show-tree"], "--show-tree"),
     (["--prompts", "/nonexistent/p.txt", "--batch", "2"], "p.txt")])
 def test_generate_batch_bad_flags_before_loading(argv, msg, monkeypatch):
+    import api
     import generate as GEN
-    monkeypatch.setattr(GEN, "build_engine", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(api, "build_engine", lambda *a, **k: pytest.fail("loaded a model"))   # generate builds through api
     with pytest.raises(GraftError, match=msg):
         GEN.main(argv)
 
