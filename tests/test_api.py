@@ -124,7 +124,18 @@ def test_what_a_method_needs_is_done_or_refused(tiny_ckpt, pair):
         (lambda: g.generate("x", max_new_tokens=10 ** 6), "exceeds the context"),
         (lambda: g.generate([{"role": "user", "content": "x"}]), "no chat template"),
         (lambda: g.generate([10 ** 7]), "outside the vocabulary"),
-        (lambda: g.generate("x", stop=[""]), "stop takes non-empty strings"),
+        (lambda: g.generate("x", stop=[""]), "stop takes a string or a list of non-empty strings"),
+        (lambda: g.generate("x", stop=5), "stop takes a string"),
+        (lambda: g.generate("x", temperature=1e300), "temperature must be a number in [0, 10000]"),
+        (lambda: g.generate("x", top_k=2 ** 63), "top_k must be an integer in [0, 2^31)"),
+        (lambda: g.generate("x", seed="1"), "seed must be an integer"),
+        (lambda: g.generate("x", foo=1), "unknown keyword foo="),
+        (lambda: g.generate(123), "generate takes a prompt"),
+        (lambda: g.generate(None), "generate takes a prompt"),
+        (lambda: api.load(5), "ckpt is a folder"),
+        (lambda: api.load(STDLIB_CKPT, preset="nope"), "preset= takes one of"),
+        (lambda: api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, policy="nope", batch=2), "policy= takes one of"),
+        (lambda: api.load(STDLIB_CKPT, calibration="nope"), "calibration= takes one of"),
     ]:
         with pytest.raises(GraftError, match=re.escape(words)):
             call()
@@ -168,3 +179,24 @@ def test_streamed_pieces_are_the_final_text(where):
             want = final[:final.index(stop[0])] if stop and stop[0] in final else final
             assert "".join(pieces) == seq.text == want, (where, stop)
             assert not any("\ufffd" in p for p in pieces) or "\ufffd" in final
+
+
+def test_load_options_are_the_requests_defaults(pair):
+    """A request's value left out takes load()'s option of that name (max_new_tokens=, temperature=, ...)."""
+    _, ar = pair
+    mine = api.load(STDLIB_CKPT, method="ar", max_new_tokens=6, temperature=0.9, top_p=0.8, seed=4)
+    got = mine.generate(STDLIB_PROMPT)
+    assert len(got.tokens) == 6
+    assert got.tokens == ar.generate(STDLIB_PROMPT, max_new_tokens=6, temperature=0.9, top_p=0.8, seed=4).tokens
+
+
+def test_tokens_end_where_the_stop_string_does(pair):
+    """graft may commit tokens past a stop string in one round: they are not returned (nor counted)."""
+    g, ar = pair
+    for kw in (dict(stop=["\n"]), dict(stop=["(", ":"]), dict(stop=["\n"], temperature=0.8, seed=5)):
+        a, b = g.generate(STDLIB_PROMPT, max_new_tokens=40, **kw), ar.generate(STDLIB_PROMPT, max_new_tokens=40, **kw)
+        assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+        if a.finish_reason == "stop":
+            tok = g.tokenizer
+            assert any(x in tok.decode(a.tokens) for x in kw["stop"])
+            assert not any(x in tok.decode(a.tokens[:-1]) for x in kw["stop"])
