@@ -20,6 +20,7 @@ slot at the next step. One thread drives an LLM.
 """
 import argparse
 import dataclasses
+import os
 import time
 
 import torch
@@ -35,6 +36,8 @@ import tp
 from verify import Sampling
 
 API_NAMES = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# What a request leaves out, unless load() was given it (its options of the same names).
+SUBMIT_DEFAULTS = {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "chat": False}
 
 
 def engine_options(**options) -> "argparse.Namespace":
@@ -44,14 +47,16 @@ def engine_options(**options) -> "argparse.Namespace":
     p = ArgumentParser()
     add_engine_flags(p)
     a = p.parse_args([])
+    kinds = {act.dest: act.type or (bool if act.nargs == 0 else str) for act in p._actions if act.dest != "help"}
     for k, v in options.items():
-        if k not in vars(a):
-            raise GraftError(f"unknown option {k}=: choose from {', '.join(sorted(vars(a)))}")
-        d = getattr(a, k)
-        ok = (v is None or d is None or isinstance(v, type(d)) or (isinstance(d, float) and type(v) is int)
-              or (k == "budget" and type(v) is int))
-        if not ok or (isinstance(v, bool) and not isinstance(d, bool) and d is not None):
-            raise GraftError(f"{k}= takes a {type(d).__name__}, got {v!r}")
+        if k not in kinds:
+            raise GraftError(f"unknown option {k}=: choose from {', '.join(sorted(kinds))}")
+        want = (int, str) if k == "budget" else (int, float) if kinds[k] is float else kinds[k]
+        if v is not None and (not isinstance(v, want) or (isinstance(v, bool) and kinds[k] is not bool)):
+            raise GraftError(f"{k}= must be {kinds[k].__name__}, got {v!r}")
+        choices = next((act.choices for act in p._actions if act.dest == k), None)
+        if v is not None and choices is not None and v not in choices:
+            raise GraftError(f"{k}= takes one of {', '.join(map(str, choices))}, got {v!r}")
         setattr(a, k, str(v) if k == "budget" else v)
     check_args(a)
     return a
@@ -113,7 +118,7 @@ class Sequence:
 
     def __init__(self, llm: "LLM", request: Request, stop: tuple):
         self.llm, self.request, self.stop = llm, request, stop
-        self.text, self.sent, self.reason = "", 0, None
+        self.text, self.sent, self.reason, self.kept = "", 0, None, None
         self.t0 = time.perf_counter()
         self.seconds = 0.0
 
@@ -133,6 +138,10 @@ class Sequence:
         if hit >= 0 and self.reason is None:
             text, self.reason = text[:hit], "stop"
             r.cancelled = True                          # its slot is freed at the next step
+            # the tokens the text is made of: up to the one that completed the stop string, as plain
+            # decoding would have stopped (a round may have committed more)
+            self.kept = next(k for k in range(1, len(r.tokens) + 1)
+                             if any(x in tok.decode(r.tokens[:k]) for x in self.stop))
         elif finished and self.reason is None:
             eos = bool(r.tokens) and r.tokens[-1] in self.llm.eos
             self.reason = "stop" if eos else "cancelled" if r.cancelled else "length"
@@ -151,7 +160,7 @@ class Sequence:
 
     def completion(self) -> Completion:
         r = self.request
-        return Completion(self.text, list(r.tokens), self.reason, len(r.ids), self.seconds, r.stats())
+        return Completion(self.text, list(r.tokens[:self.kept]), self.reason, len(r.ids), self.seconds, r.stats())
 
 
 class LLM:
@@ -159,12 +168,13 @@ class LLM:
     (engine.Engine, batch slots), method (its name), config (graft.Config), calibration (or None),
     tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit)."""
 
-    def __init__(self, engine, method: str, config, calibration, max_new_tokens: int = 128):
+    def __init__(self, engine, method: str, config, calibration, defaults: dict | None = None):
         self.engine, self.method, self.config, self.calibration = engine, method, config, calibration
+        self.defaults = {**SUBMIT_DEFAULTS, **(defaults or {})}
         self.tokenizer, self.eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
         self.max_seq_len = engine.model.max_seq_len
         self.runner = engine.make(method, config, calibration)
-        self.scheduler = Scheduler(engine, self.runner, max_new_tokens, engine.tokenizer.eos_ids)
+        self.scheduler = Scheduler(engine, self.runner, self.defaults["max_new_tokens"], engine.tokenizer.eos_ids)
         self.live = []                                    # submitted Sequences not yet done
 
     def encode(self, prompt, chat: bool = False) -> list:
@@ -184,14 +194,21 @@ class LLM:
             return list(prompt)
         raise GraftError("a prompt is a string, a list of chat messages or a list of token ids")
 
-    def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop=(), chat: bool = False, names=API_NAMES) -> Sequence:
-        """Queue one request (encode's prompt forms); it runs as `step` is called. stop: strings that end
-        the text (not included). Errors: GraftError, one line (the values called by `names`), for bad
-        values or a prompt + max_new_tokens beyond max_seq_len."""
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) and s for s in stop):
-            raise GraftError("stop takes non-empty strings")
+    def submit(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, seed: int | None = None, stop=(),
+               chat: bool | None = None, names=API_NAMES) -> Sequence:
+        """Queue one request (encode's prompt forms); it runs as `step` is called. A value left None takes
+        load()'s (its max_new_tokens=, temperature=, ... options; else greedy, 128 tokens). stop: strings
+        that end the text (not included). Errors: GraftError, one line (the values called by `names`), for
+        bad values or a prompt + max_new_tokens beyond max_seq_len."""
+        d = self.defaults
+        max_new_tokens, temperature, top_p, top_k, seed, chat = (
+            d[k] if v is None else v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                                                  ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("chat", chat)))
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise GraftError("stop takes a string or a list of non-empty strings")
+        stop = tuple(stop)
         check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names)
         ids = self.encode(prompt, chat)
         if not ids:
@@ -223,16 +240,26 @@ class LLM:
         gone, self.live = self.live, []
         for s in gone:
             s.reason, s.request.done = "error", True
-        self.scheduler = Scheduler(self.engine, self.runner, self.scheduler.max_new, self.engine.tokenizer.eos_ids)
+        self.scheduler = Scheduler(self.engine, self.runner, self.defaults["max_new_tokens"], self.engine.tokenizer.eos_ids)
         return gone
 
     def generate(self, prompts, **kw):
         """One prompt -> its Completion; a list of prompts (strings, message lists or id lists) -> their
         Completions in input order, run `engine.B` at a time. kw: submit's (max_new_tokens, temperature,
         top_p, top_k, seed, stop, chat); with many prompts request i samples with seed + i."""
-        one = isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list)))
+        unknown = set(kw) - set(SUBMIT_DEFAULTS) - {"stop"}
+        if unknown:
+            raise GraftError(f"unknown keyword {sorted(unknown)[0]}=: generate takes {', '.join(SUBMIT_DEFAULTS)}, stop")
+        one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and
+                                           all(isinstance(p, (dict, int)) and not isinstance(p, bool) for p in prompts))
+        if not one and not (isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts)):
+            raise GraftError("generate takes a prompt (a string, a list of chat messages or of token ids) or a list of them")
         items = [prompts] if one else list(prompts)
-        seed = kw.pop("seed", 0)
+        seed = self.defaults["seed"] if kw.get("seed") is None else kw["seed"]
+        check_sampling(0.0, 1.0, 0, seed, 1, API_NAMES)                # the seed, before seed + i
+        if seed + len(items) - 1 >= 2 ** 63:
+            raise GraftError(f"seed {seed}: request i samples with seed + i, and {len(items)} prompts take it past 2^63 - 1")
+        kw.pop("seed", None)
         seqs = [self.submit(p, seed=seed + i, **kw) for i, p in enumerate(items)]
         while any(not s.done for s in seqs):
             self.step()
@@ -259,8 +286,10 @@ def load(ckpt: str | None = None, draft: str | None = None, method: str | None =
     and compile when asked. options: generate.py's engine flags as keywords (dtype=, device=,
     max_seq_len=, budget=, compile=, warmup=, thresholds=...). log: a function for progress lines.
     Errors: GraftError (one line) for anything missing or out of range, before the long work."""
+    if ckpt is not None and not isinstance(ckpt, (str, os.PathLike)):
+        raise GraftError(f"ckpt is a folder, a .gguf file or a hub id, got {ckpt!r}")
     a = engine_options(draft=draft, **options)
-    return open_llm(ckpt, a, method, batch, log)
+    return open_llm(None if ckpt is None else str(ckpt), a, method, batch, log)
 
 
 def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None) -> LLM:
@@ -282,7 +311,7 @@ def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log
         raise GraftError(f"batch must be a positive integer, got {batch!r}")
     eng, m, cfg = build(ckpt, a, m, batch)
     cfg, cal = calibrated(eng, a, m, cfg, log)
-    llm = LLM(eng, m, cfg, cal, a.max_new_tokens)
+    llm = LLM(eng, m, cfg, cal, {k: getattr(a, k) for k in SUBMIT_DEFAULTS})
     if eng.compiling:
         compile_warmup(eng, [llm.runner], log=log)
     return llm

@@ -171,6 +171,9 @@ def check_args(a, budgets=None):
 
 
 FLAG_NAMES = ("--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens")
+# Past this the distribution is uniform to float32 anyway, and the value still fits the device's float32
+# row (1e39 would not: the step would fail for the whole batch).
+MAX_TEMPERATURE = 1e4
 
 
 def check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names=FLAG_NAMES):
@@ -182,10 +185,10 @@ def check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names=FLAG_N
             raise GraftError(msg)
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    need(num(temperature) and math.isfinite(temperature) and temperature >= 0,
-         f"{t} must be a finite number >= 0, got {temperature!r}")
+    need(num(temperature) and math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE,
+         f"{t} must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
     need(num(top_p) and math.isfinite(top_p) and 0 < top_p <= 1, f"{p} must be in (0, 1], got {top_p!r}")
-    need(whole(top_k) and top_k >= 0, f"{k} must be an integer >= 0 (0 = off), got {top_k!r}")
+    need(whole(top_k) and 0 <= top_k < 2 ** 31, f"{k} must be an integer in [0, 2^31) (0 = off), got {top_k!r}")
     need(whole(seed) and 0 <= seed < 2 ** 63, f"{sd} must be an integer in [0, 2^63), got {seed!r}")
     need(whole(max_new_tokens) and max_new_tokens >= 1,
          f"{n} must be an integer >= 1, got {max_new_tokens!r}")

@@ -16,6 +16,7 @@ the stack vLLM and SGLang serve with) talks to it through an inbox and a queue p
 """
 import asyncio
 import json
+import socket
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 import api
@@ -144,6 +146,9 @@ class Body(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
 
 
 class CompletionBody(Body):
@@ -182,6 +187,9 @@ def request_kw(b: Body, server, prompt) -> dict:
                    (bool(b.presence_penalty) or bool(b.frequency_penalty), "presence_penalty",
                     "presence and frequency penalties are not supported (they change the distribution)"),
                    (bool(b.logit_bias), "logit_bias", "logit_bias is not supported"),
+                   (b.response_format not in (None, {"type": "text"}), "response_format",
+                    "response_format other than text is not supported"),
+                   (bool(b.tools) or b.tool_choice not in (None, "none"), "tools", "tools are not supported"),
                    (bool(getattr(b, "echo", False)), "echo", "echo is not supported"),
                    (getattr(b, "suffix", None) is not None, "suffix", "suffix is not supported"),
                    (getattr(b, "best_of", None) not in (None, 1), "best_of", "best_of > 1 is not supported")]
@@ -203,7 +211,9 @@ def request_kw(b: Body, server, prompt) -> dict:
         check_sampling(kw["temperature"], kw["top_p"], kw["top_k"], kw["seed"], kw["max_new_tokens"], SERVER_NAMES)
     except GraftError as e:
         raise BadRequest(400, str(e), str(e).split()[0]) from None
-    return dict(kw, prompt=prompt, stop=stop, names=SERVER_NAMES)
+    names = SERVER_NAMES if b.max_tokens is not None or b.max_completion_tokens is not None else \
+        SERVER_NAMES[:4] + ("max_tokens (not given: the server's --max-new-tokens)",)
+    return dict(kw, prompt=prompt, stop=stop, names=names)
 
 
 def completion_prompt(b: CompletionBody):
@@ -230,7 +240,8 @@ def chat_prompt(b: ChatBody) -> list:
                 raise BadRequest(400, "message content parts must be {\"type\": \"text\", \"text\": ...}: "
                                       "graft serves text models", "messages")
             content = "".join(x["text"] for x in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        out.append(msg if m.name is None else {**msg, "name": m.name})     # a template may print the name
     return out
 
 
@@ -246,6 +257,10 @@ def make_app(server) -> FastAPI:
             return error(400, f"malformed JSON: {e.get('ctx', {}).get('error', 'invalid')}")
         where = ".".join(str(x) for x in e.get("loc", ())[1:]) or None
         return error(400, f"{where or 'body'}: {e.get('msg', 'invalid')}", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):        # unknown route, wrong method: OpenAI's shape too
+        return error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(BadRequest)
     async def bad(_, exc: BadRequest):
@@ -279,7 +294,12 @@ async def answer(server, http: HTTPRequest, body: Body, prompt, chat: bool):
     if body.model != server.name:
         raise BadRequest(404, f"the model `{body.model}` does not exist: this server serves `{server.name}`",
                          "model", "model_not_found")
-    job = Job(asyncio.get_running_loop(), request_kw(body, server, prompt))
+    kw = request_kw(body, server, prompt)
+    try:                                     # tokenized here, beside the engine's thread, never in it
+        kw["prompt"] = await asyncio.to_thread(server.worker.llm.encode, prompt)
+    except GraftError as e:
+        raise BadRequest(400, str(e), "messages" if chat else "prompt") from None
+    job = Job(asyncio.get_running_loop(), kw)
     server.worker.send(job)
     try:
         first = await job.events.get()       # accepted, or refused (too long, bad token ids...)
@@ -287,20 +307,24 @@ async def answer(server, http: HTTPRequest, body: Body, prompt, chat: bool):
         server.worker.cancel(job)
         raise
     if first[0] == "error":
-        return error(first[1], first[2])
+        return error(first[1], first[2], "max_tokens" if "exceeds the context" in first[2] else None)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "created": int(time.time()), "model": server.name}
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(events(server, job, head, chat, usage), media_type="text/event-stream")
-    text = []
+    text, checked = [], time.perf_counter()
     while True:                              # a client gone while it waits frees the slot
         try:
             ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
         except asyncio.TimeoutError:
+            ev = None
+        if time.perf_counter() - checked >= 0.5:     # at most twice a second, events or not
+            checked = time.perf_counter()
             if await http.is_disconnected():
                 server.worker.cancel(job)
                 return error(499, "client closed the request")
+        if ev is None:
             continue
         if ev[0] == "text":
             text.append(ev[1])
@@ -386,17 +410,31 @@ def main(argv=None):
     if tp.world()[1] > 1:      # every rank would need every request, in the same order: not built yet
         raise GraftError("serve.py does not run under torchrun (tensor parallelism) yet: run generate.py or bench.py there")
     err = lambda s: print(s, file=sys.stderr, flush=True)
+    sock = listen(a.host, a.port)            # first: a busy port or a bad host fails before minutes of loading
     worker = Worker(lambda: api.open_llm(a.ckpt, a, a.method, a.batch, err))
     worker.ready.wait()
     if worker.error is not None:
-        if isinstance(worker.error, GraftError):
-            raise worker.error
+        sock.close()
         raise worker.error
     llm = worker.llm
     server = Server(a, worker)
     err(f"serving {server.name} ({llm.method}, {llm.engine.B} slots, {str(llm.engine.dtype)[6:]}, "
         f"{llm.max_seq_len} tokens of context) on http://{a.host}:{a.port}/v1")
-    uvicorn.run(make_app(server), host=a.host, port=a.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning")).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening (connections wait in its backlog until uvicorn serves).
+    Errors: GraftError, one line, for a host that is not this machine's or a port in use."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(2048)
+    except OSError as e:
+        raise GraftError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 if __name__ == "__main__":

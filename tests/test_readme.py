@@ -20,7 +20,7 @@ from conftest import ROOT
 from model import GraftError
 
 DOCS = ["README.md", "RESULTS.md"]
-FACES = ("generate.py", "bench.py", "train.py")
+FACES = ("generate.py", "bench.py", "train.py", "serve.py")
 EMPTY = "@EMPTY@"
 STOP = {"|", "||", "&&", ";", "&", ">", ">>", ">&", "<", "(", ")", "2>", "2>&1"}
 
@@ -155,7 +155,7 @@ COMMANDS = doc_commands()
 
 def test_the_docs_hold_commands_of_every_face():
     scripts = {s for _, s, _ in COMMANDS}
-    assert {"generate.py", "bench.py", "train.py"} <= scripts, scripts
+    assert {"generate.py", "bench.py", "train.py", "serve.py"} <= scripts, scripts
     assert any(s.startswith("scripts/") for s in scripts), scripts
 
 

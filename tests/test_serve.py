@@ -136,6 +136,8 @@ def test_answers_equal_plain_decoding(server, plain, chat_ckpt):
     text = "".join(ch.choices[0].text for ch in c.completions.create(
         model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=["\n"], stream=True))
     assert text == full[:full.index("\n")]
+    want = plain.generate(PROMPTS[0], max_new_tokens=24, stop=["\n"])
+    assert r.usage.completion_tokens == len(want.tokens)          # the tokens up to the stop, as ar's
     # usage in a stream's last chunk
     last = list(c.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0, stream=True,
                                      stream_options={"include_usage": True}))[-1]
@@ -149,6 +151,10 @@ BAD = [  # (body or raw bytes, status, words the message holds)
     ({"model": NAME, "prompt": "x", "max_tokens": 10 ** 9}, 400, "exceeds the context"),
     ({"model": NAME, "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
     ({"model": NAME, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": NAME, "prompt": "x", "temperature": 1e300}, 400, "temperature"),      # (once a 500 for the batch)
+    ({"model": NAME, "prompt": "x", "top_k": 2 ** 63}, 400, "top_k"),
+    ({"model": NAME, "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": NAME, "prompt": "x", "seed": 2 ** 64}, 400, "seed"),
     ({"model": NAME, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ({"model": NAME, "prompt": "x", "n": 2}, 400, "n > 1"),
@@ -173,6 +179,9 @@ def test_bad_requests_get_openai_errors(server):
         assert code == status, (body, got)
         err = got["error"]
         assert words in err["message"] and err["type"] == "invalid_request_error", (body, err)
+    for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404)):
+        code, got = http(method, server + path, b"{}" if method == "POST" else None)
+        assert code == status and got["error"]["message"], got
     with pytest.raises(openai.NotFoundError):          # what the client makes of them
         client(server).completions.create(model="nope", prompt="x")
     assert client(server).completions.create(model=NAME, prompt="x", max_tokens=2).usage.completion_tokens == 2
@@ -239,3 +248,34 @@ def test_bounded_load_with_disconnects_and_bad_requests(server, plain):
     print(f"\n{len(answers)} good streams in {secs:.1f}s = {len(answers) / secs:.2f} requests/s, latency p50 "
           f"{lat[len(lat) // 2]:.2f}s p90 {lat[int(0.9 * len(lat)) - 1]:.2f}s")
     assert client(server).completions.create(model=NAME, prompt="x", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_client_gone_frees_its_slot_unstreamed_too(server):
+    """A plain (not streamed) request whose client leaves ends "cancelled", not after its 2000 tokens."""
+    from http.client import HTTPConnection
+    before = http("GET", server + "/health")[1]["ended"].get("cancelled", 0)
+    host, port = server.split("//")[1].split(":")
+    conn = HTTPConnection(host, int(port), timeout=2)
+    conn.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 2000,
+                                                        "temperature": 0}), {"content-type": "application/json"})
+    with pytest.raises(OSError):                       # the answer would take far longer than 2 s
+        conn.getresponse()
+    conn.close()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        h = http("GET", server + "/health")[1]
+        if h["busy"] == 0 and h["ended"].get("cancelled", 0) > before:
+            break
+        time.sleep(0.2)
+    assert h["busy"] == 0 and h["ended"].get("cancelled", 0) == before + 1, h
+
+
+def test_a_busy_port_is_refused_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--ckpt", str(STDLIB), "--port", str(port)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and \
+        len(r.stderr.strip().splitlines()) == 1, r.stderr
