@@ -32,6 +32,7 @@ from data import DEMO_DRAFT, known_head, read_prompts
 from engine import NEEDS_HEAD, Request, Scheduler, compile_warmup
 from graft import METHODS
 from model import GraftError
+import tp
 from verify import Sampling
 
 API_NAMES = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
@@ -90,8 +91,9 @@ def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
     if not (needs_warmup(method, a.auto_budget) and a.warmup > 0):
         return cfg, None
     wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-    cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
-                  calibration=a.calibration, auto_budget=a.auto_budget)
+    cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
+                  log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+    cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
     return method_config(cal, method, cfg, a.auto_budget), cal
 
 

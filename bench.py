@@ -31,6 +31,7 @@ import data as DATA
 import engine as E
 from data import check_dataset, load_dataset, read_prompts
 from model import GraftError
+import tp
 from verify import Sampling
 
 # What each method is, for --help (the classes are graft.METHODS; a name missing here shows its class's
@@ -393,6 +394,8 @@ def main(argv=None) -> dict:
         check_output("--json-out", runs_path(a.json_out))
     if a.plot:
         check_output("--plot", a.plot, plot_formats())
+    if tp.world()[0] != 0:      # under torchrun rank 0 writes the files (every rank runs the same passes)
+        a.json_out = a.plot = None
     if a.ckpt is None:          # like generate.py: the default demo pair
         if DATA.default_demo(a.device) == "smollm2":      # SmolLM2 and its head, on chat prompts
             a.ckpt = DATA.demo_model()
@@ -457,8 +460,9 @@ def main(argv=None) -> dict:
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-        cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache, chat=a.chat, log=log,
-                          calibration=a.calibration, auto_budget=a.auto_budget)
+        cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
+                          log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+        cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
         if a.auto_budget and cal.methods:
             budgets = [None]           # each method at the budget its calibration picked
     elif a.auto_budget and any(m in E.CALIBRATED for m in methods):
@@ -602,7 +606,7 @@ def main(argv=None) -> dict:
     sweep = len({r["budget"] for r in rows if r["budget"]}) > 1     # a budget column when budgets differ
     report = {"meta": {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1],
                     "python": platform.python_version(), "torch": torch.__version__, "device": str(a.device),
                     "gpu": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else None},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -775,7 +779,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
               f"({c[nodes] / c[1]:.2f}x B tokens)")
     report = {"meta": {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1], "torch": torch.__version__,
                     "device": str(a.device)},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
@@ -810,6 +814,7 @@ def report_mismatches(mismatches: list, dtype: str, base: str, log):
 
 
 def cli(argv=None):
+    tp.quiet()                       # under torchrun only rank 0 prints
     try:
         report = main(argv)
     except GraftError as e:

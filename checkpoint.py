@@ -295,10 +295,14 @@ def check_finite(name: str, t: torch.Tensor):
         raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
 
 
-def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
+REMAP_BYTES = 64 * 2 ** 20
+
+
+def read_safetensors(files: list, device="cpu", dtype=None, keep=None, shards=None) -> dict:
     """Memory-mapped read; tensors are cast to `dtype` (floating ones only) on their way to `device`.
     pytorch_model*.bin files are read with weights_only=True (tensors and plain containers, never
-    pickled code) and must hold a dict of tensors. Errors: GraftError, one line."""
+    pickled code) and must hold a dict of tensors. shards (tp.Shards, tensor parallelism): only this
+    rank's part of each tensor is read (safetensors slices). Errors: GraftError, one line."""
     from safetensors import safe_open
     out = {}
     cast = lambda t: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(device)
@@ -311,13 +315,29 @@ def read_safetensors(files: list, device="cpu", dtype=None, keep=None) -> dict:
             if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                                    for k, t in sd.items()):
                 raise GraftError(f"{f} does not hold a dict of named tensors (found {type(sd).__name__})")
-            out.update({name: cast(t) for name, t in sd.items() if keep is None or keep(name)})
+            for name, t in sd.items():
+                if keep is None or keep(name):
+                    take = shards.take(name, t.shape) if shards else None
+                    out[name] = cast(t if take is None else shards.cut(t, take))
             continue
         try:
-            with safe_open(f, framework="pt", device="cpu") as fh:
-                for name in fh.keys():
-                    if keep is None or keep(name):
-                        out[name] = cast(fh.get_tensor(name))
+            names, i = None, 0
+            while names is None or i < len(names):
+                # Under TP every tensor is a copy of this rank's part, and the file is mapped again after
+                # each REMAP_BYTES: the pages a read touched (and the kernel's readahead) then leave this
+                # process, so a rank's peak memory is its part plus one window, not the whole file.
+                with safe_open(f, framework="pt", device="cpu") as fh:
+                    names = [n for n in fh.keys() if keep is None or keep(n)] if names is None else names
+                    mapped = 0
+                    while i < len(names) and (shards is None or mapped < REMAP_BYTES):
+                        name, i = names[i], i + 1
+                        if shards is None:
+                            out[name] = cast(fh.get_tensor(name))
+                            continue
+                        part = fh.get_slice(name)
+                        take = shards.take(name, part.get_shape())
+                        out[name] = cast(fh.get_tensor(name).clone() if take is None else shards.cut(part, take))
+                        mapped += math.prod(part.get_shape()) * out[name].element_size()
         except Exception as e:
             raise GraftError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
     return out
@@ -376,9 +396,12 @@ def stack_experts(sd: dict, args: ModelArgs, path: str) -> dict:
     return sd
 
 
-def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None) -> Transformer:
+def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | None = None,
+               shards=None) -> Transformer:
     """Build the model from its config and load its weights (a folder, a hub id or a .gguf file, see
     resolve_checkpoint); the KV cache holds max_seq_len positions (default: the model's own context).
+    shards (tp.Shards, tensor parallelism): build and read this rank's part only (its heads, its MLP
+    columns), checked against the shapes of that part, and connect its all-reduces.
 
     The files must agree with each other both ways: every weight the config implies is there with its
     shape, and every tensor in the files is one the model uses (an lm_head stored beside tied
@@ -390,11 +413,12 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
         args = gguf_model_args(meta, {t.name: t for t in reader.tensors}, path)
     else:
         args = hf_model_args(read_config(path))
+    args = shards.args if shards is not None else args              # this rank's heads and widths
     n_cache = cache_budget(args, max_seq_len, dtype, device)        # before a single weight is read
     if is_gguf(path):
-        _, sd = read_gguf(path, device, dtype)
+        _, sd = read_gguf(path, device, dtype, shards)
     else:
-        sd = read_safetensors(weight_files(path), device, dtype, keep=lambda n: "rotary_emb" not in n)
+        sd = read_safetensors(weight_files(path), device, dtype, keep=lambda n: "rotary_emb" not in n, shards=shards)
         sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
     sd = stack_experts(sd, args, path)
     with torch.device("meta"):
@@ -422,6 +446,8 @@ def load_model(ckpt: str, device="cpu", dtype=torch.float32, max_seq_len: int | 
     model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if shards is not None:
+        shards.connect(model)
     model.path = path
     model.eval()
     model.max_seq_len = n_cache            # the engine allocates the caches, for as many requests as it serves

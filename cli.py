@@ -15,6 +15,7 @@ from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, E
 from engine import generate as generate_one
 from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
 from model import GraftError
+import tp
 from tokenizer import load_tokenizer
 from verify import MIN_TEMPERATURE, Sampling, position_noise, sampling_mode, warp
 
@@ -250,7 +251,10 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         raise GraftError("--compile on a GPU uses CUDA graphs, which need --attention full")
     path, head_path = resolve_pair(ckpt, draft)
     tok = load_tokenizer(path)             # first: a missing tokenizer fails before gigabytes load
+    device = tp.init(device)               # under torchrun: join the ranks (this rank's GPU)
     args = target_args(path)
+    shards = tp.shards(args)               # None in a plain process; a world size that does not fit: refused
+    args = shards.args if shards else args                               # this rank's part of the target
     if max_seq_len is None:
         max_seq_len = min(DEFAULT_MAX_SEQ_LEN, args.max_position_embeddings)
     max_seq_len = cache_budget(args, max_seq_len, DTYPES[dtype], device)      # the context first, then memory
@@ -264,7 +268,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     for b in [batch, *more_batches]:
         nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), b)
         check_batch_memory(args, max_seq_len, None, b, max(nodes, longest), chunk, matrix_k, DTYPES[dtype], device)
-    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len)
+    model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len, shards=shards)
     head = None
     if draft:
         head = load_head(head_path, model)
@@ -529,7 +533,9 @@ def round_work(eng: Engine, method: Method, ids: list, max_new_tokens: int, samp
 
 
 def run(main, argv=None):
-    """A face's entry point: main(argv), a GraftError as one `error:` line (exit 2), ^C as exit 130."""
+    """A face's entry point: main(argv), a GraftError as one `error:` line (exit 2), ^C as exit 130.
+    Under torchrun only rank 0 prints (tp.quiet)."""
+    tp.quiet()
     try:
         return main(argv)
     except GraftError as e:

@@ -23,6 +23,7 @@ import data
 from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, read_prompts, read_text
 from engine import CALIBRATED, METHODS, Request, compile_warmup, generate, run as run_requests
 from model import GraftError
+import tp
 from verify import Sampling
 
 
@@ -144,9 +145,18 @@ def main(argv=None):
                    speedup=round(res.tokens_per_s / b.tokens_per_s, 3), lossless=same)
         if method != "ar":
             print(meaning(res, b, eng.cuda), file=err)
+    memory(out)
     if a.json:
         print(json.dumps(out))
     return out
+
+
+def memory(out: dict):
+    """Peak resident memory of every rank (tp.peak_rss_mib, MiB) into the JSON; printed under torchrun."""
+    out["peak_rss_mib"] = [round(m) for m in tp.every(tp.peak_rss_mib())]
+    if len(out["peak_rss_mib"]) > 1:
+        print(f"tensor parallel over {len(out['peak_rss_mib'])} ranks: peak memory per rank "
+              f"{', '.join(map(str, out['peak_rss_mib']))} MiB", file=sys.stderr)
 
 
 def check_batch_args(a):
@@ -200,6 +210,7 @@ def run_batch(a, eng, method, cfg, cal, prompts: list, s: Sampling) -> dict:
               f"{st['tokens_per_s'] / bs['tokens_per_s']:.2f}x, identical output: {same}{why}", file=err)
         out.update(ar_tokens_per_s=bs["tokens_per_s"], speedup=round(st["tokens_per_s"] / bs["tokens_per_s"], 3),
                    lossless=same)
+    memory(out)
     if a.json:
         print(json.dumps(out))
     return out

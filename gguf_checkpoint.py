@@ -165,14 +165,26 @@ def gguf_model_args(meta: dict, tensors: dict, path: str) -> ModelArgs:
         bos_token_id=bos, eos_token_ids=eos)
 
 
-def gguf_tensor(t) -> torch.Tensor:
+def gguf_tensor(t, take=None) -> torch.Tensor:
     """One GGUF tensor (a gguf.ReaderTensor) as float32, in torch's dim order: GGUF lists dims innermost
     first, so ggml's [in, out] is torch's (out, in). Blocks are dequantized by gguf.quants.dequantize.
-    A type outside GGUF_TYPES is a GraftError."""
+    take (tp.Shards.take of a 2-d tensor): only that part is dequantized. Rows (dim 0) are whole blocks
+    and are cut before; columns (dim 1) run inside blocks, so rows are dequantized 1024 at a time and
+    cut after, which bounds what a rank holds beyond its part. A type outside GGUF_TYPES is a GraftError."""
     from gguf import quants
+    import numpy as np
     if t.tensor_type.name not in GGUF_TYPES:
         raise GraftError(f"GGUF tensor {t.name} is stored as {t.tensor_type.name}: supported are {', '.join(GGUF_TYPES)}")
-    x = quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
+    shape = [int(d) for d in reversed(t.shape.tolist())]
+    rows = t.data.reshape(shape[0], -1) if len(shape) == 2 else t.data     # (out, bytes of a row)
+    if take is not None and take[0] == 0:
+        rows, shape[0] = np.concatenate([rows[a:b] for a, b in take[1]]), sum(b - a for a, b in take[1])
+    if take is not None and take[0] == 1:
+        cols = np.concatenate([np.arange(a, b) for a, b in take[1]])
+        x = np.concatenate([quants.dequantize(rows[i:i + 1024], t.tensor_type).reshape(-1, shape[1])[:, cols]
+                            for i in range(0, shape[0], 1024)])
+    else:
+        x = quants.dequantize(rows, t.tensor_type).reshape(shape)
     if not x.flags.writeable:  # F32 comes back as a view of the read-only mapping
         x = x.copy()
     return torch.from_numpy(x)
@@ -184,11 +196,12 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str, device="cpu", dtype=torch.float32) -> tuple:
+def read_gguf(path: str, device="cpu", dtype=torch.float32, shards=None) -> tuple:
     """(ModelArgs, state dict under model.py's names) from a .gguf file: every tensor mapped from
     llama.cpp's name (an unknown, missing or misshapen one is a GraftError before anything is
     dequantized), dequantized to `dtype` on `device`, Llama's q/k rows un-permuted, NaN/inf refused.
-    A tied head (no output.weight) is left for load_model to tie."""
+    A tied head (no output.weight) is left for load_model to tie. shards (tp.Shards, tensor
+    parallelism): only this rank's part of each tensor is dequantized (gguf_tensor's take)."""
     reader, meta = gguf_read(path)
     tensors = {t.name: t for t in reader.tensors}
     args = gguf_model_args(meta, tensors, path)
@@ -217,10 +230,11 @@ def read_gguf(path: str, device="cpu", dtype=torch.float32) -> tuple:
     if missing:
         raise GraftError(f"{path}: GGUF file lacks tensor {missing[0]} ({len(missing)} missing)")
     sd = {}
+    a = shards.args if shards is not None else args                # the heads this rank holds
     for name, ours in names.items():
-        w = gguf_tensor(tensors[name])
+        w = gguf_tensor(tensors[name], shards.take(ours, expected[ours]) if shards is not None else None)
         if args.arch == "llama" and ours.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute(w, args.n_heads if "q_proj" in ours else args.n_kv_heads)
+            w = _unpermute(w, a.n_heads if "q_proj" in ours else a.n_kv_heads)   # within each head
         sd[ours] = w.to(device, dtype)
         check_finite(f"{path}: {name}", sd[ours])
     return args, sd

@@ -33,6 +33,7 @@ import api
 from cli import ArgumentParser, add_engine_flags, check_args, check_sampling, run
 from engine import METHODS
 from model import GraftError
+import tp
 
 SERVER_NAMES = ("temperature", "top_p", "top_k", "seed", "max_tokens")
 MAX_STOPS = 16
@@ -406,6 +407,8 @@ def main(argv=None):
         raise GraftError(f"--port must be in [1, 65535], got {a.port}")
     if a.batch < 1:
         raise GraftError(f"--batch must be >= 1, got {a.batch}")
+    if tp.world()[1] > 1:      # every rank would need every request, in the same order: not built yet
+        raise GraftError("serve.py does not run under torchrun (tensor parallelism) yet: run generate.py or bench.py there")
     err = lambda s: print(s, file=sys.stderr, flush=True)
     sock = listen(a.host, a.port)            # first: a busy port or a bad host fails before minutes of loading
     worker = Worker(lambda: api.open_llm(a.ckpt, a, a.method, a.batch, err))

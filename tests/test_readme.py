@@ -55,7 +55,7 @@ def substitute(line: str) -> str:
 
 
 def commands(text: str, where: str = "text"):
-    """(where:line, script, argv) for every python command of ours in the text's code blocks.
+    """(where:line, script, argv) for every python (or torchrun) command of ours in the text's code blocks.
     Line continuations are joined, comments dropped, a `$(...)` is a value, a redirection or a pipe ends a
     command, and
     `[...]` around optional flags is taken off."""
@@ -78,13 +78,17 @@ def commands(text: str, where: str = "text"):
             except ValueError:              # unbalanced quotes: not a shell line (sample output)
                 continue
             for k, tok in enumerate(tokens):
-                if not re.fullmatch(r"python3?", tok) or k + 1 >= len(tokens):
+                if re.fullmatch(r"python3?", tok) and k + 1 < len(tokens):
+                    at = k + 1
+                elif tok == "torchrun":         # torchrun [its flags] SCRIPT [the script's flags]
+                    at = next((j for j in range(k + 1, len(tokens)) if tokens[j] in FACES), None)
+                else:
                     continue
-                script = tokens[k + 1]
+                script = tokens[at] if at is not None else ""
                 if script not in FACES and not re.fullmatch(r"scripts/\w+\.py", script):
                     continue
                 argv = []
-                for t in tokens[k + 2:]:
+                for t in tokens[at + 1:]:
                     if t in STOP or t.startswith("$") or t.startswith(">"):
                         break
                     t = "" if t == EMPTY else t.strip("[]")
