@@ -190,12 +190,13 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None, more_batches=()) -> Engine:
+                 methods: list | None = None, more_batches=(), exact: bool = False) -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
-    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). more_batches: batch
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). exact: model.py's
+    exact mode (every method's tokens bit-identical to plain decoding's in any dtype). more_batches: batch
     sizes engines on this model will take later (bench --batch), checked against memory here too, before
     the weights load. Errors:
     GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
@@ -239,7 +240,8 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                        device)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
     return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
-                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes)
+                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
+                  exact=exact)
 
 
 def resolve_pair(ckpt: str, draft: str | None) -> tuple:
@@ -281,7 +283,7 @@ def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
     nodes, path = engine_room(eng, batch, methods)
     return Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
                   *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
-                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None)
+                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact)
 
 
 def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chunk: int, matrix_k: int, dtype,

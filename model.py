@@ -333,9 +333,10 @@ def exact_attention(q, k, v, mask, rows, pos=None, block: int = EXACT_BLOCK):
     M, dev = G * T, q.device
     rows, mask = rows.expand(B, T), mask.expand(B, 1, T, S)[:, 0]                      # (B, T), (B, T, S)
     nb = -(-S // block)
-    one = torch.ones(B, Hkv, nb * block, 1, device=dev)
-    kc = F.pad(k.float(), (0, 0, 0, nb * block - S)).view(B, Hkv, nb, block, D)
-    vc = torch.cat([F.pad(v.float(), (0, 0, 0, nb * block - S)), one], -1).view(B, Hkv, nb, block, D + 1)
+    R = nb * block + 1                                 # whole blocks, then a zero row (a tail's masked keys)
+    kf = F.pad(k.float(), (0, 0, 0, R - S))                                           # (B, H_kv, R, D)
+    vf = torch.cat([F.pad(v.float(), (0, 0, 0, R - S)), torch.ones(B, Hkv, R, 1, device=dev)], -1)   # [v | 1]
+    kc, vc = kf[:, :, :-1].view(B, Hkv, nb, block, D), vf[:, :, :-1].view(B, Hkv, nb, block, D + 1)
     see = F.pad(mask, (0, nb * block - S))                                            # (B, T, nb*block)
     qf = q.float().reshape(B, Hkv, M, D) * D ** -0.5                                  # row g*T + t
     s = torch.matmul(pad_rows(qf)[:, :, None], kc.transpose(-1, -2))[..., :M, :]      # (B, Hkv, nb, M, block)
@@ -353,18 +354,16 @@ def exact_attention(q, k, v, mask, rows, pos=None, block: int = EXACT_BLOCK):
         spare = torch.zeros(B, T, 1, dtype=torch.long, device=dev)
         trow = torch.cat([tp[:, None].expand(B, T, tw), spare], 2).scatter(2, col, rows[:, None].expand(B, T, T))
         tsee = torch.cat([old, spare.bool()], 2).scatter(2, col, new)[..., :tw]     # (B, T, tw)
-        trow = trow[..., :tw].clamp(max=S - 1)
-        bi = torch.arange(B, device=dev)[:, None, None]
-        kt = torch.where(tsee[..., None, None], k[bi, :, trow].float(), 0.0)          # (B, T, tw, H_kv, D)
-        vt = torch.where(tsee[..., None, None], v[bi, :, trow].float(), 0.0)
+        trow = torch.where(tsee, trow[..., :tw], R - 1)                               # unseen: the zero row
+        idx = (trow[:, None] + (torch.arange(B * Hkv, device=dev) * R).view(B, Hkv, 1, 1)).flatten()
         nt = tw // block
-        kt = kt.permute(0, 3, 1, 2, 4).reshape(B, Hkv, T, nt, block, D)
-        vt = torch.cat([vt.permute(0, 3, 1, 2, 4), one[:, :, :1, None].expand(B, Hkv, T, tw, 1)], -1)
+        kt = kf.view(-1, D).index_select(0, idx).view(B, Hkv, T, nt, block, D)
+        vt = vf.view(-1, D + 1).index_select(0, idx).view(B, Hkv, T, nt, block, D + 1)
         qt = pad_rows(qf.view(B, Hkv, G, T, D).transpose(2, 3))                       # (B, H_kv, T, G', D)
         st = torch.matmul(qt[:, :, :, None], kt.transpose(-1, -2))[..., :G, :]        # (B, H_kv, T, nt, G, block)
         st = st.permute(0, 1, 3, 4, 2, 5).reshape(B, Hkv, nt, M, block)
         tsee = tsee.view(B, 1, T, nt, block).transpose(2, 3).repeat(1, 1, 1, G, 1)
-        parts.append((st, tsee, vt.reshape(B, Hkv, T, nt, block, D + 1)))
+        parts.append((st, tsee, vt))
     s = torch.cat([torch.where(m, x, float("-inf")) for x, m, _ in parts], 2)       # (B, H_kv, blocks, M, block)
     top = s.amax(dim=(2, 4), keepdim=True)
     p = torch.exp(s - torch.where(top == float("-inf"), 0.0, top))                    # masked: exactly 0
