@@ -88,6 +88,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                    help="attend over the rows in use (window: a CPU's fastest) or the whole cache (full: static "
                         "shapes, what CUDA graphs need); default: full when compiling on a GPU, else window")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype "
+                        "(padded matmul rows, attention in fixed blocks of positions; eager, CPU; plain decoding "
+                        "measured ~20-25%% slower here, see README)")
 
 
 def check_device(name: str):
@@ -125,7 +129,9 @@ def check_args(a, budgets=None):
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
     check_device(a.device)
     if a.compile is None:
-        a.compile = str(a.device).startswith("cuda")
+        a.compile = str(a.device).startswith("cuda") and not a.exact
+    need(not a.exact or (not a.compile and not str(a.device).startswith("cuda")),
+         "--exact runs eager on the CPU (its kernels' row invariance is measured there; not compiled, not on CUDA yet)")
     a.auto_budget = a.budget in (None, "auto") and not budgets
     if a.budget in (None, "auto"):
         a.budget = default_budget(a.device)       # the fallback, and the reference before the warm-up picks

@@ -408,14 +408,14 @@ class Engine:
         self.fills.slot.fill_(b)
         return self.fills.slot
 
-    def variant(self, compile: bool, window: bool | None = None) -> "Engine":
-        """Another engine on the same model, head, tokenizer and matrix (compiled beside eager, for a
-        comparison in one process)."""
+    def variant(self, compile: bool, window: bool | None = None, exact: bool | None = None) -> "Engine":
+        """Another engine on the same model, head, tokenizer and matrix (compiled beside eager, exact
+        beside not, for a comparison in one process)."""
         d = self.drafter
         window = (not (compile and self.cuda)) if window is None else window
         return Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
                       *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
-                      self.steps.lifetimes is not None, self.exact)
+                      self.steps.lifetimes is not None, self.exact if exact is None else exact)
 
     def make(self, name: str, cfg: Config | None = None, cal: Calibration | None = None,
              matrix: ContinuationMatrix | None = None) -> Method:
