@@ -49,16 +49,18 @@ def test_imports_go_one_way():
 
 def test_the_model_file_is_the_model():
     assert imports("model") == set()
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 450
+    # 450 + 80 for issue 29's exact mode (the padded Linear, exact_attention), which lives beside what it replaces
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 530
 
 
-def test_the_algorithm_fits_in_2000_lines():
+def test_the_algorithm_fits_in_2120_lines():
     """Every top-level module but the faces, the loaders, data, cli and calibrate is the algorithm, batched
     code included (there is one engine: a single request is a batch of one)."""
     algorithm = {p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - {"calibrate"}
     assert algorithm == {"model", "draft", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2000, lines
+    # 2000 + 120 for issue 29's exact mode (model.py's padded Linear and exact_attention, the engine's mode)
+    assert lines <= 2120, lines
 
 
 def test_no_batched_twins():
