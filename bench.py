@@ -491,8 +491,8 @@ def main(argv=None) -> dict:
     # before anything is timed: compile every graph (compiled engines), and one short generation per
     # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
     # benchmark prompt leaks into the matrix.
-    how = {x: ("compiled (CUDA graphs)" if e.cuda else "compiled (inductor)") if e.compiling else "eager"
-           for x, e in engines.items()}
+    how = {x: ("compiled (CUDA graphs)" if e.cuda else "compiled (inductor)") if e.compiling else
+              "exact (eager)" if e.exact else "eager" for x, e in engines.items()}
     for x, e in engines.items():
         if e.compiling:
             log(f"compile: {E.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
