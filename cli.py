@@ -91,7 +91,7 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--exact", action="store_true",
                    help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype "
                         "(padded matmul rows, attention in fixed blocks of positions; eager, CPU; plain decoding "
-                        "measured ~20-25%% slower here, see README)")
+                        "measured 25-40%% slower here, see README)")
 
 
 def check_device(name: str):
