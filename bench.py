@@ -299,8 +299,8 @@ def parse_args(argv=None):
                    help=f"the long-context datasets' prompt lengths in tokens, e.g. 1024,2048,4096 (default "
                         f"{DATA.LONG_CONTEXT}); each prompt is exactly that long, never truncated to fit")
     p.add_argument("--executions", default=None,
-                   help="eager,compiled: run every method both ways in one process, each against its own ar "
-                        "(default: what --compile says)")
+                   help="eager,compiled,exact (exact: eager in exact mode, --exact): run every method each way in "
+                        "one process, each against its own ar (default: what --compile and --exact say)")
     p.add_argument("--batch", default=None,
                    help="batch sizes, e.g. 1,2,4,8,16: each method serves the whole prompt stream B requests per "
                         f"target pass (one engine with B slots; default methods {','.join(BATCH_METHODS)}): total "
@@ -441,9 +441,10 @@ def main(argv=None) -> dict:
     log = lambda s: print(s, file=sys.stderr)
     if contexts:
         a.max_seq_len = long_seq_len(a.ckpt, a.max_seq_len, max(contexts), a.max_new_tokens, log)
-    executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "eager")).split(",") if x.strip()]
-    if not executions or set(executions) - {"eager", "compiled"} or len(set(executions)) < len(executions):
-        raise GraftError(f"--executions takes eager and/or compiled, got {a.executions!r}")
+    executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "exact" if a.exact else "eager")).split(",")
+                  if x.strip()]
+    if not executions or set(executions) - {"eager", "compiled", "exact"} or len(set(executions)) < len(executions):
+        raise GraftError(f"--executions takes eager, compiled and/or exact, got {a.executions!r}")
     # the caches' room: every method at the largest budget it may run at, and the warm-up's tree (at
     # --budget, which a --budgets sweep leaves at its default)
     cfg0 = CLI.config_from_args(a)
@@ -452,7 +453,7 @@ def main(argv=None) -> dict:
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
-                           methods=todo, more_batches=sizes or ())
+                           methods=todo, more_batches=sizes or (), exact=executions[0] == "exact")
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
@@ -471,7 +472,7 @@ def main(argv=None) -> dict:
         return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv)
     engines = {executions[0]: eng}
     for x in executions[1:]:
-        engines[x] = eng.variant(compile=x == "compiled")
+        engines[x] = eng.variant(compile=x == "compiled", exact=x == "exact")
 
     # One method per (execution, method, budget), kept for the whole run. Each gets its own copy of
     # the warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
@@ -494,8 +495,8 @@ def main(argv=None) -> dict:
     # before anything is timed: compile every graph (compiled engines), and one short generation per
     # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no
     # benchmark prompt leaks into the matrix.
-    how = {x: ("compiled (CUDA graphs)" if e.cuda else "compiled (inductor)") if e.compiling else "eager"
-           for x, e in engines.items()}
+    how = {x: ("compiled (CUDA graphs)" if e.cuda else "compiled (inductor)") if e.compiling else
+              "exact (eager)" if e.exact else "eager" for x, e in engines.items()}
     for x, e in engines.items():
         if e.compiling:
             log(f"compile: {E.compile_warmup(e, [r for k, r in runs.items() if k[0] == x], sampling):.1f}s")
@@ -550,7 +551,7 @@ def main(argv=None) -> dict:
                 for i, ids in enumerate(prompts[d, c]):
                     # every method on this prompt before the next prompt: slow drifts of a shared machine's
                     # load then hit all methods alike instead of whichever ran last
-                    base = None
+                    base = {}      # each execution against its own ar (exact mode rounds otherwise)
                     for (x, m, b), meth in runs.items():
                         bar.set_description(f"{Path(label(d, c)).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
                                             + (f" {x}" if len(engines) > 1 else ""))
@@ -558,12 +559,12 @@ def main(argv=None) -> dict:
                         edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
                                 if refs[d, c] else None)
                         acc[(x, m, b)].add(res, edit)
-                        base = res.tokens if base is None else base          # the first ar: every run must equal it
-                        same = res.tokens == base
-                        if not same:      # float32: always a real difference; bf16/fp16: maybe a near-tie
-                            why = ({"kind": "differs", "position": CLI.first_difference(res.tokens, base)}
-                                   if eng.dtype == torch.float32 else
-                                   CLI.classify_mismatch(engines[x], ids, base, res.tokens, sampling))
+                        base.setdefault(x, res.tokens)      # the execution's ar: its every run must equal it
+                        same = res.tokens == base[x]
+                        if not same:      # float32, exact mode: always a real difference; bf16/fp16: maybe a near-tie
+                            why = ({"kind": "differs", "position": CLI.first_difference(res.tokens, base[x])}
+                                   if eng.dtype == torch.float32 or engines[x].exact else
+                                   CLI.classify_mismatch(engines[x], ids, base[x], res.tokens, sampling))
                             acc[(x, m, b)].mismatches += why["kind"] == "differs"
                             acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
                             mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
@@ -730,9 +731,9 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
                 st = res.stats()
                 kinds = []
                 for i, (r, t) in enumerate(zip(res.requests, refs[d])):
-                    if r.tokens != t:      # float32: always a real difference; bf16/fp16: maybe a near-tie
+                    if r.tokens != t:      # float32, exact mode: always a real difference; bf16/fp16: maybe a near-tie
                         why = ({"kind": "differs", "position": CLI.first_difference(r.tokens, t)}
-                               if eng.dtype == torch.float32 else
+                               if eng.dtype == torch.float32 or eng.exact else
                                CLI.classify_mismatch(eng, r.ids, t, r.tokens, r.sampling))
                         kinds.append(why["kind"])
                         mismatches.append({"dataset": d, "method": m, "batch": B, "prompt": i, **why})
@@ -808,7 +809,7 @@ def report_mismatches(mismatches: list, dtype: str, base: str, log):
     real = [m for m in mismatches if m["kind"] == "differs"]
     if len(real) < len(mismatches):
         log(f"{len(mismatches) - len(real)} outputs differ from {base} at a near-tie of the target's own {dtype} "
-            f"scores (rounding, not the method: rerun in float32 for the exact check)")
+            f"scores (rounding, not the method: --exact makes every dtype exact)")
     if real:
         log(f"{len(real)} outputs differ from {base}: NOT lossless")
 

@@ -101,6 +101,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                    help="attend over the rows in use (window: a CPU's fastest) or the whole cache (full: static "
                         "shapes, what CUDA graphs need); default: full when compiling on a GPU, else window")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype "
+                        "(padded matmul rows, attention in fixed blocks of positions; eager, CPU; plain decoding "
+                        "measured 25-40%% slower here, see README)")
 
 
 def check_device(name: str):
@@ -140,7 +144,9 @@ def check_args(a, budgets=None):
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
     check_device(a.device)
     if a.compile is None:
-        a.compile = str(a.device).startswith("cuda")
+        a.compile = str(a.device).startswith("cuda") and not a.exact
+    need(not a.exact or (not a.compile and not str(a.device).startswith("cuda")),
+         "--exact runs eager on the CPU (its kernels' row invariance is measured there; not compiled, not on CUDA yet)")
     a.auto_budget = a.budget in (None, "auto") and not budgets
     if a.budget in (None, "auto"):
         a.budget = default_budget(a.device)       # the fallback, and the reference before the warm-up picks
@@ -229,12 +235,13 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None, more_batches=()) -> Engine:
+                 methods: list | None = None, more_batches=(), exact: bool = False) -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
     full when compiling for a GPU, whose CUDA graphs need static shapes; window otherwise).
-    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). more_batches: batch
+    check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). exact: model.py's
+    exact mode (every method's tokens bit-identical to plain decoding's in any dtype). more_batches: batch
     sizes engines on this model will take later (bench --batch), checked against memory here too, before
     the weights load. Errors:
     GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
@@ -281,7 +288,8 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                        device)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
     return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
-                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes)
+                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
+                  exact=exact)
 
 
 def resolve_pair(ckpt: str, draft: str | None) -> tuple:
@@ -323,7 +331,7 @@ def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
     nodes, path = engine_room(eng, batch, methods)
     return Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
                   *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
-                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None)
+                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact)
 
 
 def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chunk: int, matrix_k: int, dtype,

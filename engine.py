@@ -27,7 +27,7 @@ import torch
 
 from draft import Drafter
 from graft import METHODS, Calibration, Config, ContinuationMatrix, Method, assemble, learn, recycle_tree, update
-from model import GraftError, KVCache, attention_mask, cache_rows, rope_table
+from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
                     token_hash, verify)
 
@@ -175,6 +175,7 @@ class Steps:
         self.statics, self.names, self._codes = [], set(), {}
         self.lifetimes = OutputLifetimes(self) if check_lifetimes else None
         self.compile_seconds = 0.0
+        self.before = None                     # called by mark(): the engine puts its model in its mode
         if compiling:      # one graph per (step, shape): a run has a few dozen, each compiled once
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
@@ -209,6 +210,8 @@ class Steps:
     def mark(self):
         """A new generation of step outputs begins (before every round and every prefill chunk): CUDA
         graph trees may now reuse the memory of the previous generation's outputs."""
+        if self.before:
+            self.before()
         if self.compiling and self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
         if self.lifetimes:
@@ -324,13 +327,18 @@ class Engine:
 
     def __init__(self, model, tokenizer, head, matrix: ContinuationMatrix, batch: int = 1, nodes: int = 1,
                  path: int = 1, top_k: int = 10, depth: int = 8, compile: bool = False, window: bool = True,
-                 chunk: int = PREFILL_CHUNK, backend: str = "inductor", check_lifetimes: bool = False):
+                 chunk: int = PREFILL_CHUNK, backend: str = "inductor", check_lifetimes: bool = False,
+                 exact: bool = False):
         if batch < 1:
             raise GraftError(f"--batch must be >= 1, got {batch}")
         p = model.embed_tokens.weight
         self.model, self.tokenizer, self.matrix, self.B = model, tokenizer, matrix, batch
         self.window, self.chunk, self.room = window, chunk, (nodes, path)
         self.steps = Steps(p.device, compile, backend, check_lifetimes)
+        # exact: every step in model.py's exact mode (a node's logits are plain decoding's, bit for bit, in
+        # every dtype); set before every step, since engines in one process may share the model
+        self.exact = exact
+        self.steps.before = lambda: model.exact == exact or set_exact(model, exact)
         a, S = model.args, model.max_seq_len
         rows = cache_rows(S + max(nodes, path, chunk, 64))        # committed rows, then a round's scratch
         if model.rope is None or model.rope.shape[0] < rows:
@@ -403,14 +411,14 @@ class Engine:
         self.fills.slot.fill_(b)
         return self.fills.slot
 
-    def variant(self, compile: bool, window: bool | None = None) -> "Engine":
-        """Another engine on the same model, head, tokenizer and matrix (compiled beside eager, for a
-        comparison in one process)."""
+    def variant(self, compile: bool, window: bool | None = None, exact: bool | None = None) -> "Engine":
+        """Another engine on the same model, head, tokenizer and matrix (compiled beside eager, exact
+        beside not, for a comparison in one process)."""
         d = self.drafter
         window = (not (compile and self.cuda)) if window is None else window
         return Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
                       *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
-                      self.steps.lifetimes is not None)
+                      self.steps.lifetimes is not None, self.exact if exact is None else exact)
 
     def make(self, name: str, cfg: Config | None = None, cal: Calibration | None = None,
              matrix: ContinuationMatrix | None = None) -> Method:

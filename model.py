@@ -125,6 +125,45 @@ def mask_bias(mask, dtype):
     return torch.where(mask, 0.0, float("-inf")).to(dtype)
 
 
+# ----------------------------------------------------------------------------- exact mode
+# Exact mode (issue 29): a row's result never depends on the rows computed beside it, so a tree node's
+# logits equal plain decoding's bit for bit in every dtype. Matmul rows are padded to a multiple of
+# EXACT_ROWS (measured on oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 rows for M a
+# multiple of 4 or >= 12; scripts/exactness.py), and attention reduces keys in blocks of EXACT_BLOCK
+# absolute positions (exact_attention). tests/test_exact.py checks both per architecture and dtype.
+EXACT_ROWS, EXACT_BLOCK = 4, 64
+
+
+def pad_rows(x: torch.Tensor, m: int = EXACT_ROWS) -> torch.Tensor:
+    """x (..., n, K) with zero rows appended to make n a multiple of m."""
+    return F.pad(x, (0, 0, 0, -x.shape[-2] % m))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose rows are padded in exact mode: one-row (GEMV) and few-row passes take the batched
+    GEMM kernel, whose result for a row does not depend on how many rows it has beside it."""
+    exact = False
+
+    def forward(self, x):
+        if not self.exact:
+            return F.linear(x, self.weight, self.bias)
+        h = pad_rows(x.reshape(-1, x.shape[-1]))                                  # (n padded, K)
+        return F.linear(h, self.weight, self.bias)[:x.shape[:-1].numel()].reshape(*x.shape[:-1], -1)
+
+
+def set_exact(module: nn.Module, on: bool):
+    """Switch exact mode for every layer of a model (or head)."""
+    for m in module.modules():
+        if hasattr(type(m), "exact"):
+            m.exact = on
+
+
+def silu(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """F.silu; in exact mode on float32 composed of exp, add and div, which round alike in torch's
+    vectorized loop and its scalar tail (F.silu's two paths differ in the last bit)."""
+    return x / (1 + torch.exp(-x)) if exact and x.dtype == torch.float32 else F.silu(x)
+
+
 # ----------------------------------------------------------------------------- layers
 
 class RMSNorm(nn.Module):
@@ -209,20 +248,22 @@ def attention_mask(tree: torch.Tensor, L: torch.Tensor, cols: torch.Tensor) -> t
 
 
 class Attention(nn.Module):
+    exact = False
+
     def __init__(self, a: ModelArgs, in_dim: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.head_dim
         in_dim = in_dim or a.dim
-        self.q_proj = nn.Linear(in_dim, a.n_heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.q_proj = Linear(in_dim, a.n_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None):
+    def forward(self, x, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None, pos=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -245,7 +286,9 @@ class Attention(nn.Module):
             # EAGLE-3 training-time test: the keys of the earlier unrolled steps come first
             steps_kv.append((k, v))
             k, v = torch.cat([kv[0] for kv in steps_kv], 2), torch.cat([kv[1] for kv in steps_kv], 2)
-        if mask is None:
+        if self.exact and kv is not None:
+            y = exact_attention(q, k, v, mask, rows, pos)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = grouped_attention(q, k, v, mask)
@@ -273,17 +316,78 @@ def grouped_attention(q, k, v, mask):
     return y.reshape(B, H, T, D)
 
 
+def exact_attention(q, k, v, mask, rows, pos=None, block: int = EXACT_BLOCK):
+    """Attention whose result for a query is a function of its position's keys alone, bit for bit.
+
+    q (B, H, T, D); k, v (B, H_kv, S, D) the cache rows 0..S-1; mask (B, 1, T, S) bool; rows (B, T) the
+    new rows (rows[:, 0] = L: rows 0..L-1 hold positions 0..L-1); pos (B, T) the new rows' positions,
+    or None when every row is its own position (decode, prefill). Returns (B, H, T, D) in q's dtype.
+    Keys are reduced in blocks of `block` absolute positions, each the same float32 matmuls of padded
+    rows (q.k, then p@[v | 1] for the block's sums), the blocks summed in position order (cumsum: a
+    sequential sum, so masked blocks, exact zeros, change nothing), after one max over every key (exact
+    in any order). A tree node's keys (pos given) are the full committed blocks read in place, then its
+    tail gathered into position order: the committed rows of the last partial block and its ancestors,
+    padded with masked zero keys; plain decoding reads the same blocks, in place."""
+    B, H, T, D = q.shape
+    Hkv, S, G = k.shape[1], k.shape[2], H // k.shape[1]
+    M, dev = G * T, q.device
+    rows, mask = rows.expand(B, T), mask.expand(B, 1, T, S)[:, 0]                      # (B, T), (B, T, S)
+    nb = -(-S // block)
+    R = nb * block + 1                                 # whole blocks, then a zero row (a tail's masked keys)
+    kf = F.pad(k.float(), (0, 0, 0, R - S))                                           # (B, H_kv, R, D)
+    vf = torch.cat([F.pad(v.float(), (0, 0, 0, R - S)), torch.ones(B, Hkv, R, 1, device=dev)], -1)   # [v | 1]
+    kc, vc = kf[:, :, :-1].view(B, Hkv, nb, block, D), vf[:, :, :-1].view(B, Hkv, nb, block, D + 1)
+    see = F.pad(mask, (0, nb * block - S))                                            # (B, T, nb*block)
+    qf = q.float().reshape(B, Hkv, M, D) * D ** -0.5                                  # row g*T + t
+    s = torch.matmul(pad_rows(qf)[:, :, None], kc.transpose(-1, -2))[..., :M, :]      # (B, Hkv, nb, M, block)
+    see = see.view(B, 1, T, nb, block).transpose(2, 3).repeat(1, 1, 1, G, 1)          # (B, 1, nb, M, block)
+    parts = [(s, see, vc)]
+    if pos is not None:
+        L = rows[:, 0]
+        Lb = L - L % block                                                            # (B,) the tail's start
+        parts[0] = (s, see & (torch.arange(nb * block, device=dev) < Lb[:, None]).view(B, 1, nb, 1, block), vc)
+        tw = -(-(block - 1 + T) // block) * block
+        tp = Lb[:, None] + torch.arange(tw, device=dev)                               # (B, tw) tail positions
+        new = mask.gather(2, rows[:, None, :].expand(B, T, T))                        # (B, T, T) t sees row j
+        col = torch.where(new, (pos - Lb[:, None])[:, None, :], tw)                   # j's tail column (tw: none)
+        old = (tp < L[:, None])[:, None] & mask.gather(2, tp.clamp(max=S - 1)[:, None].expand(B, T, tw))
+        spare = torch.zeros(B, T, 1, dtype=torch.long, device=dev)
+        trow = torch.cat([tp[:, None].expand(B, T, tw), spare], 2).scatter(2, col, rows[:, None].expand(B, T, T))
+        tsee = torch.cat([old, spare.bool()], 2).scatter(2, col, new)[..., :tw]     # (B, T, tw)
+        trow = torch.where(tsee, trow[..., :tw], R - 1)                               # unseen: the zero row
+        idx = (trow[:, None] + (torch.arange(B * Hkv, device=dev) * R).view(B, Hkv, 1, 1)).flatten()
+        nt = tw // block
+        kt = kf.view(-1, D).index_select(0, idx).view(B, Hkv, T, nt, block, D)
+        vt = vf.view(-1, D + 1).index_select(0, idx).view(B, Hkv, T, nt, block, D + 1)
+        qt = pad_rows(qf.view(B, Hkv, G, T, D).transpose(2, 3))                       # (B, H_kv, T, G', D)
+        st = torch.matmul(qt[:, :, :, None], kt.transpose(-1, -2))[..., :G, :]        # (B, H_kv, T, nt, G, block)
+        st = st.permute(0, 1, 3, 4, 2, 5).reshape(B, Hkv, nt, M, block)
+        tsee = tsee.view(B, 1, T, nt, block).transpose(2, 3).repeat(1, 1, 1, G, 1)
+        parts.append((st, tsee, vt))
+    s = torch.cat([torch.where(m, x, float("-inf")) for x, m, _ in parts], 2)       # (B, H_kv, blocks, M, block)
+    top = s.amax(dim=(2, 4), keepdim=True)
+    p = torch.exp(s - torch.where(top == float("-inf"), 0.0, top))                    # masked: exactly 0
+    o = [torch.matmul(pad_rows(p[:, :, :nb]), vc)[..., :M, :]]                        # (B, H_kv, nb, M, D+1)
+    if pos is not None:
+        pt = pad_rows(p[:, :, nb:].view(B, Hkv, nt, G, T, block).permute(0, 1, 4, 2, 3, 5))   # (B, H_kv, T, nt, G', block)
+        ot = torch.matmul(pt, parts[1][2])[..., :G, :]                                # (B, H_kv, T, nt, G, D+1)
+        o.append(ot.permute(0, 1, 3, 4, 2, 5).reshape(B, Hkv, nt, M, D + 1))
+    o = torch.cat(o, 2).cumsum(2)[:, :, -1]                                           # (B, H_kv, M, D+1)
+    return (o[..., :D] / o[..., D:]).reshape(B, H, T, D).to(q.dtype)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+    exact = False
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x), self.exact) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -294,11 +398,13 @@ class MoE(nn.Module):
     experts' weights (gpt-fast's Mixtral port); for more it runs every expert on every token and
     mixes with a dense routing matrix, so each expert's weights are read once."""
 
+    exact = False
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         E, I, D = a.n_experts, a.moe_intermediate_size, a.dim
         self.k, self.norm_topk = a.n_experts_per_tok, a.norm_topk_prob
-        self.gate = nn.Linear(D, E, bias=False)                        # the router
+        self.gate = Linear(D, E, bias=False)                        # the router
         self.w_gate = nn.Parameter(torch.empty(E, I, D))
         self.w_up = nn.Parameter(torch.empty(E, I, D))
         self.w_down = nn.Parameter(torch.empty(E, D, I))
@@ -316,13 +422,18 @@ class MoE(nn.Module):
         h = x.reshape(-1, D)                                                 # (N, D)
         idx, w = self.route(h)
         E = self.w_gate.shape[0]
-        if h.shape[0] * self.k <= E:       # gather the chosen experts: (N, k, I, D)
+        if h.shape[0] * self.k <= E and not self.exact:       # gather the chosen experts: (N, k, I, D)
             a = F.silu(torch.einsum("nd,nkid->nki", h, self.w_gate[idx])) * torch.einsum("nd,nkid->nki", h, self.w_up[idx])
             y = (torch.einsum("nki,nkdi->nkd", a, self.w_down[idx]) * w[..., None]).sum(1)
         else:                              # every expert on every token: (E, N, I)
-            a = F.silu(torch.einsum("nd,eid->eni", h, self.w_gate)) * torch.einsum("nd,eid->eni", h, self.w_up)
             r = torch.zeros(h.shape[0], E, dtype=h.dtype, device=h.device).scatter(1, idx, w)   # (N, E)
-            y = torch.einsum("eni,edi,ne->nd", a, self.w_down, r)
+            if self.exact:                 # exact: rows padded, every expert's output, mixed in expert order
+                hp = pad_rows(h)
+                a = silu(hp @ self.w_gate.transpose(1, 2), True) * (hp @ self.w_up.transpose(1, 2))   # (E, N', I)
+                y = ((a @ self.w_down.transpose(1, 2))[:, :h.shape[0]] * r.T[:, :, None]).cumsum(0)[-1]
+            else:
+                a = F.silu(torch.einsum("nd,eid->eni", h, self.w_gate)) * torch.einsum("nd,eid->eni", h, self.w_up)
+                y = torch.einsum("eni,edi,ne->nd", a, self.w_down, r)
         return y.reshape(B, T, D)
 
 
@@ -335,13 +446,14 @@ class Block(nn.Module):
         sparse = bool(a.sparse_layers) and a.sparse_layers[i]
         self.mlp = MoE(a) if sparse else MLP(a.dim, a.intermediate_size)
 
-    def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None, slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep, slots=slots)
+    def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None, slots=None, pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep, slots=slots, pos=pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
     """Parameter names follow HF's (minus the leading `model.`), so checkpoints load by name."""
+    exact = False     # exact mode (set_exact): every row's logits independent of the rows beside it
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -350,7 +462,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.capture_layers = a.capture_layers     # EAGLE-3 feature points; a head may declare its own
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
         self.max_seq_len = 0                # committed tokens the cache holds (prompt + generated)
         self.rope = None
         self.cache: KVCache | None = None
@@ -386,12 +498,14 @@ class Transformer(nn.Module):
         rope = rope_at(self.rope, positions, torch.float32 if torch.is_autocast_enabled("cpu") else x.dtype)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]                                      # (B, 1, T, n_keys): every head alike
-        mask = mask_bias(mask, x.dtype)
+        mask = mask if self.exact else mask_bias(mask, x.dtype)
+        # exact attention gathers a tree's keys into position order; rows that are their positions need not
+        pos = None if positions is rows or tokens.shape[1] == 1 else positions.expand(*tokens.shape)
         feats, points = [], self.capture_layers
         for i, layer in enumerate(self.layers):
             if capture:
                 feats += [x] * points.count(i)
-            x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots)
+            x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots, pos)
         if capture:                          # "the input of layer L": the last layer's output, before the norm
             feats += [x] * points.count(len(self.layers))
         logits = self.lm_head(self.norm(x))                           # (B, T, V)

@@ -169,6 +169,7 @@ def test_generate_uses_no_more_slots_than_prompts(tiny_ckpt, tmp_path):
 
 class FakeEngine:
     dtype = torch.bfloat16
+    exact = False
 
 
 def test_one_verdict_rule_at_every_batch_size(monkeypatch):
@@ -181,6 +182,9 @@ def test_one_verdict_rule_at_every_batch_size(monkeypatch):
     assert same == "near-tie" and "token 2" in why and "bfloat16" in why
     assert GEN.verdict(FakeEngine(), [([0], [1, 2, 5], [1, 2, 5], s), ([0], [1, 2, 5], [1, 2, 3], s)])[0] == "near-tie"
     assert GEN.verdict(FakeEngine(), [([0], [1, 2, 5], [1, 2, 3], s), ([0], [1, 2, 5], [1, 2, 4], s)])[0] is False
+    exact = FakeEngine()
+    exact.exact = True            # exact mode (--exact): any difference is real, never a near-tie
+    assert GEN.verdict(exact, [([0], [1, 2, 5], [1, 2, 3], s)]) == (False, "")
 
 
 @pytest.mark.parametrize("batch", [None, "1", "3"])

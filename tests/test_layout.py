@@ -56,18 +56,20 @@ def test_imports_go_one_way():
 
 def test_the_model_file_is_the_model():
     assert imports("model") == set()
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 450
+    # 450 + 80 for exact mode (the padded Linear, exact_attention), which lives beside what it replaces
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 530
 
 
-def test_the_algorithm_fits_in_2000_lines():
+def test_the_algorithm_fits_in_2170_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate and tp (how one target
     spreads over devices, not how it decodes) is the algorithm, batched code included (there is one
-    engine: a single request is a batch of one). 2000 until the loop became a Scheduler a server steps as
-    requests arrive and leave (continuous batching)."""
+    engine: a single request is a batch of one). 2000 lines until the loop became a Scheduler a server
+    steps as requests arrive and leave (continuous batching, +50) and exact mode came (model.py's padded
+    Linear and exact_attention, the engine's mode: +120)."""
     algorithm = {p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API) - {"calibrate", "tp"}
     assert algorithm == {"model", "draft", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2050, lines
+    assert lines <= 2170, lines
 
 
 def test_no_batched_twins():
