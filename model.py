@@ -126,7 +126,7 @@ def mask_bias(mask, dtype):
 
 
 # ----------------------------------------------------------------------------- exact mode
-# Exact mode (issue 29): a row's result never depends on the rows computed beside it, so a tree node's
+# Exact mode: a row's result never depends on the rows computed beside it, so a tree node's
 # logits equal plain decoding's bit for bit in every dtype. Matmul rows are padded to a multiple of
 # EXACT_ROWS (measured on oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 rows for M a
 # multiple of 4 or >= 12; scripts/exactness.py), and attention reduces keys in blocks of EXACT_BLOCK
