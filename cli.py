@@ -22,6 +22,12 @@ from verify import MIN_TEMPERATURE, Sampling, position_noise, sampling_mode, war
 
 # ----------------------------------------------------------------------------- command line
 
+def need(ok, msg: str):
+    """A check of input: GraftError(msg), one line, when it fails."""
+    if not ok:
+        raise GraftError(msg)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error:` line (a GraftError), like every other bad input."""
 
@@ -124,9 +130,6 @@ def check_device(name: str):
 def check_args(a, budgets=None):
     """Every engine flag checked before any model loads: bad values are one-line errors, never a
     silent default (no `x or default`), never a traceback later. Fills in the budget default."""
-    def need(ok, msg):
-        if not ok:
-            raise GraftError(msg)
     check_sampling(a.temperature, a.top_p, a.top_k, a.seed, a.max_new_tokens)
     if getattr(a, "preset", None) is not None:
         shape = dict(zip(("draft_top_k", "depth", "budget", "checkpoints"), PRESETS[a.preset]))
@@ -186,9 +189,6 @@ def check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names=FLAG_N
     """A request's sampling and length, checked (GraftError, one line with its name from `names`):
     what check_args checks of the flags, and api.py and serve.py of every request."""
     t, p, k, sd, n = names
-    def need(ok, msg):
-        if not ok:
-            raise GraftError(msg)
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
     need(num(temperature) and math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE,
