@@ -14,6 +14,7 @@ from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
 from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
+import kernels
 from model import GraftError
 import tp
 from tokenizer import load_tokenizer
@@ -107,10 +108,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                    help="attend over the rows in use (window: a CPU's fastest) or the whole cache (full: static "
                         "shapes, what CUDA graphs need); default: full when compiling on a GPU, else window")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
-    p.add_argument("--exact", action="store_true",
-                   help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype "
-                        "(padded matmul rows, attention in fixed blocks of positions; eager, CPU; plain decoding "
-                        "measured 25-40%% slower here, see README)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype (eager, "
+                        "CPU). Default: on for an eager CPU run where graft's CPU kernels build (kernels.py: there it "
+                        "costs nothing); --no-exact runs their linear with torch's attention")
 
 
 def check_device(name: str):
@@ -148,6 +149,8 @@ def check_args(a, budgets=None):
     check_device(a.device)
     if a.compile is None:
         a.compile = str(a.device).startswith("cuda") and not a.exact
+    if a.exact is None:                   # the default: exact where kernels.py makes it free
+        a.exact = not a.compile and not str(a.device).startswith("cuda") and kernels.ready()
     need(not a.exact or (not a.compile and not str(a.device).startswith("cuda")),
          "--exact runs eager on the CPU (its kernels' row invariance is measured there; not compiled, not on CUDA yet)")
     a.auto_budget = a.budget in (None, "auto") and not budgets

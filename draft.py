@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import Attention, KVCache, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows, rope_at, rope_table
+from model import Attention, KVCache, Linear, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows, rope_at, rope_table
 
 
 # ----------------------------------------------------------------------------- the head
@@ -57,10 +57,10 @@ class Eagle3(nn.Module):
         super().__init__()
         self.config = c
         H = c.layer.dim
-        self.fc = nn.Linear(c.n_features * c.target_hidden, H, bias=False)
+        self.fc = Linear(c.n_features * c.target_hidden, H, bias=False)
         self.midlayer = DraftLayer(c.layer, c.norm_before_residual)
         self.norm = RMSNorm(H, c.layer.norm_eps)
-        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(H, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: nn.Embedding | None = None   # the target's, unless the checkpoint has its own
         self.rope = None

@@ -576,6 +576,7 @@ class Scheduler:
             r.finished_s, r.done = time.perf_counter() - self.t0, True
             self.eng.free(b, self.method)
 
+    @torch.no_grad()
     def step(self):
         eng, method = self.eng, self.method
         for b in range(eng.B):                       # 1. free the cancelled, refill free slots between rounds

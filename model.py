@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 
 class GraftError(Exception):
     """Bad input (checkpoint, prompt, flags): the CLI prints the message on one line and exits."""
@@ -125,12 +127,15 @@ def mask_bias(mask, dtype):
     return torch.where(mask, 0.0, float("-inf")).to(dtype)
 
 
-# ----------------------------------------------------------------------------- exact mode
-# Exact mode: a row's result never depends on the rows computed beside it, so a tree node's
-# logits equal plain decoding's bit for bit in every dtype. Matmul rows are padded to a multiple of
-# EXACT_ROWS (measured on oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 rows for M a
-# multiple of 4 or >= 12; scripts/exactness.py), and attention reduces keys in blocks of EXACT_BLOCK
-# absolute positions (exact_attention). tests/test_exact.py checks both per architecture and dtype.
+# ----------------------------------------------------------------------------- kernels and exact mode
+# On a CPU every linear goes through kernels.py's linear (when it could be built): each output row is
+# one fixed sequence of float32 operations whatever the rows beside it, and a one-row pass streams the
+# weight once (torch's one-row bfloat16 path reads it at a third of that). Exact mode (a tree node's
+# logits equal plain decoding's bit for bit, every dtype) adds kernels.py's attention, which reads a
+# query's visible keys in position order. Without the kernels (no compiler, a GPU), exact mode pads
+# matmul rows to a multiple of EXACT_ROWS (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2,
+# float32 for M a multiple of 4 or >= 12; scripts/exactness.py) and reduces keys in blocks of
+# EXACT_BLOCK absolute positions (exact_attention). tests/test_exact.py checks both paths.
 EXACT_ROWS, EXACT_BLOCK = 4, 64
 
 
@@ -139,12 +144,19 @@ def pad_rows(x: torch.Tensor, m: int = EXACT_ROWS) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, -x.shape[-2] % m))
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether kernels.py computes this CPU step (built once, on first use; never while tracing)."""
+    return x.device.type == "cpu" and (kernels.ON if torch.compiler.is_compiling() else kernels.ready())
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose rows are padded in exact mode: one-row (GEMV) and few-row passes take the batched
-    GEMM kernel, whose result for a row does not depend on how many rows it has beside it."""
+    """nn.Linear through kernels.linear on a CPU (inference); else F.linear, with rows padded in exact
+    mode so that one-row (GEMV) and few-row passes take the batched GEMM kernel."""
     exact = False
 
     def forward(self, x):
+        if use_kernels(x) and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+            return kernels.linear(x, self.weight, self.bias)
         if not self.exact:
             return F.linear(x, self.weight, self.bias)
         h = pad_rows(x.reshape(-1, x.shape[-1]))                                  # (n padded, K)
@@ -287,7 +299,7 @@ class Attention(nn.Module):
             steps_kv.append((k, v))
             k, v = torch.cat([kv[0] for kv in steps_kv], 2), torch.cat([kv[1] for kv in steps_kv], 2)
         if self.exact and kv is not None:
-            y = exact_attention(q, k, v, mask, rows, pos)
+            y = kernels.attention(q, k, v, mask, self.hd ** -0.5) if use_kernels(q) else exact_attention(q, k, v, mask, rows, pos)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:

@@ -1,11 +1,12 @@
-"""What exact mode costs a target pass: CPU ms of one forward over N tree nodes after a context of L
-tokens, plain and exact interleaved in one process (one thread; CPU time, so a shared machine's load
-inflates both alike).
+"""What exact mode and graft's CPU kernels cost a target pass: CPU ms of one forward over N tree nodes
+after a context of L tokens, four variants interleaved in one process (one thread; CPU time, so a
+shared machine's load inflates all alike): torch's kernels plain and exact (padded rows, blocked
+attention), kernels.py plain (its linear, SDPA) and exact (its linear and attention).
 
     python scripts/exact_cost.py [--ckpt ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--dtype bfloat16]
                                  [--context 256] [--nodes 1,9,17,61] [--repeats 5]
 
-Prints per N: plain ms, exact ms, and exact / plain (medians over --repeats rounds of both).
+Prints per N the median ms of each variant over --repeats rounds, and each over `torch plain`.
 """
 import argparse
 import os
@@ -16,14 +17,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import kernels  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 
 
 @torch.no_grad()
-def pass_ms(m, L: int, N: int, exact: bool) -> float:
+def pass_ms(m, L: int, N: int, variant: tuple) -> float:
     """CPU ms of one verify-shaped pass: a tree of N nodes (a root and N - 1 children, positions L and
     L + 1) at cache rows L..L+N-1, after L committed rows."""
+    kernels.ON, exact = variant
     M.set_exact(m, exact)
     tree = torch.eye(N, dtype=torch.bool)
     tree[:, 0] = True
@@ -47,14 +50,19 @@ def main():
     torch.set_num_threads(1)
     m = load_model(a.ckpt, dtype=getattr(torch, a.dtype), max_seq_len=a.context + 64)
     m.setup_caches(a.context + 64, 1, 64)
+    variants = {"torch plain": (False, False), "torch exact": (False, True)}
+    if kernels.ready():
+        variants.update({"kernels plain": (True, False), "kernels exact": (True, True)})
     for N in map(int, a.nodes.split(",")):
-        pass_ms(m, a.context, N, False), pass_ms(m, a.context, N, True)        # first calls aside
-        got = {False: [], True: []}
+        for v in variants.values():                                            # first calls aside
+            pass_ms(m, a.context, N, v)
+        got = {k: [] for k in variants}
         for _ in range(a.repeats):
-            for exact in (False, True):
-                got[exact].append(pass_ms(m, a.context, N, exact))
-        plain, exact = statistics.median(got[False]), statistics.median(got[True])
-        print(f"N={N} after {a.context} tokens: plain {plain:.1f} ms, exact {exact:.1f} ms, exact/plain {exact / plain:.2f}",
+            for k, v in variants.items():
+                got[k].append(pass_ms(m, a.context, N, v))
+        ms = {k: statistics.median(x) for k, x in got.items()}
+        base = ms["torch plain"]
+        print(f"N={N} after {a.context} tokens: " + ", ".join(f"{k} {t:.1f} ms ({t / base:.2f})" for k, t in ms.items()),
               flush=True)
 
 

@@ -1,0 +1,373 @@
+// graft's CPU kernels: a linear and an attention whose result for a row is a function of that row's
+// inputs alone, bit for bit, whatever the rows beside it (kernels.py says why and how they are built).
+//
+// Both are written so that every output element is reduced by one fixed sequence of float32 operations:
+//   linear     y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]): 16-lane FMAs over k in order, a masked tail,
+//              one fixed horizontal sum. Rows of x and of W are tiled for speed (4 x 4 outputs share
+//              their loads), but a tile changes which outputs are computed together, never how.
+//   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
+//              ancestors: position order), scores them, and sums exp(score - max) * [v | 1] one key
+//              after another. Plain decoding at the same position sees the same keys in the same order.
+// The one-token case reads each weight once as it streams (bfloat16 widened in registers), which is what
+// makes the step fast; nothing is chosen by the number of rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+using vec = __m512;
+constexpr int64_t LANES = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+template <typename T> inline vec vload(const T* p);
+template <typename T> inline vec vload_tail(const T* p, int64_t n);
+template <> inline vec vload<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline vec vload_tail<float>(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+template <> inline vec vload<at::BFloat16>(const at::BFloat16* p) {     // bf16 -> f32: the 16 bits on top
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+template <> inline vec vload_tail<at::BFloat16>(const at::BFloat16* p, int64_t n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask(n), p)), 16));
+}
+template <> inline vec vload<at::Half>(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+template <> inline vec vload_tail<at::Half>(const at::Half* p, int64_t n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(n), p));
+}
+inline void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline void store_tail(float* p, vec a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a); }
+#else
+// Portable: the same arithmetic on a 16-float array (the compiler may vectorize it; each lane's sum
+// is still one fixed sequence).
+struct vec { float v[16]; };
+constexpr int64_t LANES = 16;
+inline vec vzero() { vec r; for (int i = 0; i < 16; i++) r.v[i] = 0.f; return r; }
+inline vec vfma(vec a, vec b, vec c) { for (int i = 0; i < 16; i++) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
+inline vec vset1(float f) { vec r; for (int i = 0; i < 16; i++) r.v[i] = f; return r; }
+inline float vsum(vec a) {                                   // a fixed pairwise tree
+  for (int w = 8; w >= 1; w /= 2) for (int i = 0; i < w; i++) a.v[i] += a.v[i + w];
+  return a.v[0];
+}
+template <typename T> inline vec vload(const T* p) { vec r; for (int i = 0; i < 16; i++) r.v[i] = float(p[i]); return r; }
+template <typename T> inline vec vload_tail(const T* p, int64_t n) {
+  vec r = vzero(); for (int64_t i = 0; i < n; i++) r.v[i] = float(p[i]); return r;
+}
+inline void store(float* p, vec a) { for (int i = 0; i < 16; i++) p[i] = a.v[i]; }
+inline void store_tail(float* p, vec a, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = a.v[i]; }
+#endif
+
+// ------------------------------------------------------------------------------------------ linear
+
+constexpr int64_t MR = 4, NR = 4;      // a tile: MR rows of x against NR rows of W
+
+// Float32 accumulation of x (float32, widened once per call) against W (float32, bfloat16 or float16,
+// widened as it streams). y[m, n] for m in [m0, m0 + mr), n in [n0, n0 + nr). Every (m, n) runs the
+// same sequence: 16 lanes of FMAs over k in order, the masked tail, one vsum; mr and nr only decide
+// how many outputs run side by side.
+template <typename T, int64_t mr, int64_t nr>
+inline void tile(const float* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                 const T* pf) {
+  vec acc[mr][nr];
+  #pragma GCC unroll 16
+  for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    vec wv[nr];
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) wv[j] = vload(w + (n0 + j) * K + k);
+    if (pf)
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * K + k);
+    #pragma GCC unroll 16
+    for (int64_t i = 0; i < mr; i++) {
+      vec xv = vload(x + (m0 + i) * K + k);
+      #pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    vec wv[nr];
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) wv[j] = vload_tail(w + (n0 + j) * K + k, K - k);
+    #pragma GCC unroll 16
+    for (int64_t i = 0; i < mr; i++) {
+      vec xv = vload_tail(x + (m0 + i) * K + k, K - k);
+      #pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int64_t i = 0; i < mr; i++)
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) {
+      float s = vsum(acc[i][j]);
+      if (b) s += b[n0 + j];
+      y[(m0 + i) * N + n0 + j] = T(s);
+    }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 x and W with the CPU's bfloat16 dot product (VDPBF16PS): each of 16 lanes adds two exact
+// products per instruction, 32 weights a step, no widening. The same fixed sequence for every (m, n).
+inline __m512i bload(const at::BFloat16* p) { return _mm512_loadu_si512((const void*)p); }
+inline __m512i bload_tail(const at::BFloat16* p, int64_t n) {
+  return _mm512_maskz_loadu_epi16((__mmask32)((n >= 32) ? 0xffffffffu : ((1u << n) - 1u)), p);
+}
+inline vec bdot(__m512i x, __m512i w, vec acc) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+
+template <int64_t mr, int64_t nr>
+inline void tile_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t K,
+                      int64_t N, int64_t m0, int64_t n0, const at::BFloat16* pf) {
+  vec acc[mr][nr];
+  #pragma GCC unroll 16
+  for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[nr];
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) wv[j] = bload(w + (n0 + j) * K + k);
+    if (pf)
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * K + k);
+    #pragma GCC unroll 16
+    for (int64_t i = 0; i < mr; i++) {
+      __m512i xv = bload(x + (m0 + i) * K + k);
+      #pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) acc[i][j] = bdot(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    __m512i wv[nr];
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) wv[j] = bload_tail(w + (n0 + j) * K + k, K - k);
+    #pragma GCC unroll 16
+    for (int64_t i = 0; i < mr; i++) {
+      __m512i xv = bload_tail(x + (m0 + i) * K + k, K - k);
+      #pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) acc[i][j] = bdot(xv, wv[j], acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int64_t i = 0; i < mr; i++)
+    #pragma GCC unroll 16
+    for (int64_t j = 0; j < nr; j++) {
+      float s = vsum(acc[i][j]);
+      if (b) s += b[n0 + j];
+      y[(m0 + i) * N + n0 + j] = at::BFloat16(s);
+    }
+}
+#endif
+
+template <typename X, typename T, int64_t nr>
+inline void rows(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  // the first pass over these nr rows of W also prefetches the next nr (memory streams while it computes)
+  const T* pf = n0 + 2 * nr <= N ? w + (n0 + nr) * K : nullptr;
+  int64_t m = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<X, at::BFloat16>) {
+    for (; m + MR <= M; m += MR) tile_bf16<MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+    for (; m < M; m++) tile_bf16<1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<X, float>) {
+    for (; m + MR <= M; m += MR) tile<T, MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+    for (; m < M; m++) tile<T, 1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+  }
+}
+
+template <typename X, typename T>
+void linear_impl(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t tiles = (N + NR - 1) / NR;
+  // split over output columns only: a thread never shares an output's sum with another
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t n0 = t * NR;
+      if (n0 + NR <= N) rows<X, T, NR>(x, w, b, y, M, K, N, n0);
+      else for (int64_t n = n0; n < N; n++) rows<X, T, 1>(x, w, b, y, M, K, N, n);
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "graft::linear: CPU tensors only");
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "graft::linear: x (..., K) and W (N, K)");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "graft::linear: x and W of one dtype");
+  const int64_t K = w.size(1), N = w.size(0);
+  auto xs = x.reshape({-1, K}).contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xs.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  switch (x.scalar_type()) {
+    case at::kFloat: linear_impl(xs.data_ptr<float>(), wc.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N); break;
+    case at::kBFloat16:
+#if defined(__AVX512BF16__)
+      linear_impl(xs.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
+      break;
+#endif
+    case at::kHalf: {
+      auto xf = xs.to(at::kFloat);                    // x widened once; W widened as it streams
+      if (x.scalar_type() == at::kHalf)
+        linear_impl(xf.data_ptr<float>(), wc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M, K, N);
+      else
+        linear_impl(xf.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
+      break;
+    }
+    default: TORCH_CHECK(false, "graft::linear: float32, bfloat16 or float16");
+  }
+  return y.view(sizes);
+}
+
+// ------------------------------------------------------------------------------------------ attention
+
+// exp(x) for x <= 0 (scores minus their max): a fixed polynomial, the same for every call.
+inline float exp_neg(float x) {
+  if (x < -87.f) return 0.f;
+  // exp(x) = 2^i * exp(r), x = i ln2 + r, |r| <= ln2/2; degree-6 Taylor-Horner on r
+  float t = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(t, -0.693359375f, x);
+  r = std::fma(t, 2.12194440e-4f, r);
+  float p = 1.3888889e-3f;
+  p = std::fma(p, r, 8.3333333e-3f);
+  p = std::fma(p, r, 4.1666667e-2f);
+  p = std::fma(p, r, 1.6666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  return std::ldexp(p, (int)t);
+}
+
+constexpr int64_t TQ = 16;             // queries per task: they share every key they see
+
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                    at::Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), G = H / Hkv;
+  const T* qp = q.data_ptr<T>(); const T* kp = k.data_ptr<T>(); const T* vp = v.data_ptr<T>();
+  const bool* mp = mask.data_ptr<bool>();
+  T* op = out.data_ptr<T>();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
+  TORCH_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "graft::attention: rows must be contiguous");
+  const int64_t P = (D + LANES - 1) / LANES * LANES;        // a row padded to whole lanes (zeros)
+  const int64_t nt = (Tq + TQ - 1) / TQ;
+  // one task per (request, KV head, block of queries): each key is read once for the block's queries
+  // (G heads each) that see it, and each query's keys are still its own, in row order
+  at::parallel_for(0, B * Hkv * nt, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(TQ * G * S), qf(TQ * G * P), acc(TQ * G * (P + 1)), top(TQ * G);
+    std::vector<int64_t> n(TQ);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / (Hkv * nt), h = (i / nt) % Hkv, t0 = (i % nt) * TQ, tn = std::min(TQ, Tq - t0);
+      const bool* mb = mp + b * ms[0];
+      for (int64_t t = 0; t < tn; t++)
+        for (int64_t g = 0; g < G; g++) {
+          const T* qr = qp + b * qs[0] + (h * G + g) * qs[1] + (t0 + t) * qs[2];
+          for (int64_t d = 0; d < P; d++) qf[(t * G + g) * P + d] = d < D ? float(qr[d]) * scale : 0.f;
+        }
+      const T* kb = kp + b * ks[0] + h * ks[1];
+      const T* vb = vp + b * vs[0] + h * vs[1];
+      // 1. scores of every key a query sees, in row order, and their max (exact in any order)
+      std::fill(n.begin(), n.end(), 0);
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < S; j++) {
+        const T* kr = kb + j * ks[2];
+        for (int64_t t = 0; t < tn; t++) {
+          if (!mb[(t0 + t) * ms[2] + j * ms[3]]) continue;
+          for (int64_t g = 0; g < G; g++) {
+            const float* qv = qf.data() + (t * G + g) * P;
+            vec a = vzero();
+            for (int64_t d = 0; d < D; d += LANES)
+              a = vfma(vload(qv + d), d + LANES <= D ? vload(kr + d) : vload_tail(kr + d, D - d), a);
+            float sc = vsum(a);
+            s[(t * G + g) * S + n[t]] = sc;
+            top[t * G + g] = std::max(top[t * G + g], sc);
+          }
+          n[t]++;
+        }
+      }
+      // 2. sum exp(score - max) * [v | 1], key after key in the same order
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(n.begin(), n.end(), 0);
+      for (int64_t j = 0; j < S; j++) {
+        const T* vr = vb + j * vs[2];
+        vec vv[16];                                      // the value row, widened once for every query
+        const int64_t nv = std::min<int64_t>(P / LANES, 16);
+        for (int64_t e = 0; e < nv; e++) {
+          const int64_t d = e * LANES;
+          vv[e] = d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d);
+        }
+        for (int64_t t = 0; t < tn; t++) {
+          if (!mb[(t0 + t) * ms[2] + j * ms[3]]) continue;
+          for (int64_t g = 0; g < G; g++) {
+            float p = exp_neg(s[(t * G + g) * S + n[t]] - top[t * G + g]);
+            float* o = acc.data() + (t * G + g) * (P + 1);
+            vec pv = vset1(p);
+            for (int64_t e = 0; e * LANES < P; e++) {
+              const int64_t d = e * LANES;
+              vec x = e < 16 ? vv[e] : (d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d));
+              store(o + d, vfma(pv, x, vload(o + d)));
+            }
+            o[P] += p;
+          }
+          n[t]++;
+        }
+      }
+      for (int64_t t = 0; t < tn; t++)
+        for (int64_t g = 0; g < G; g++) {
+          const float* o = acc.data() + (t * G + g) * (P + 1);
+          T* orow = op + ((b * H + h * G + g) * Tq + t0 + t) * D;
+          for (int64_t d = 0; d < D; d++) orow[d] = T(n[t] ? o[d] / o[P] : 0.f);   // sees nothing (padding): zeros
+        }
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "graft::attention: 4-d tensors");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "graft::attention: one dtype");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "graft::attention: a bool mask");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.sizes() == v.sizes() && q.size(3) == k.size(3), "graft::attention: shapes");
+  TORCH_CHECK(mask.size(2) == q.size(2) && mask.size(3) == k.size(2), "graft::attention: mask (B, 1, T, S)");
+  auto m = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
+  auto out = at::empty(q.sizes(), q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: attention_impl<float>(q, k, v, m, out, (float)scale); break;
+    case at::kBFloat16: attention_impl<at::BFloat16>(q, k, v, m, out, (float)scale); break;
+    case at::kHalf: attention_impl<at::Half>(q, k, v, m, out, (float)scale); break;
+    default: TORCH_CHECK(false, "graft::attention: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(graft, lib) {
+  lib.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graft, CPU, lib) {
+  lib.impl("linear", &linear);
+  lib.impl("attention", &attention);
+}

@@ -1,0 +1,86 @@
+"""graft's CPU kernels (kernels.cpp): a linear and an attention that are row-invariant by construction.
+
+Why our own. On a CPU, torch's kernels pick their path by the number of rows: a one-row bfloat16
+`F.linear` takes oneDNN's matrix-vector route, which re-lays the weight on every call and reads it at
+a quarter of what a core can read; a 9-row pass takes a GEMM that rounds a row differently from the one-row
+route, and SDPA with one query differs from the same query among sixteen. So plain decoding (one row)
+and a verify pass (a tree of rows) part at near-ties in bfloat16, and the one-token step is slow. Each
+output of these kernels is one fixed sequence of float32 operations whatever the rows beside it
+(kernels.cpp says how), which makes a verified node's logits plain decoding's, bit for bit, in every
+dtype; and the one-row linear streams its weight once, widened in registers.
+
+    linear(x (..., K), W (N, K), b (N,) | None) -> (..., N)      x.dtype: float32, bfloat16 or float16
+    attention(q (B, H, T, D), k, v (B, H_kv, S, D), mask (B|1, 1, T, S) bool, scale) -> (B, H, T, D)
+
+They are built from kernels.cpp by torch's C++ extension loader (the same compiler inductor uses on a
+CPU) on first use, with -march=native, into ~/.cache/graft-kernels/<hash> (GRAFT_KERNELS_DIR; about
+10 s once, then a load). Registered as torch ops (torch.ops.graft.*) with shape functions, so compiled graphs call them
+too. Where they cannot be built (no compiler) or GRAFT_KERNELS=0 is set, `ready()` is False, one line
+says why, and model.py uses torch's own kernels (and its slower padded exact mode).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "--param=sra-max-scalarization-size-Ospeed=4096"]     # every FMA is written out; none is inferred
+ON = False          # built and loaded: model.py routes CPU linears (and exact attention) here
+_tried = False
+
+
+def build_dir() -> Path:
+    """Where the built library lives: a hash of the source, the flags, torch and this machine's CPU."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                                                    sorted(torch.cpu.get_capabilities()))).encode()).hexdigest()[:16]
+    return Path(os.environ.get("GRAFT_KERNELS_DIR", Path.home() / ".cache" / "graft-kernels")) / tag
+
+
+def ready() -> bool:
+    """Build (once per machine) and load the kernels; True when model.py may use them. Never raises:
+    without them graft runs on torch's kernels, which one line on stderr says."""
+    global ON, _tried
+    if _tried:
+        return ON
+    _tried = True
+    if os.environ.get("GRAFT_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+        d = build_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        if not (d / "graft_kernels.so").exists():
+            print(f"graft: building the CPU kernels (once; {d})", file=sys.stderr, flush=True)
+        load("graft_kernels", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(d), is_python_module=False,
+             verbose=False)
+    except Exception as e:              # no compiler, no ninja, a read-only home: torch's kernels then
+        lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [type(e).__name__]
+        reason = lines[-1].strip()
+        print(f"graft: CPU kernels unavailable ({reason[:200]}); using torch's (slower; bfloat16 not exact)",
+              file=sys.stderr, flush=True)
+        return False
+    _register_shapes()
+    ON = True
+    return True
+
+
+def _register_shapes():
+    @torch.library.register_fake("graft::linear")
+    def _(x, w, bias):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("graft::attention")
+    def _(q, k, v, mask, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.graft.linear(x, w, b)
+
+
+def attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    return torch.ops.graft.attention(q, k, v, mask, scale)
