@@ -51,6 +51,10 @@ template <> inline vec vload_tail<at::Half>(const at::Half* p, int64_t n) {
 }
 inline void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
 inline void store_tail(float* p, vec a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax2(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vfirst(vec a, int64_t n) { return _mm512_maskz_mov_ps(tail_mask(n), a); }   // lanes >= n: 0
 #else
 // Portable: the same arithmetic on a 16-float array (the compiler may vectorize it; each lane's sum
 // is still one fixed sequence).
@@ -69,6 +73,10 @@ template <typename T> inline vec vload_tail(const T* p, int64_t n) {
 }
 inline void store(float* p, vec a) { for (int i = 0; i < 16; i++) p[i] = a.v[i]; }
 inline void store_tail(float* p, vec a, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = a.v[i]; }
+inline vec vadd(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] += b.v[i]; return a; }
+inline vec vsub(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] -= b.v[i]; return a; }
+inline vec vmax2(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
+inline vec vfirst(vec a, int64_t n) { for (int64_t i = n; i < 16; i++) a.v[i] = 0.f; return a; }
 #endif
 
 // ------------------------------------------------------------------------------------------ linear
@@ -240,24 +248,124 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 // ------------------------------------------------------------------------------------------ attention
 
-// exp(x) for x <= 0 (scores minus their max): a fixed polynomial, the same for every call.
-inline float exp_neg(float x) {
-  if (x < -87.f) return 0.f;
-  // exp(x) = 2^i * exp(r), x = i ln2 + r, |r| <= ln2/2; degree-6 Taylor-Horner on r
-  float t = std::nearbyint(x * 1.44269504088896341f);
-  float r = std::fma(t, -0.693359375f, x);
-  r = std::fma(t, 2.12194440e-4f, r);
-  float p = 1.3888889e-3f;
-  p = std::fma(p, r, 8.3333333e-3f);
-  p = std::fma(p, r, 4.1666667e-2f);
-  p = std::fma(p, r, 1.6666667e-1f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  return std::ldexp(p, (int)t);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// exp(x) for x <= 0 (scores minus their max), 16 lanes: x = i ln2 + r, a degree-6 polynomial in r, times 2^i.
+// Each lane's arithmetic is the same whatever lanes run beside it.
+inline vec vexp_neg(vec x) {
+  const vec t = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm512_fmadd_ps(t, vset1(-0.693359375f), x);
+  r = _mm512_fmadd_ps(t, vset1(2.12194440e-4f), r);
+  vec p = vset1(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, r, vset1(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, vset1(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, vset1(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, vset1(0.5f));
+  p = _mm512_fmadd_ps(p, r, vset1(1.0f));
+  p = _mm512_fmadd_ps(p, r, vset1(1.0f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.f), _CMP_GE_OQ), _mm512_scalef_ps(p, t));
 }
 
-constexpr int64_t TQ = 16;             // queries per task: they share every key they see
+// The 16 horizontal sums of x[0..15] in one vector (lane i holds the sum of x[PERM[i]]): every sum by
+// the same tree, lanes l + 8, then + 4, + 2, + 1, so a key's score does not depend on its neighbours.
+inline vec vsum16(vec* x) {
+  vec y[8], z[4], w[2];
+  for (int i = 0; i < 8; i++)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88), _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44), _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+inline float vmax(vec a) { return _mm512_reduce_max_ps(a); }
+#else
+inline vec vexp_neg(vec x) {
+  vec o;
+  for (int l = 0; l < 16; l++) {
+    float v = x.v[l], t = std::nearbyint(v * 1.44269504088896341f);
+    float r = std::fma(t, -0.693359375f, v);
+    r = std::fma(t, 2.12194440e-4f, r);
+    float p = 1.3888889e-3f;
+    p = std::fma(p, r, 8.3333333e-3f); p = std::fma(p, r, 4.1666667e-2f); p = std::fma(p, r, 1.6666667e-1f);
+    p = std::fma(p, r, 0.5f); p = std::fma(p, r, 1.0f); p = std::fma(p, r, 1.0f);
+    o.v[l] = v >= -87.f ? std::ldexp(p, (int)t) : 0.f;
+  }
+  return o;
+}
+inline vec vsum16(vec* x) { vec o; for (int l = 0; l < 16; l++) o.v[l] = vsum(x[l]); return o; }
+inline float vmax(vec a) { float m = a.v[0]; for (int l = 1; l < 16; l++) m = std::max(m, a.v[l]); return m; }
+#endif
+
+// which x[] each lane of vsum16 sums (found once by summing x[u] = u in lane 0)
+struct Perm {
+  int32_t lane_of[16];
+  Perm() {
+    vec x[16];
+    float buf[16];
+    for (int u = 0; u < 16; u++) {
+      for (int l = 0; l < 16; l++) buf[l] = l ? 0.f : float(u);
+      x[u] = vload(buf);
+    }
+    store(buf, vsum16(x));
+    for (int l = 0; l < 16; l++) lane_of[(int)buf[l]] = l;
+  }
+};
+const Perm PERM;
+
+// One query against the keys it sees (rows seen[0..n-1], in row order): out[0..D-1] = softmax(q.K) V.
+// NV: vectors per head row (D <= 16 NV), so the output stays in registers.
+template <typename T, int NV>
+inline void one_query(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
+                      int64_t n, int64_t D, float* s, T* out) {
+  const int64_t nv = (D + LANES - 1) / LANES;        // vectors in use (NV rounds up)
+  vec qv[NV];
+  for (int e = 0; e < NV; e++) qv[e] = vload(qf + e * LANES);
+  // 1. scores, 16 keys at a time (vsum16), and their max
+  vec top = vset1(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < n; c += 16) {
+    vec part[16];
+    for (int64_t u = 0; u < 16; u++) {
+      vec a = vzero();
+      if (c + u < n) {
+        const T* kr = kb + seen[c + u] * kstride;
+        for (int e = 0; e < NV; e++) {
+          const int64_t d = e * LANES;
+          if (e < nv) a = vfma(qv[e], d + LANES <= D ? vload(kr + d) : vload_tail(kr + d, D - d), a);
+        }
+      }
+      part[u] = a;
+    }
+    float buf[16];
+    store(buf, vsum16(part));
+    for (int64_t u = 0; u < 16; u++) s[c + u] = buf[PERM.lane_of[u]];
+    const int64_t m = std::min<int64_t>(16, n - c);
+    for (int64_t u = m; u < 16; u++) s[c + u] = -std::numeric_limits<float>::infinity();   // no key: no max
+    top = vmax2(top, vload(s + c));
+  }
+  const float mx = vmax(top);
+  // 2. p = exp(score - max), summed in 16 lanes; sum p * v key after key, in registers
+  vec o[NV], l = vzero();
+  for (int e = 0; e < NV; e++) o[e] = vzero();
+  for (int64_t c = 0; c < n; c += 16) {
+    const int64_t m = std::min<int64_t>(16, n - c);
+    const vec p = vfirst(vexp_neg(vsub(vload(s + c), vset1(mx))), m);
+    l = vadd(l, p);
+    float pb[16];
+    store(pb, p);
+    for (int64_t u = 0; u < m; u++) {
+      const T* vr = vb + seen[c + u] * vstride;
+      const vec pv = vset1(pb[u]);
+      for (int e = 0; e < NV; e++) {
+        const int64_t d = e * LANES;
+        if (e < nv) o[e] = vfma(pv, d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d), o[e]);
+      }
+    }
+  }
+  const float sum = vsum(l);
+  float buf[16 * NV];
+  for (int e = 0; e < NV; e++) store(buf + e * LANES, o[e]);
+  for (int64_t d = 0; d < D; d++) out[d] = T(n ? buf[d] / sum : 0.f);     // sees nothing (padding): zeros
+}
 
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
@@ -269,75 +377,31 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   T* op = out.data_ptr<T>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
   TORCH_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "graft::attention: rows must be contiguous");
-  const int64_t P = (D + LANES - 1) / LANES * LANES;        // a row padded to whole lanes (zeros)
-  const int64_t nt = (Tq + TQ - 1) / TQ;
-  // one task per (request, KV head, block of queries): each key is read once for the block's queries
-  // (G heads each) that see it, and each query's keys are still its own, in row order
-  at::parallel_for(0, B * Hkv * nt, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(TQ * G * S), qf(TQ * G * P), acc(TQ * G * (P + 1)), top(TQ * G);
-    std::vector<int64_t> n(TQ);
+  TORCH_CHECK(D <= 256, "graft::attention: head_dim <= 256");
+  const int64_t NV = (D + LANES - 1) / LANES;
+  // one task per (request, query): its keys found once, then every head of every KV head
+  at::parallel_for(0, B * Tq, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> seen(S);
+    std::vector<float> s(S + 16), qf(256, 0.f);
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / (Hkv * nt), h = (i / nt) % Hkv, t0 = (i % nt) * TQ, tn = std::min(TQ, Tq - t0);
-      const bool* mb = mp + b * ms[0];
-      for (int64_t t = 0; t < tn; t++)
-        for (int64_t g = 0; g < G; g++) {
-          const T* qr = qp + b * qs[0] + (h * G + g) * qs[1] + (t0 + t) * qs[2];
-          for (int64_t d = 0; d < P; d++) qf[(t * G + g) * P + d] = d < D ? float(qr[d]) * scale : 0.f;
-        }
-      const T* kb = kp + b * ks[0] + h * ks[1];
-      const T* vb = vp + b * vs[0] + h * vs[1];
-      // 1. scores of every key a query sees, in row order, and their max (exact in any order)
-      std::fill(n.begin(), n.end(), 0);
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < S; j++) {
-        const T* kr = kb + j * ks[2];
-        for (int64_t t = 0; t < tn; t++) {
-          if (!mb[(t0 + t) * ms[2] + j * ms[3]]) continue;
-          for (int64_t g = 0; g < G; g++) {
-            const float* qv = qf.data() + (t * G + g) * P;
-            vec a = vzero();
-            for (int64_t d = 0; d < D; d += LANES)
-              a = vfma(vload(qv + d), d + LANES <= D ? vload(kr + d) : vload_tail(kr + d, D - d), a);
-            float sc = vsum(a);
-            s[(t * G + g) * S + n[t]] = sc;
-            top[t * G + g] = std::max(top[t * G + g], sc);
-          }
-          n[t]++;
+      const int64_t b = i / Tq, t = i % Tq;
+      const bool* mrow = mp + b * ms[0] + t * ms[2];
+      int64_t n = 0;                                    // the keys this query sees, in row order
+      for (int64_t j = 0; j < S; j++) if (mrow[j * ms[3]]) seen[n++] = j;
+      for (int64_t h = 0; h < H; h++) {
+        const T* qr = qp + b * qs[0] + h * qs[1] + t * qs[2];
+        for (int64_t d = 0; d < D; d++) qf[d] = float(qr[d]) * scale;
+        const T* kb = kp + b * ks[0] + (h / G) * ks[1];
+        const T* vb = vp + b * vs[0] + (h / G) * vs[1];
+        T* orow = op + ((b * H + h) * Tq + t) * D;
+        switch (NV) {
+          case 1: one_query<T, 1>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
+          case 2: one_query<T, 2>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
+          case 3: case 4: one_query<T, 4>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
+          case 5: case 6: case 7: case 8: one_query<T, 8>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
+          default: one_query<T, 16>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow);
         }
       }
-      // 2. sum exp(score - max) * [v | 1], key after key in the same order
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(n.begin(), n.end(), 0);
-      for (int64_t j = 0; j < S; j++) {
-        const T* vr = vb + j * vs[2];
-        vec vv[16];                                      // the value row, widened once for every query
-        const int64_t nv = std::min<int64_t>(P / LANES, 16);
-        for (int64_t e = 0; e < nv; e++) {
-          const int64_t d = e * LANES;
-          vv[e] = d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d);
-        }
-        for (int64_t t = 0; t < tn; t++) {
-          if (!mb[(t0 + t) * ms[2] + j * ms[3]]) continue;
-          for (int64_t g = 0; g < G; g++) {
-            float p = exp_neg(s[(t * G + g) * S + n[t]] - top[t * G + g]);
-            float* o = acc.data() + (t * G + g) * (P + 1);
-            vec pv = vset1(p);
-            for (int64_t e = 0; e * LANES < P; e++) {
-              const int64_t d = e * LANES;
-              vec x = e < 16 ? vv[e] : (d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d));
-              store(o + d, vfma(pv, x, vload(o + d)));
-            }
-            o[P] += p;
-          }
-          n[t]++;
-        }
-      }
-      for (int64_t t = 0; t < tn; t++)
-        for (int64_t g = 0; g < G; g++) {
-          const float* o = acc.data() + (t * G + g) * (P + 1);
-          T* orow = op + ((b * H + h * G + g) * Tq + t0 + t) * D;
-          for (int64_t d = 0; d < D; d++) orow[d] = T(n[t] ? o[d] / o[P] : 0.f);   // sees nothing (padding): zeros
-        }
     }
   });
 }

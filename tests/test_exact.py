@@ -1,5 +1,7 @@
 """Exact mode (issue 29): in every dtype, a row's logits do not depend on the rows computed beside it,
-so every method emits exactly plain decoding's tokens in bfloat16 and float16 too.
+so every method emits exactly plain decoding's tokens in bfloat16 and float16 too. Two routes: graft's
+CPU kernels (kernels.py, the default) and, where they cannot be built, torch's kernels with padded rows
+and blocked attention (the fallback, checked with the kernels switched off).
 
 Kernel level, per architecture (Llama with GQA, Qwen3 with q/k norms, Qwen3-MoE) and dtype: plain
 decoding's logits at each position equal, bit for bit, those of the same tokens as a chain inside a
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 import engine as E
+import kernels
 import model as M
 from cli import build_engine, check_args, ArgumentParser, add_engine_flags
 from conftest import ROOT
@@ -85,11 +88,20 @@ def rows_differ(m: M.Transformer, L0: int, Ms) -> list:
     return bad + [("prefill", i) for i in range(CHAIN) if not torch.equal(out[0, i], ref[i])]
 
 
+@pytest.fixture
+def torch_kernels():
+    """kernels.py switched off for one test: model.py then takes torch's kernels (the fallback route)."""
+    on, kernels.ON = kernels.ON, False
+    yield
+    kernels.ON = on
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(arch, dtype):
-    """M = 1..61 in bfloat16 (every size a round verifies at), a spread of sizes in the other dtypes;
-    prefixes of 5 and 60 tokens (a tree from 60 crosses exact_attention's block at 64)."""
+    """graft's kernels. M = 1..61 in bfloat16 (every size a round verifies at), a spread of sizes in the
+    other dtypes; prefixes of 5 and 60 tokens (a tree from 60 crosses exact_attention's block at 64)."""
+    assert kernels.ready(), "graft's CPU kernels did not build here"
     m = tiny(arch, dtype)
     M.set_exact(m, True)
     Ms = range(1, 62) if dtype == torch.bfloat16 else (1, 2, 3, 4, 5, 7, 9, 16, 17, 31, 61)
@@ -97,16 +109,30 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(arch, dtype):
         assert rows_differ(m, L0, Ms) == [], (arch, dtype, L0)
 
 
-def test_without_exact_mode_rows_differ():
-    """The check above can fail: in plain mode some bf16 row differs (a one-row pass takes other kernels)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_fallback_is_exact_too(arch, dtype, torch_kernels):
+    """torch's kernels in exact mode (padded rows, blocked attention): the same check, fewer sizes."""
+    m = tiny(arch, dtype)
+    M.set_exact(m, True)
+    assert rows_differ(m, 60, (1, 2, 3, 9, 17, 61)) == [], (arch, dtype)
+
+
+@pytest.mark.parametrize("route", ["kernels", "torch"])
+def test_without_exact_mode_rows_differ(route, request):
+    """The check above can fail: in plain mode some bf16 row differs (torch's attention, and with torch's
+    kernels its linears, take other paths for one row than for several)."""
+    if route == "torch":
+        request.getfixturevalue("torch_kernels")
     bad = []
     for arch in ARCHS:
         bad += rows_differ(tiny(arch, torch.bfloat16), 60, (1, 2, 17, 61))
     assert bad
 
 
-def test_exact_linear_pads_rows():
-    """Linear in exact mode pads rows to a multiple of EXACT_ROWS: M = 1..9 rows give the rows of M = 64."""
+def test_exact_linear_pads_rows(torch_kernels):
+    """On torch's kernels, Linear in exact mode pads rows to a multiple of EXACT_ROWS: M = 1..9 rows give
+    the rows of M = 64."""
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         lin = M.Linear(576, 1152, bias=False).to(dtype)
@@ -148,12 +174,23 @@ def test_every_method_equals_ar_in_reduced_precision(dtype):
 
 
 def test_exact_flag():
-    """--exact is eager and CPU only, and reaches the engine."""
+    """--exact is eager and CPU only; it is the default of an eager CPU run where the kernels build."""
     p = ArgumentParser()
     add_engine_flags(p)
     a = p.parse_args(["--exact", "--compile"])
     with pytest.raises(GraftError, match="--exact runs eager on the CPU"):
         check_args(a)
-    a = p.parse_args(["--exact"])
+    for flags, exact, compiled in (([], True, False), (["--exact"], True, False), (["--no-exact"], False, False),
+                                   (["--compile"], False, True)):
+        a = p.parse_args(flags)
+        check_args(a)
+        assert (a.exact, a.compile) == (exact and kernels.ON, compiled), flags
+
+
+def test_the_default_follows_the_kernels(torch_kernels):
+    """Without graft's kernels exact mode costs 25-40% here (padded rows): then it is not the default."""
+    p = ArgumentParser()
+    add_engine_flags(p)
+    a = p.parse_args([])
     check_args(a)
-    assert a.exact and not a.compile
+    assert not a.exact

@@ -1,0 +1,111 @@
+"""graft's CPU kernels (kernels.py, kernels.cpp): the numbers they compute, their row invariance, their
+shapes under torch.compile, and what happens where they cannot be built."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import model as M
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not kernels.ready(), reason="graft's CPU kernels did not build here")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_is_the_linear_and_row_invariant(dtype):
+    """Odd K (a masked tail) and N (a partial tile), a bias: the product within the dtype's rounding of a
+    float64 reference, and any row's output the same bits for M = 1..40 rows around it."""
+    g = torch.Generator().manual_seed(0)
+    for N, K in ((37, 67), (64, 576), (5, 33)):
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+        b = torch.randn(N, generator=g).to(dtype)
+        xs = torch.randn(40, K, generator=g).to(dtype)
+        y = kernels.linear(xs, w, b)
+        ref = xs.double() @ w.double().T + b.double()
+        tol = 2e-6 if dtype == torch.float32 else 1e-2
+        assert (y.double() - ref).abs().max() <= tol * ref.abs().max(), (N, K)
+        for m in range(1, 41):
+            assert torch.equal(kernels.linear(xs[:m], w, b), y[:m]), (N, K, m)
+            assert torch.equal(kernels.linear(xs[m - 1:m], w, b)[0], y[m - 1]), (N, K, m)
+        assert kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_is_masked_attention(dtype):
+    """Grouped heads, a ragged bool mask with a row that sees nothing (a padding row: zeros), a mask
+    broadcast over requests; within rounding of SDPA on the same keys."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, T, S, D = 2, 6, 2, 19, 45, 24            # 19 queries: more than one block of 16; D not 16-aligned
+    q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.5
+    mask[..., 0] = True
+    mask[1, 0, 3] = False
+    y = kernels.attention(q, k, v, mask, D ** -0.5)
+    ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
+                                         v.double().repeat_interleave(3, 1), attn_mask=mask)
+    ref[1, :, 3] = 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (y.double() - ref).abs().max() < tol
+    one = kernels.attention(q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)
+    assert torch.equal(one[0, :, 0], y[0, :, 0]) and torch.equal(one[0, :, 5], kernels.attention(
+        q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)[0, :, 5])
+
+
+def test_a_query_reads_its_keys_in_row_order_wherever_they_sit():
+    """A tree node sees the committed rows and then its ancestors at tree rows; plain decoding sees the
+    same keys at consecutive rows. The same keys in the same order: the same bits."""
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, S, D, L = 4, 2, 64, 32, 30
+    k, v = torch.randn(1, Hkv, S, D, generator=g).bfloat16(), torch.randn(1, Hkv, S, D, generator=g).bfloat16()
+    q = torch.randn(1, H, 1, D, generator=g).bfloat16()
+    plain = torch.zeros(1, 1, 1, S, dtype=torch.bool)
+    plain[..., :L + 3] = True                                # rows 0..L+2: positions 0..L+2
+    k2, v2 = k.clone(), v.clone()
+    tree = torch.zeros(1, 1, 1, S, dtype=torch.bool)
+    tree[..., :L] = True
+    for j, row in enumerate((40, 47, 55)):                   # positions L, L+1, L+2 at scattered tree rows
+        k2[:, :, row], v2[:, :, row] = k[:, :, L + j], v[:, :, L + j]
+        tree[..., row] = True
+    k2[:, :, L:40], v2[:, :, L:40] = 7.0, 7.0                 # rows nobody sees
+    assert torch.equal(kernels.attention(q, k, v, plain, D ** -0.5), kernels.attention(q, k2, v2, tree, D ** -0.5))
+
+
+def test_compiled_graphs_call_them():
+    """Registered with shape functions: a compiled model's CPU linears run kernels.linear, with the same
+    bits as eager."""
+    lin = M.Linear(48, 40).bfloat16()
+    x = torch.randn(3, 48).bfloat16()
+    with torch.no_grad():
+        eager = lin(x)
+        got = torch.compile(lin, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(got, eager) and torch.equal(eager, kernels.linear(x, lin.weight, lin.bias))
+
+
+def test_training_takes_torchs_linear():
+    """Gradients flow: with grad enabled and weights that need it, Linear is F.linear."""
+    lin = M.Linear(16, 8)
+    x = torch.randn(2, 16)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_without_a_compiler_one_line_and_torchs_kernels(tmp_path):
+    """A build that fails (here: a source that does not compile) says so in one line and graft runs on
+    torch's kernels; GRAFT_KERNELS=0 turns them off silently."""
+    bad = tmp_path / "kernels.cpp"
+    bad.write_text("this is not C++\n")
+    code = ("import kernels, pathlib, torch, model; kernels.SOURCE = pathlib.Path(%r); print(kernels.ready()); "
+            "print(model.Linear(4, 2)(torch.ones(1, 4)).shape)" % str(bad))
+    env = dict(os.environ, GRAFT_KERNELS_DIR=str(tmp_path / "build"))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["False", "torch.Size([1, 2])"], r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "building" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("graft: CPU kernels unavailable ("), r.stderr
+    r = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.ready())"], cwd=ROOT,
+                       env=dict(env, GRAFT_KERNELS="0"), capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False" and r.stderr == ""
