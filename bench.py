@@ -299,8 +299,9 @@ def parse_args(argv=None):
                    help=f"the long-context datasets' prompt lengths in tokens, e.g. 1024,2048,4096 (default "
                         f"{DATA.LONG_CONTEXT}); each prompt is exactly that long, never truncated to fit")
     p.add_argument("--executions", default=None,
-                   help="eager,compiled,exact (exact: eager in exact mode, --exact): run every method each way in "
-                        "one process, each against its own ar (default: what --compile and --exact say)")
+                   help="eager,compiled,exact: run every method each way in one process, each against its own ar "
+                        "(eager: in exact mode unless --no-exact; exact: eager in exact mode; compiled: never exact). "
+                        "Default: what --compile says; `--no-exact --executions eager,exact` measures what exactness costs")
     p.add_argument("--batch", default=None,
                    help="batch sizes, e.g. 1,2,4,8,16: each method serves the whole prompt stream B requests per "
                         f"target pass (one engine with B slots; default methods {','.join(BATCH_METHODS)}): total "
@@ -441,8 +442,8 @@ def main(argv=None) -> dict:
     log = lambda s: print(s, file=sys.stderr)
     if contexts:
         a.max_seq_len = long_seq_len(a.ckpt, a.max_seq_len, max(contexts), a.max_new_tokens, log)
-    executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "exact" if a.exact else "eager")).split(",")
-                  if x.strip()]
+    executions = [x.strip() for x in (a.executions or ("compiled" if a.compile else "eager")).split(",") if x.strip()]
+    exact = lambda x: x == "exact" or (x == "eager" and a.exact)
     if not executions or set(executions) - {"eager", "compiled", "exact"} or len(set(executions)) < len(executions):
         raise GraftError(f"--executions takes eager, compiled and/or exact, got {a.executions!r}")
     # the caches' room: every method at the largest budget it may run at, and the warm-up's tree (at
@@ -453,7 +454,7 @@ def main(argv=None) -> dict:
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
-                           methods=todo, more_batches=sizes or (), exact=executions[0] == "exact")
+                           methods=todo, more_batches=sizes or (), exact=exact(executions[0]))
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
@@ -472,7 +473,7 @@ def main(argv=None) -> dict:
         return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv)
     engines = {executions[0]: eng}
     for x in executions[1:]:
-        engines[x] = eng.variant(compile=x == "compiled", exact=x == "exact")
+        engines[x] = eng.variant(compile=x == "compiled", exact=exact(x))
 
     # One method per (execution, method, budget), kept for the whole run. Each gets its own copy of
     # the warmed-up matrix: otherwise whichever method ran before would have fed the others' retrieval.
