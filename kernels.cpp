@@ -312,59 +312,89 @@ struct Perm {
 };
 const Perm PERM;
 
-// One query against the keys it sees (rows seen[0..n-1], in row order): out[0..D-1] = softmax(q.K) V.
-// NV: vectors per head row (D <= 16 NV), so the output stays in registers.
-template <typename T, int NV>
-inline void one_query(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
-                      int64_t n, int64_t D, float* s, T* out) {
+// GN query heads that share a KV head, against the keys their query sees (rows seen[0..n-1], in row
+// order): out[g][0..D-1] = softmax(q_g.K) V. Each key row is loaded once for the GN heads; each head's
+// arithmetic is its own and the same whatever heads run beside it. NV: vectors per head row
+// (D <= 16 NV), so the outputs stay in registers. qf: GN rows of 16 NV floats (scaled, zero-padded).
+template <typename T, int NV, int GN>
+inline void heads(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
+                  int64_t n, int64_t D, float* s, int64_t sstride, T* const* out) {
   const int64_t nv = (D + LANES - 1) / LANES;        // vectors in use (NV rounds up)
-  vec qv[NV];
-  for (int e = 0; e < NV; e++) qv[e] = vload(qf + e * LANES);
+  auto row = [&](const T* r, vec* x) {
+    for (int e = 0; e < NV; e++) {
+      const int64_t d = e * LANES;
+      x[e] = e >= nv ? vzero() : d + LANES <= D ? vload(r + d) : vload_tail(r + d, D - d);
+    }
+  };
   // 1. scores, 16 keys at a time (vsum16), and their max
-  vec top = vset1(-std::numeric_limits<float>::infinity());
+  vec top[GN];
+  for (int g = 0; g < GN; g++) top[g] = vset1(-std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < n; c += 16) {
-    vec part[16];
+    const int64_t m = std::min<int64_t>(16, n - c);
+    vec part[GN][16];
     for (int64_t u = 0; u < 16; u++) {
-      vec a = vzero();
-      if (c + u < n) {
-        const T* kr = kb + seen[c + u] * kstride;
-        for (int e = 0; e < NV; e++) {
-          const int64_t d = e * LANES;
-          if (e < nv) a = vfma(qv[e], d + LANES <= D ? vload(kr + d) : vload_tail(kr + d, D - d), a);
-        }
+      vec kr[NV];
+      if (u < m) row(kb + seen[c + u] * kstride, kr);
+      for (int g = 0; g < GN; g++) {
+        vec a = vzero();
+        if (u < m)
+          for (int e = 0; e < NV; e++) if (e < nv) a = vfma(vload(qf + (g * NV + e) * LANES), kr[e], a);
+        part[g][u] = a;
       }
-      part[u] = a;
     }
-    float buf[16];
-    store(buf, vsum16(part));
-    for (int64_t u = 0; u < 16; u++) s[c + u] = buf[PERM.lane_of[u]];
-    const int64_t m = std::min<int64_t>(16, n - c);
-    for (int64_t u = m; u < 16; u++) s[c + u] = -std::numeric_limits<float>::infinity();   // no key: no max
-    top = vmax2(top, vload(s + c));
+    for (int g = 0; g < GN; g++) {
+      float buf[16];
+      store(buf, vsum16(part[g]));
+      float* sg = s + g * sstride + c;
+      for (int64_t u = 0; u < 16; u++) sg[u] = u < m ? buf[PERM.lane_of[u]] : -std::numeric_limits<float>::infinity();
+      top[g] = vmax2(top[g], vload(sg));
+    }
   }
-  const float mx = vmax(top);
   // 2. p = exp(score - max), summed in 16 lanes; sum p * v key after key, in registers
-  vec o[NV], l = vzero();
-  for (int e = 0; e < NV; e++) o[e] = vzero();
+  vec mx[GN], o[GN][NV], l[GN];
+  for (int g = 0; g < GN; g++) {
+    mx[g] = vset1(vmax(top[g]));
+    l[g] = vzero();
+    for (int e = 0; e < NV; e++) o[g][e] = vzero();
+  }
   for (int64_t c = 0; c < n; c += 16) {
     const int64_t m = std::min<int64_t>(16, n - c);
-    const vec p = vfirst(vexp_neg(vsub(vload(s + c), vset1(mx))), m);
-    l = vadd(l, p);
-    float pb[16];
-    store(pb, p);
+    float pb[GN][16];
+    for (int g = 0; g < GN; g++) {
+      const vec p = vfirst(vexp_neg(vsub(vload(s + g * sstride + c), mx[g])), m);
+      l[g] = vadd(l[g], p);
+      store(pb[g], p);
+    }
     for (int64_t u = 0; u < m; u++) {
-      const T* vr = vb + seen[c + u] * vstride;
-      const vec pv = vset1(pb[u]);
-      for (int e = 0; e < NV; e++) {
-        const int64_t d = e * LANES;
-        if (e < nv) o[e] = vfma(pv, d + LANES <= D ? vload(vr + d) : vload_tail(vr + d, D - d), o[e]);
+      vec vr[NV];
+      row(vb + seen[c + u] * vstride, vr);
+      for (int g = 0; g < GN; g++) {
+        const vec pv = vset1(pb[g][u]);
+        for (int e = 0; e < NV; e++) if (e < nv) o[g][e] = vfma(pv, vr[e], o[g][e]);
       }
     }
   }
-  const float sum = vsum(l);
-  float buf[16 * NV];
-  for (int e = 0; e < NV; e++) store(buf + e * LANES, o[e]);
-  for (int64_t d = 0; d < D; d++) out[d] = T(n ? buf[d] / sum : 0.f);     // sees nothing (padding): zeros
+  for (int g = 0; g < GN; g++) {
+    const float sum = vsum(l[g]);
+    float buf[16 * NV];
+    for (int e = 0; e < NV; e++) store(buf + e * LANES, o[g][e]);
+    for (int64_t d = 0; d < D; d++) out[g][d] = T(n ? buf[d] / sum : 0.f);     // sees nothing (padding): zeros
+  }
+}
+
+// every head of one KV head, GN at a time (GN from NV: the outputs must fit in registers)
+template <typename T, int NV, int GMAX>
+inline void kv_head(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
+                    int64_t n, int64_t D, float* s, int64_t sstride, T* const* out, int64_t G) {
+  for (int64_t g = 0; g < G; g += GMAX) {
+    const float* q = qf + g * NV * LANES;
+    switch (std::min<int64_t>(GMAX, G - g)) {
+      case 1: heads<T, NV, 1>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
+      case 2: heads<T, NV, (GMAX >= 2 ? 2 : 1)>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
+      case 3: heads<T, NV, (GMAX >= 3 ? 3 : 1)>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
+      default: heads<T, NV, GMAX>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g);
+    }
+  }
 }
 
 template <typename T>
@@ -379,27 +409,32 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "graft::attention: rows must be contiguous");
   TORCH_CHECK(D <= 256, "graft::attention: head_dim <= 256");
   const int64_t NV = (D + LANES - 1) / LANES;
-  // one task per (request, query): its keys found once, then every head of every KV head
+  const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16;     // the template's
+  // one task per (request, query): its keys found once, then every KV head with the heads that share it
   at::parallel_for(0, B * Tq, 1, [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> seen(S);
-    std::vector<float> s(S + 16), qf(256, 0.f);
+    std::vector<float> s(G * (S + 16)), qf(G * NVT * LANES, 0.f);
+    std::vector<T*> outs(G);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / Tq, t = i % Tq;
       const bool* mrow = mp + b * ms[0] + t * ms[2];
       int64_t n = 0;                                    // the keys this query sees, in row order
       for (int64_t j = 0; j < S; j++) if (mrow[j * ms[3]]) seen[n++] = j;
-      for (int64_t h = 0; h < H; h++) {
-        const T* qr = qp + b * qs[0] + h * qs[1] + t * qs[2];
-        for (int64_t d = 0; d < D; d++) qf[d] = float(qr[d]) * scale;
-        const T* kb = kp + b * ks[0] + (h / G) * ks[1];
-        const T* vb = vp + b * vs[0] + (h / G) * vs[1];
-        T* orow = op + ((b * H + h) * Tq + t) * D;
-        switch (NV) {
-          case 1: one_query<T, 1>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
-          case 2: one_query<T, 2>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
-          case 3: case 4: one_query<T, 4>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
-          case 5: case 6: case 7: case 8: one_query<T, 8>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow); break;
-          default: one_query<T, 16>(qf.data(), kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), orow);
+      for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t g = 0; g < G; g++) {
+          const T* qr = qp + b * qs[0] + (h * G + g) * qs[1] + t * qs[2];
+          for (int64_t d = 0; d < D; d++) qf[g * NVT * LANES + d] = float(qr[d]) * scale;
+          outs[g] = op + ((b * H + h * G + g) * Tq + t) * D;
+        }
+        const T* kb = kp + b * ks[0] + h * ks[1];
+        const T* vb = vp + b * vs[0] + h * vs[1];
+        const float* q = qf.data();
+        switch (NVT) {
+          case 1: kv_head<T, 1, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 2: kv_head<T, 2, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 4: kv_head<T, 4, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 8: kv_head<T, 8, 2>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          default: kv_head<T, 16, 1>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G);
         }
       }
     }
