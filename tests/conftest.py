@@ -281,6 +281,15 @@ def pytest_collection_finish(session):
         _COMPILE["out"] = out
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A session that ends before reading the compile checks (-x, a selection, Ctrl-C) stops them: they
+    would otherwise compile on, orphaned, for minutes."""
+    proc = _COMPILE.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def compile_result(section: str) -> dict:
     """One section of the compile checks' results (waits for them)."""
     proc = _COMPILE.get("proc")
