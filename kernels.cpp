@@ -2,13 +2,15 @@
 // inputs alone, bit for bit, whatever the rows beside it (kernels.py says why and how they are built).
 //
 // Both are written so that every output element is reduced by one fixed sequence of float32 operations:
-//   linear     y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]): 16-lane FMAs over k in order, a masked tail,
-//              one fixed horizontal sum. Rows of x and of W are tiled for speed (4 x 4 outputs share
-//              their loads), but a tile changes which outputs are computed together, never how.
+//   linear     y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]): 16-lane FMAs over k in order (bfloat16: the
+//              CPU's bfloat16 dot product where it has one), a masked tail, one fixed horizontal sum.
+//              Rows of x and of W are tiled for speed (4 x 4 outputs share their loads), but a tile
+//              changes which outputs are computed together, never how.
 //   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
-//              ancestors: position order), scores them, and sums exp(score - max) * [v | 1] one key
-//              after another. Plain decoding at the same position sees the same keys in the same order.
-// The one-token case reads each weight once as it streams (bfloat16 widened in registers), which is what
+//              ancestors: position order), scores them 16 at a time by one reduction tree per key, and
+//              sums exp(score - max) * v one key after another (the weights' total in 16 lanes, in the
+//              same order). Plain decoding at the same position sees the same keys in the same order.
+// The one-token case reads each weight once as it streams, prefetching the next rows, which is what
 // makes the step fast; nothing is chosen by the number of rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
