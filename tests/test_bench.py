@@ -8,6 +8,7 @@ import json
 import pytest
 
 import bench
+import kernels
 import data
 from conftest import SHARED, needs_shared
 from test_lossless import random_head
@@ -283,8 +284,9 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
 
 
 def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
-    """In bf16, a difference the classification calls a near-tie is reported as such (row lossless:
-    "near-tie"), and the run does not fail on it; a real difference still does."""
+    """In bf16 outside exact mode (--no-exact), a difference the classification calls a near-tie is
+    reported as such (row lossless: "near-tie"), and the run does not fail on it; a real difference
+    still does. (In exact mode every difference is real: test_exact_mode_has_no_near_ties.)"""
     real = bench.E.generate
 
     def broken(model, method, *args, **kw):
@@ -297,11 +299,30 @@ def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
                                                                        "tolerance": 0.1})
     target, head, prompts, d = tiny
     bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",
-               "--dtype", "bfloat16", "--json-out", str(d / "tie.json")])
+               "--dtype", "bfloat16", "--no-exact", "--json-out", str(d / "tie.json")])
     assert "NEAR-TIE" in capsys.readouterr().err
     saved = json.loads((d / "tie.json").read_text())
     assert [r["lossless"] for r in saved["rows"]] == [True, "near-tie"]
     assert {m["kind"] for m in saved["meta"]["mismatches"]} == {"near-tie"}
+
+
+def test_exact_mode_has_no_near_ties(tiny, monkeypatch):
+    """In exact mode (the CPU default) the same difference is real: the run fails, whatever the
+    near-tie classification would say (it is not asked)."""
+    real = bench.E.generate
+
+    def broken(model, method, *args, **kw):
+        res = real(model, method, *args, **kw)
+        if method.name == "pld" and len(res.tokens) > 3:
+            res.tokens[3] = (res.tokens[3] + 1) % 300
+        return res
+    monkeypatch.setattr(bench.E, "generate", broken)
+    monkeypatch.setattr(bench.CLI, "classify_mismatch", lambda *a, **k: pytest.fail("asked for a near-tie"))
+    target, head, prompts, d = tiny
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",
+                   "--dtype", "bfloat16", "--limit", "1", "--json-out", str(d / "exact.json")])
+    assert e.value.code == 1 and kernels.ON
 
 
 def test_help_names_every_method_and_dataset(capsys):
