@@ -85,42 +85,61 @@ inline vec vfirst(vec a, int64_t n) { for (int64_t i = n; i < 16; i++) a.v[i] = 
 
 constexpr int64_t MR = 4, NR = 4;      // a tile: MR rows of x against NR rows of W
 
-// Float32 accumulation of x (float32, widened once per call) against W (float32, bfloat16 or float16,
-// widened as it streams). y[m, n] for m in [m0, m0 + mr), n in [n0, n0 + nr). Every (m, n) runs the
-// same sequence: 16 lanes of FMAs over k in order, the masked tail, one vsum; mr and nr only decide
-// how many outputs run side by side.
-template <typename T, int64_t mr, int64_t nr>
-inline void tile(const float* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
-                 const T* pf) {
+// How a tile reads and multiplies, by dtype. Widen: x float32 (widened once per call) against W of
+// type T (float32, bfloat16 or float16, widened as it streams), 16 weights a step, one FMA per lane.
+template <typename T>
+struct Widen {
+  using X = float;
+  using V = vec;
+  static constexpr int64_t STEP = LANES;
+  static V x(const float* p) { return vload(p); }
+  static V x_tail(const float* p, int64_t n) { return vload_tail(p, n); }
+  static V w(const T* p) { return vload(p); }
+  static V w_tail(const T* p, int64_t n) { return vload_tail(p, n); }
+  static vec dot(V a, V b, vec acc) { return vfma(a, b, acc); }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 x and W with the CPU's bfloat16 dot product (VDPBF16PS): each of 16 lanes adds two exact
+// products per instruction, 32 weights a step, no widening.
+struct BF16Dot {
+  using X = at::BFloat16;
+  using V = __m512i;
+  static constexpr int64_t STEP = 32;
+  static V x(const X* p) { return _mm512_loadu_si512((const void*)p); }
+  static V x_tail(const X* p, int64_t n) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1u), p); }
+  static V w(const X* p) { return x(p); }
+  static V w_tail(const X* p, int64_t n) { return x_tail(p, n); }
+  static vec dot(V a, V b, vec acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+#endif
+
+// y[m, n] for m in [m0, m0 + mr), n in [n0, n0 + nr). Every (m, n) runs the same sequence: the lanes'
+// products over k in steps, in order, the masked tail, one vsum; mr and nr only decide how many
+// outputs run side by side. pf: the next rows of W, prefetched while these compute (or null).
+template <typename Op, typename T, int64_t mr, int64_t nr>
+inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0,
+                 int64_t n0, const T* pf) {
   vec acc[mr][nr];
   #pragma GCC unroll 16
   for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
-  int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) {
-    vec wv[nr];
+  auto step = [&](int64_t k, int64_t n) {            // n < STEP: the masked tail
+    typename Op::V wv[nr];
     #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = vload(w + (n0 + j) * K + k);
+    for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j) * K + k) : Op::w_tail(w + (n0 + j) * K + k, n);
     if (pf)
 #pragma GCC unroll 16
       for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * K + k);
     #pragma GCC unroll 16
     for (int64_t i = 0; i < mr; i++) {
-      vec xv = vload(x + (m0 + i) * K + k);
+      const typename Op::V xv = n == Op::STEP ? Op::x(x + (m0 + i) * K + k) : Op::x_tail(x + (m0 + i) * K + k, n);
       #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+      for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::dot(xv, wv[j], acc[i][j]);
     }
-  }
-  if (k < K) {
-    vec wv[nr];
-    #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = vload_tail(w + (n0 + j) * K + k, K - k);
-    #pragma GCC unroll 16
-    for (int64_t i = 0; i < mr; i++) {
-      vec xv = vload_tail(x + (m0 + i) * K + k, K - k);
-      #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
-    }
-  }
+  };
+  int64_t k = 0;
+  for (; k + Op::STEP <= K; k += Op::STEP) step(k, Op::STEP);
+  if (k < K) step(k, K - k);
   #pragma GCC unroll 16
   for (int64_t i = 0; i < mr; i++)
     #pragma GCC unroll 16
@@ -131,74 +150,18 @@ inline void tile(const float* x, const T* w, const float* b, T* y, int64_t K, in
     }
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 x and W with the CPU's bfloat16 dot product (VDPBF16PS): each of 16 lanes adds two exact
-// products per instruction, 32 weights a step, no widening. The same fixed sequence for every (m, n).
-inline __m512i bload(const at::BFloat16* p) { return _mm512_loadu_si512((const void*)p); }
-inline __m512i bload_tail(const at::BFloat16* p, int64_t n) {
-  return _mm512_maskz_loadu_epi16((__mmask32)((n >= 32) ? 0xffffffffu : ((1u << n) - 1u)), p);
-}
-inline vec bdot(__m512i x, __m512i w, vec acc) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-
-template <int64_t mr, int64_t nr>
-inline void tile_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t K,
-                      int64_t N, int64_t m0, int64_t n0, const at::BFloat16* pf) {
-  vec acc[mr][nr];
-  #pragma GCC unroll 16
-  for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512i wv[nr];
-    #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = bload(w + (n0 + j) * K + k);
-    if (pf)
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * K + k);
-    #pragma GCC unroll 16
-    for (int64_t i = 0; i < mr; i++) {
-      __m512i xv = bload(x + (m0 + i) * K + k);
-      #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) acc[i][j] = bdot(xv, wv[j], acc[i][j]);
-    }
-  }
-  if (k < K) {
-    __m512i wv[nr];
-    #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = bload_tail(w + (n0 + j) * K + k, K - k);
-    #pragma GCC unroll 16
-    for (int64_t i = 0; i < mr; i++) {
-      __m512i xv = bload_tail(x + (m0 + i) * K + k, K - k);
-      #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) acc[i][j] = bdot(xv, wv[j], acc[i][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int64_t i = 0; i < mr; i++)
-    #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) {
-      float s = vsum(acc[i][j]);
-      if (b) s += b[n0 + j];
-      y[(m0 + i) * N + n0 + j] = at::BFloat16(s);
-    }
-}
-#endif
-
 template <typename X, typename T, int64_t nr>
 inline void rows(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
   // the first pass over these nr rows of W also prefetches the next nr (memory streams while it computes)
   const T* pf = n0 + 2 * nr <= N ? w + (n0 + nr) * K : nullptr;
   int64_t m = 0;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<X, at::BFloat16>) {
-    for (; m + MR <= M; m += MR) tile_bf16<MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
-    for (; m < M; m++) tile_bf16<1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
-    return;
-  }
+  using Op = std::conditional_t<std::is_same_v<X, at::BFloat16>, BF16Dot, Widen<T>>;
+#else
+  using Op = Widen<T>;
 #endif
-  if constexpr (std::is_same_v<X, float>) {
-    for (; m + MR <= M; m += MR) tile<T, MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
-    for (; m < M; m++) tile<T, 1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
-  }
+  for (; m + MR <= M; m += MR) tile<Op, T, MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+  for (; m < M; m++) tile<Op, T, 1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
 }
 
 template <typename X, typename T>

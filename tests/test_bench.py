@@ -283,10 +283,8 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
     assert got["kind"] == "differs" and got["position"] == 4
 
 
-def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
-    """In bf16 outside exact mode (--no-exact), a difference the classification calls a near-tie is
-    reported as such (row lossless: "near-tie"), and the run does not fail on it; a real difference
-    still does. (In exact mode every difference is real: test_exact_mode_has_no_near_ties.)"""
+def break_pld(monkeypatch):
+    """pld's outputs get a wrong fourth token."""
     real = bench.E.generate
 
     def broken(model, method, *args, **kw):
@@ -295,6 +293,13 @@ def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
             res.tokens[3] = (res.tokens[3] + 1) % 300
         return res
     monkeypatch.setattr(bench.E, "generate", broken)
+
+
+def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
+    """In bf16 outside exact mode (--no-exact), a difference the classification calls a near-tie is
+    reported as such (row lossless: "near-tie"), and the run does not fail on it; a real difference
+    still does. (In exact mode every difference is real: test_exact_mode_has_no_near_ties.)"""
+    break_pld(monkeypatch)
     monkeypatch.setattr(bench.CLI, "classify_mismatch", lambda *a, **k: {"kind": "near-tie", "position": 3, "gap": 0.01,
                                                                        "tolerance": 0.1})
     target, head, prompts, d = tiny
@@ -309,14 +314,7 @@ def test_near_ties_are_reported_apart_and_exit_0(tiny, monkeypatch, capsys):
 def test_exact_mode_has_no_near_ties(tiny, monkeypatch):
     """In exact mode (the CPU default) the same difference is real: the run fails, whatever the
     near-tie classification would say (it is not asked)."""
-    real = bench.E.generate
-
-    def broken(model, method, *args, **kw):
-        res = real(model, method, *args, **kw)
-        if method.name == "pld" and len(res.tokens) > 3:
-            res.tokens[3] = (res.tokens[3] + 1) % 300
-        return res
-    monkeypatch.setattr(bench.E, "generate", broken)
+    break_pld(monkeypatch)
     monkeypatch.setattr(bench.CLI, "classify_mismatch", lambda *a, **k: pytest.fail("asked for a near-tie"))
     target, head, prompts, d = tiny
     with pytest.raises(SystemExit) as e:
