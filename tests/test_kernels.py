@@ -35,6 +35,24 @@ def test_linear_is_the_linear_and_row_invariant(dtype):
         assert kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
 
 
+def test_threads_split_outputs_never_sums():
+    """Two threads split the output columns (linear) and the queries (attention), never one output's
+    sum: the same bits as one thread."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(576, 1536, generator=g).bfloat16(), torch.randn(9, 1536, generator=g).bfloat16()
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((1, 9, 9, 64), (1, 3, 80, 64), (1, 3, 80, 64)))
+    mask = torch.ones(1, 1, 9, 80, dtype=torch.bool).tril(71)
+    n = torch.get_num_threads()
+    try:
+        got = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got.append((kernels.linear(x, w), kernels.attention(q, k, v, mask, 0.125)))
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_is_masked_attention(dtype):
     """Grouped heads, a ragged bool mask with a row that sees nothing (a padding row: zeros), a mask
