@@ -600,7 +600,7 @@ class Recycle(Method):
     def __init__(self, eng, cfg, cal=None, matrix=None):
         super().__init__(eng, cfg, cal, matrix)
         self.tpl = build_template(self.cal.hit_rates, self.cfg.recycle_size).to(eng.device)
-        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH) if self.ctx is not None else self.tpl
+        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH).to(self.tpl.parents.device) if self.ctx is not None else self.tpl
 
     @classmethod
     def shape(cls, cfg):
@@ -676,7 +676,7 @@ class Eagle3Tree(Method):
         self.taus = torch.tensor([self.thresholds[c] for c in stops[:-1]], dtype=torch.float64, device=dev)
         self.log_tau = self.slot_thresholds().to(dev)
         self.tpl = build_template(self.cal.hit_rates, n).to(dev) if cfg.retrieve else None
-        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH) if self.ctx is not None else self.tpl
+        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH).to(self.tpl.parents.device) if self.ctx is not None else self.tpl
         self.anchor = "deepest" if cfg.ablation == "tail" or self.policy == "replace" else "root"
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
         self.record_tpl = None           # the warm-up's: a retrieval under the root to record
