@@ -24,7 +24,7 @@ from tqdm import tqdm
 from draft import select
 from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MATCH, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_CONTEXT_RATES, PRIOR_HIT_RATES, Calibration,
-                   Config, ContinuationMatrix, match_context,
+                   Config, ContinuationMatrix,
                    Template, build_template, graft_trees, with_root)
 from verify import Sampling, Tree, sampling_mode
 
@@ -452,6 +452,19 @@ def read_calibrations(meta: dict, checkpoints) -> tuple | None:
             and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
             for m, c in per.items()) for per in cal.values())
     return (cal, curve) if ok else None
+
+
+def match_context(ctx: list, G: int, T: int) -> tuple:
+    """graft.context_match for one request on the host (the warm-up's measurement, and the
+    tests' reference): (continuation tokens, at most T; the match's length m)."""
+    n, best, m = len(ctx), -1, 0
+    for j in range(n - 2, -1, -1):                     # newest first: a longer match later replaces it
+        r = 0
+        while r < G and j - r >= 0 and ctx[j - r] == ctx[n - 1 - r]:
+            r += 1
+        if r > m:
+            best, m = j, r
+    return (ctx[best + 1:min(best + 1 + T, n)] if m else []), m
 
 
 # Pseudo-counts of the prior (PRIOR_CONTEXT_RATES) in each measured context hit rate: a warm-up of a

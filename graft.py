@@ -262,19 +262,6 @@ def context_scores(real: torch.Tensor, m: torch.Tensor, log_q: torch.Tensor) -> 
     return torch.where(real, t[None] * log_q[m.clamp(max=log_q.numel() - 1)][:, None], float("-inf"))
 
 
-def match_context(ctx: list, G: int, T: int) -> tuple:
-    """context_match for one request on the host (the warm-up's measurement, and the tests'
-    reference): (continuation tokens, at most T; the match's length m)."""
-    n, best, m = len(ctx), -1, 0
-    for j in range(n - 2, -1, -1):                     # newest first: a longer match later replaces it
-        r = 0
-        while r < G and j - r >= 0 and ctx[j - r] == ctx[n - 1 - r]:
-            r += 1
-        if r > m:
-            best, m = j, r
-    return (ctx[best + 1:min(best + 1 + T, n)] if m else []), m
-
-
 def context_append(ctx: torch.Tensor, clen: torch.Tensor, new: torch.Tensor, n: torch.Tensor):
     """Append each request's first n (B,) tokens of new (B, P) to its context (ctx (B, S), clen (B,));
     the rest write the spare last column, which no match reads."""
