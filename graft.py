@@ -592,7 +592,7 @@ class Recycle(Method):
     @classmethod
     def shape(cls, cfg):
         chain = MAX_TEMPLATE_DEPTH if "context" in cfg.sources else 0
-        return cfg.recycle_size + 1, 1 + max(len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels), chain)
+        return cfg.recycle_size + 1, min(cfg.recycle_size, max(len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels), chain)) + 1
 
     def tensors(self):
         return super().tensors() + self.tpl.tensors() + self.rtpl.tensors()
