@@ -302,7 +302,8 @@ def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free, r
         hid = torch.zeros(B, R, dtype=torch.long, device=dev)            # hybrid id: draft index, or n + j if new
         merged = torch.zeros(B, R, dtype=torch.bool, device=dev)
         eff = torch.full((B, R), float("-inf"), device=dev)              # score capped by the parent's
-        up = lambda par: torch.where(par[None] == -1, anchor[:, None], torch.where(par[None] < -1, -1, hid[:, par.clamp(min=0)]))
+        up = lambda par: torch.where(par[None] == -1, anchor[:, None],                       # noqa: E731
+                                     torch.where(par[None] < -1, -1, hid[:, par.clamp(min=0)]))
         for idx, par, _ in tpl.levels:                                    # level by level: parents are resolved
             ph, tok, off = up(par), r_tok[:, idx], score[:, idx] > float("-inf")        # (B, l)
             same = kept[:, None, :] & (d_par[:, None, :] == ph[:, :, None]) & (d_tok[:, None, :] == tok[:, :, None])
@@ -313,8 +314,9 @@ def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free, r
             dup = twin.any(-1) & off & ~hit
             first = twin.int().argmax(-1)                                 # (B, l) the earliest such sibling
             merged[:, idx] = hit | dup
-            hid[:, idx] = torch.where(hit, same.int().argmax(-1), n + idx[torch.where(dup, first, torch.arange(l, device=dev))])
-            lifted = score[:, idx].scatter_reduce(1, torch.where(dup, first, torch.arange(l, device=dev)), score[:, idx], "amax")
+            into = torch.where(dup, first, torch.arange(l, device=dev))                # itself, or the sibling kept
+            hid[:, idx] = torch.where(hit, same.int().argmax(-1), n + idx[into])
+            lifted = score[:, idx].scatter_reduce(1, into, score[:, idx], "amax")
             cap = torch.where(ph >= n, eff.gather(1, (ph - n).clamp(0, R - 1)), float("inf"))
             eff[:, idx] = torch.minimum(lifted, cap)
         new = ~merged & (eff > float("-inf"))
@@ -592,7 +594,8 @@ class Recycle(Method):
     @classmethod
     def shape(cls, cfg):
         chain = MAX_TEMPLATE_DEPTH if "context" in cfg.sources else 0
-        return cfg.recycle_size + 1, min(cfg.recycle_size, max(len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels), chain)) + 1
+        depth = max(len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels), chain)
+        return cfg.recycle_size + 1, min(cfg.recycle_size, depth) + 1
 
     def tensors(self):
         return super().tensors() + self.tpl.tensors() + self.rtpl.tensors()
@@ -627,7 +630,8 @@ def retrieval(m: Method, under: torch.Tensor) -> tuple:
     if "matrix" in m.uses:
         r_tok, r_score = retrieve(m.M, under, m.tpl), m.tpl.score[None].expand(B, n)
     else:
-        r_tok, r_score = torch.zeros(B, n, dtype=torch.long, device=under.device), torch.full((B, n), float("-inf"), device=under.device)
+        r_tok = torch.zeros(B, n, dtype=torch.long, device=under.device)
+        r_score = torch.full((B, n), float("-inf"), device=under.device)
     if m.ctx is None:
         return r_tok, r_score
     c_tok, real, mlen = context_match(m.ctx, m.clen, MATCH, m.rtpl.size - n)
