@@ -16,6 +16,7 @@ import engine as E
 import graft as GR
 from cli import build_engine, sources
 from conftest import ROOT
+from data import stdlib_snippets
 from model import GraftError
 from verify import Sampling
 
@@ -97,8 +98,8 @@ def stdlib():
     if not (CKPT / "model.safetensors").is_file():
         pytest.skip("no stdlib pair")
     engs = {B: build_engine(str(CKPT), str(HEAD), max_seq_len=384, chunk=64, batch=B) for B in (1, 3)}
-    src = (ROOT / "graft.py").read_text()     # code that repeats its own names: context matches happen
-    ids = [engs[1].tokenizer.encode(src[i:i + 300]) for i in (2000, 9000, 16000)]
+    # held-out standard-library code, which repeats its own names: context matches happen
+    ids = [engs[1].tokenizer.encode(s)[:160] for s in stdlib_snippets(heldout=True, n=3, lines=16)]
     return engs, ids
 
 
@@ -115,9 +116,9 @@ def check_round(off: int):
 @pytest.mark.parametrize("kind, B", [("greedy", 1), ("sampled", 3)])
 def test_each_source_set_is_lossless_and_counted(stdlib, kind, B):
     """graft (every round pruned at checkpoint 0, so most slots are retrieval's) with each source alone
-    (both: tests/test_lossless.py), and recycle from the context alone: every request's tokens are ar's; the shares by source add up to
-    the retrieval share, of accepted tokens; a source turned off contributes nothing. Context matches
-    are accepted in these runs (the check can fail)."""
+    (both: tests/test_lossless.py), and recycle from the context alone: every request's tokens are
+    ar's; the shares by source add up to the retrieval share, of accepted tokens; a source turned off
+    contributes nothing. Context matches are accepted in these runs (the check can fail)."""
     engs, ids = stdlib
     smp = Sampling() if kind == "greedy" else Sampling(0.8, 0.9, 0, 7)
     base = [E.generate(engs[1], engs[1].make("ar"), x, 16, smp).tokens for x in ids]
