@@ -30,6 +30,7 @@ import cli as CLI
 import data as DATA
 import engine as E
 from data import check_dataset, load_dataset, read_prompts
+from graft import SOURCES
 from model import GraftError
 import tp
 from verify import Sampling
@@ -68,6 +69,7 @@ class Row:
     ttft: list = dataclasses.field(default_factory=list)   # per-prompt seconds to the first token
     edits: list = dataclasses.field(default_factory=list)  # per-prompt edit similarity (lcc, repobench), 0-100
     tot: dict = dataclasses.field(default_factory=dict)    # summed Result counters
+    by_source: dict = dataclasses.field(default_factory=dict)   # accepted retrieved tokens per source
     stages: dict = dataclasses.field(default_factory=dict)
     times: dict = dataclasses.field(default_factory=dict)  # seconds per phase
     mismatches: int = 0                 # outputs that differ from ar's (not near-ties)
@@ -86,6 +88,8 @@ class Row:
                   "syncs"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
         self.tot["tokens"] = self.tot.get("tokens", 0) + len(res.tokens)
+        for src, n in res.from_source.items():
+            self.by_source[src] = self.by_source.get(src, 0) + n
         for phase, s in res.times.items():
             self.times[phase] = self.times.get(phase, 0.0) + s
         for s, n in res.stages.items():
@@ -118,6 +122,8 @@ class Row:
                 "verified_per_round": round(t.get("verified", 0) / r, 4),      # real nodes, padding excluded
                 "padded_per_round": round(t.get("padded", 0) / r, 4),          # the size the passes ran at
                 "retrieval_share": round(t.get("from_retrieval", 0) / max(t.get("accepted", 0), 1), 4),
+                "retrieval_shares": {s: round(self.by_source.get(s, 0) / max(t.get("accepted", 0), 1), 4)
+                                     for s in SOURCES} if self.method.split("[")[0] in E.NEEDS_MATRIX else {},
                 "stages": dict(sorted(self.stages.items())) if self.method.split("[")[0] in E.NEEDS_HEAD else {},
                 "round_ms": round_ms, "syncs_per_round": round(t.get("syncs", 0) / r, 3),
                 # everything but the verify pass, as a share of the round (GPU: CUDA events, no syncs)
@@ -144,12 +150,12 @@ def table(rows: list, sweep: bool, executions: bool = False) -> str:
         ["budget"] if sweep else []) + [
         "prompts", "skipped", "mat", "tokens_per_s", "speedup", "decode_tokens_per_s", "decode_speedup", "ttft_ms"] + (
         ["edit_similarity"] if edit else []) + ["draft_forwards_per_round", "verified_per_round",
-        "padded_per_round", "retrieval_share", "round_ms", "overhead", "stages", "lossless"]
+        "padded_per_round", "retrieval_share", "retrieval_shares", "round_ms", "overhead", "stages", "lossless"]
     head = ["dataset"] + (["context"] if ctx else []) + (["execution"] if executions else []) + ["method"] + (
         ["budget"] if sweep else []) + [
         "prompts", "skipped", "MAT", "tok/s", "speedup", "decode tok/s", "decode speedup", "TTFT ms"] + (
         ["edit sim"] if edit else []) + ["draft fwd/round", "verified/round", "padded/round",
-        "retrieval share", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
+        "retrieval share", "by source", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
     phases = ("draft", "assemble", "verify", "update")
     fmt = lambda c, v: ("-" if v is None else
                         " + ".join(f"{v.get(p, 0.0):.2f}" for p in phases) if c == "round_ms" else
@@ -291,6 +297,10 @@ def parse_args(argv=None):
     p.add_argument("--json-out", default=None,
                    help="the report; finished runs also go, one per line as they finish, to FILE.jsonl")
     p.add_argument("--budgets", default=None, help="sweep: run every method at each budget, e.g. 16,32,60")
+    p.add_argument("--ablate-sources", action="store_true",
+                   help="run each retrieving method (graft, recycle, the graft ablations) once per retrieval source set: "
+                        "matrix, context and both (rows method[matrix], method[context], method[matrix+context]) "
+                        "in place of --sources")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--plot", default=None, help="FILE.png: speedup against MAT, one point per method and budget "
                                                 "(the paper's Figure 1; needs matplotlib); with several --context "
@@ -432,6 +442,8 @@ def main(argv=None) -> dict:
     CLI.check_args(a, budgets)
     budgets = budgets or [a.budget]
     sizes = check_batch(a, methods, budgets)
+    if sizes and a.ablate_sources:
+        raise GraftError("--ablate-sources runs one request at a time: drop --batch (or pass --sources to a batch run)")
     if a.limit is not None and a.limit < 1:
         raise GraftError("--limit must be at least 1")
     need_head = any(m in E.NEEDS_HEAD for m in methods)
@@ -449,7 +461,8 @@ def main(argv=None) -> dict:
     # the caches' room: every method at the largest budget it may run at, and the warm-up's tree (at
     # --budget, which a --budgets sweep leaves at its default)
     cfg0 = CLI.config_from_args(a)
-    widest = dataclasses.replace(cfg0, budget=max(budgets + [a.budget] + (list(CAL.AUTO_BUDGETS) if a.auto_budget else [])))
+    widest = dataclasses.replace(cfg0, budget=max(budgets + [a.budget] + (list(CAL.AUTO_BUDGETS) if a.auto_budget else [])),
+                                 sources=tuple(SOURCES) if a.ablate_sources else cfg0.sources)
     todo = [(m, widest) for m in methods] + [CAL.warmup_method(widest, (a.draft_top_k, a.depth) if need_head else None,
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
@@ -480,18 +493,22 @@ def main(argv=None) -> dict:
     # A second calibration (--calibration throughput,youden) adds a run of each pruning method with its
     # thresholds and budget, labelled method[youden]; the first is the one the warm-up chose
     # (--calibration), which a method reads as its pruning policy says (graft.POLICIES).
+    # --ablate-sources: each retrieving method once per source set, labelled method[matrix+context].
     runs = {}
+    ablation = [("matrix",), ("context",), tuple(SOURCES)] if a.ablate_sources else [None]
     for x, e in engines.items():
         runs[(x, "ar", None)] = e.make("ar")
         for m in methods[1:]:
             for b in budgets if m in E.NEEDS_HEAD else [None]:      # pld, recycle: no budget, one run
                 for c in calibrations if m in E.PRUNING else calibrations[:1]:
-                    cfg = CLI.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
-                    cfg = CAL.method_config(cal, m, cfg, auto_budget=b is None,
-                                          calibration=None if c == calibrations[0] else c)
-                    own = eng.matrix.copy() if m in E.NEEDS_MATRIX else None
-                    key = (x, m if c == calibrations[0] else f"{m}[{c}]", cfg.budget if m in E.NEEDS_HEAD else None)
-                    runs[key] = e.make(m, cfg, cal, own)
+                    for srcs in ablation if m in E.NEEDS_MATRIX else [None]:
+                        cfg = CLI.config_from_args(argparse.Namespace(**{**vars(a), "budget": b or a.budget}))
+                        cfg = CAL.method_config(cal, m, cfg, auto_budget=b is None,
+                                                calibration=None if c == calibrations[0] else c)
+                        cfg = dataclasses.replace(cfg, sources=srcs or cfg.sources)
+                        own = eng.matrix.copy() if m in E.NEEDS_MATRIX else None
+                        label = m + ("" if c == calibrations[0] else f"[{c}]") + (f"[{'+'.join(srcs)}]" if srcs else "")
+                        runs[(x, label, cfg.budget if m in E.NEEDS_HEAD else None)] = e.make(m, cfg, cal, own)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     # before anything is timed: compile every graph (compiled engines), and one short generation per
     # run (first-call costs would otherwise land on the first prompt). A warm-up prompt, so no

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from draft import select
 from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
-from graft import (CHECKPOINTS, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_HIT_RATES, Calibration, Config, ContinuationMatrix,
+from graft import (CHECKPOINTS, MATCH, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_CONTEXT_RATES, PRIOR_HIT_RATES, Calibration,
+                   Config, ContinuationMatrix,
                    Template, build_template, graft_trees, with_root)
 from verify import Sampling, Tree, sampling_mode
 
@@ -325,10 +326,12 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     checkpoints = tuple(cfg.checkpoints) if d else ()
     budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
 
-    def use(calibrations: dict, curve: dict, rates, spread) -> Calibration:
-        cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread)
+    def use(calibrations: dict, curve: dict, rates, spread, q) -> Calibration:
+        cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread,
+                          tuple(q or PRIOR_CONTEXT_RATES))
         log(f"warm-up: {calibration} calibration: graft budget {cal.budget or cfg.budget}, thresholds "
-            f"{ {c: round(t, 3) for c, t in cal.thresholds.items()} }, hit rates {[round(a, 3) for a in cal.hit_rates]}")
+            f"{ {c: round(t, 3) for c, t in cal.thresholds.items()} }, hit rates {[round(a, 3) for a in cal.hit_rates]}, "
+            f"context hit rates by match length {[round(a, 2) for a in cal.context_rates[1:]]}")
         return cal
 
     if path is not None:
@@ -338,7 +341,8 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
             spread = got["meta"].get("cost_spread")
             log(f"warm-up: loaded from {path}")
             return use(*cal, got["meta"].get("hit_rates"),
-                       float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None)
+                       float(spread) if isinstance(spread, (int, float)) and math.isfinite(spread) else None,
+                       got["meta"].get("context_hit_rates"))
     name, wcfg = warmup_method(cfg, (d.top_k, d.depth) if d else None, auto_budget)
     m = engine.make(name, wcfg, matrix=engine.matrix)      # the dense tree, learning the prior matrix
     if d:
@@ -388,6 +392,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     engine.matrix.refresh_fallback()
     rates = engine.matrix.hit_rates()
     rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
+    q = context_hit_rates(reqs)
     ran = len(reqs)
     calibrated = ran > 0 and (not d or all(any(c in r["conf"] for r in records) for c in checkpoints))
     short = calibrated and d is not None and not usable_records(records, d.depth)
@@ -398,7 +403,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
                f"{engine.model.max_seq_len} minus {max_new_tokens} are skipped)")
         log(f"warning: warm-up {why}: nothing calibrated, so pruning is off (pass --thresholds to set it), "
             f"the budget stays {cfg.budget}, and nothing is cached")
-        return Calibration(hit_rates=rates)
+        return Calibration(hit_rates=rates, context_rates=q)
     calibrations, curve, spread = {}, {}, None
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
@@ -419,10 +424,10 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
         log(f"warm-up: Youden's J thresholds { {c: round(t, 3) for c, t in youden.items()} } "
             f"(--calibration youden, budget {cfg.budget})")
     log(f"warm-up: {ran} of {len(prompts)} generations ran")
-    cal = use(calibrations, curve, rates, spread)
+    cal = use(calibrations, curve, rates, spread, q)
     if path is not None:
         save_state(path, engine.matrix, cal.thresholds if d else {},
-                   {"hit_rates": list(rates), "generations": ran, "cost_spread": spread,
+                   {"hit_rates": list(rates), "context_hit_rates": list(q), "generations": ran, "cost_spread": spread,
                     "calibrations": {n: {m: {**c, "thresholds": {str(k): float(t) for k, t in c["thresholds"].items()}}
                                          for m, c in per.items()} for n, per in calibrations.items()},
                     "budget_curve": {m: {str(b): r for b, r in c.items()} for m, c in curve.items()}})
@@ -447,6 +452,45 @@ def read_calibrations(meta: dict, checkpoints) -> tuple | None:
             and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
             for m, c in per.items()) for per in cal.values())
     return (cal, curve) if ok else None
+
+
+def match_context(ctx: list, G: int, T: int) -> tuple:
+    """graft.context_match for one request on the host (the warm-up's measurement, and the
+    tests' reference): (continuation tokens, at most T; the match's length m)."""
+    n, best, m = len(ctx), -1, 0
+    for j in range(n - 2, -1, -1):                     # newest first: a longer match later replaces it
+        r = 0
+        while r < G and j - r >= 0 and ctx[j - r] == ctx[n - 1 - r]:
+            r += 1
+        if r > m:
+            best, m = j, r
+    return (ctx[best + 1:min(best + 1 + T, n)] if m else []), m
+
+
+# Pseudo-counts of the prior (PRIOR_CONTEXT_RATES) in each measured context hit rate: a warm-up of a
+# few generations sees few matches of some lengths, and a rate from two trials would say 0 or 1.
+CONTEXT_PRIOR_WEIGHT = 4.0
+
+
+def context_hit_rates(requests: list, prior=PRIOR_CONTEXT_RATES, weight: float = CONTEXT_PRIOR_WEIGHT) -> tuple:
+    """q(m), m = 0..MATCH: how often the next token of a context continuation (graft.context_match)
+    was the target's, after the previous ones were, by the length m of the match, over every position
+    of the warm-up's generated text (on the host: once, after the warm-up), smoothed towards the prior
+    with `weight` pseudo-counts. q(0) = 0: no match offers nothing. The graft retrieval tree scores a
+    context node t tokens down a match of m by q(m)^t, beside the matrix's products of hit rates."""
+    hits, trials = [0] * (MATCH + 1), [0] * (MATCH + 1)
+    for r in requests:
+        full = r.ids + r.tokens
+        for p in range(len(r.ids), len(full) - 1):              # the root at p, the truth after it
+            chain, m = match_context(full[:p + 1], MATCH, MAX_TEMPLATE_DEPTH)
+            for t, tok in enumerate(chain):
+                if p + 1 + t >= len(full):
+                    break
+                trials[m] += 1
+                if tok != full[p + 1 + t]:
+                    break
+                hits[m] += 1
+    return (0.0,) + tuple((hits[m] + weight * prior[m]) / (trials[m] + weight) for m in range(1, MATCH + 1))
 
 
 def usable_records(records: list, depth: int) -> list:
@@ -725,7 +769,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 5        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 6        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -783,7 +827,9 @@ def load_state(path: str, matrix: ContinuationMatrix, checkpoints=CHECKPOINTS) -
                 and all(int(sd[n].min()) >= 0 and int(sd[n].max()) < V for n in ("M", "fallback"))
                 and all(bool(torch.isfinite(sd[n]).all()) and float(sd[n].min()) >= 0 for n in ("counts", "hits"))
                 and set(th) == set(checkpoints) and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in th.values())
-                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta.get("hit_rates") or []))
+                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta.get("hit_rates") or [])
+                and len(meta.get("context_hit_rates") or []) == MATCH + 1
+                and all(math.isfinite(x) and 0 <= x <= 1 for x in meta["context_hit_rates"]))
         if not fits:
             return None
         matrix.load_state_dict(sd)

@@ -13,7 +13,7 @@ from checkpoint import DTYPES, HEAD_PATTERNS, NotCached, cache_budget, free_memo
 from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
-from graft import METHODS, POLICIES, Config, ContinuationMatrix, Method
+from graft import METHODS, POLICIES, SOURCES, Config, ContinuationMatrix, Method
 import kernels
 from model import GraftError
 import tp
@@ -98,6 +98,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                         "reads --calibration) or replace (the full tree, nodes below their checkpoint's threshold "
                         "replaced by retrieval; reads Youden's J); default: stop for one request, replace for a batch")
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
+    p.add_argument("--sources", default=",".join(SOURCES),
+                   help="what graft's freed slots and recycle's tree retrieve from, comma-separated: matrix (the "
+                        "continuation matrix), context (the continuation of the longest earlier match of the recent "
+                        "tokens in the prompt and the output so far); default both, merged by one score")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"warm-up generations (0 = none; default {WARMUP_RUNS}, {DEMO_WARMUP_RUNS} for generate.py's demo)")
     p.add_argument("--warmup-file", default=None, help=f"prompts for warm-up ({PROMPT_FORMATS})")
@@ -180,6 +184,15 @@ def check_args(a, budgets=None):
         need(all(math.isfinite(t) and 0 <= t <= 1 for t in th), f"--thresholds must be in [0, 1], got {th}")
     if a.warmup_file:
         read_prompts(a.warmup_file, "--warmup-file")
+    sources(a.sources)
+
+
+def sources(text) -> tuple:
+    """--sources: retrieval source names (graft.SOURCES), comma-separated, each once, at least one."""
+    names = [x.strip() for x in str(text).split(",")]
+    need(all(names) and set(names) <= set(SOURCES) and len(set(names)) == len(names),
+         f"--sources takes one or more of {', '.join(SOURCES)}, comma-separated, each once, got {text!r}")
+    return tuple(names)
 
 
 FLAG_NAMES = ("--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens")
@@ -213,7 +226,7 @@ def numbers(flag: str, text: str, kind=int) -> list:
 def config_from_args(a) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
     cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size,
-                 policy=getattr(a, "policy", None))
+                 policy=getattr(a, "policy", None), sources=sources(getattr(a, "sources", ",".join(SOURCES))))
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
@@ -414,7 +427,7 @@ def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: li
         if valid[i]:
             kids[parents[i]].append(i)
     real = [i for i in range(1, len(tokens)) if valid[i]]
-    n_ret = sum(retrieved[i] for i in real)
+    n_ret = sum(1 for i in real if retrieved[i])
     if source is None:
         head = "plain decoding, the root alone"
     else:
@@ -429,7 +442,7 @@ def render_round(n: int, tokens: list, parents: list, valid: list, retrieved: li
 
     def line(prefix, i):
         text = f"{prefix}{'*' if i in on else ' '} {decode([tokens[i]])!r}"
-        src = "root" if i == 0 else "matrix" if retrieved[i] else source
+        src = "root" if i == 0 else {1: "matrix", 2: "context"}.get(int(retrieved[i]), source)
         return f"{text:<{width}} {src}"
 
     def walk(i, indent):

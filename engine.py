@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft import Drafter
-from graft import METHODS, Calibration, Config, ContinuationMatrix, Method, assemble, learn, recycle_tree, update
+from graft import METHODS, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, learn, recycle_tree, update
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
                     token_hash, verify)
@@ -237,6 +237,7 @@ class Request:
     committed: int = 0                   # tokens returned by decode rounds (bonus included)
     accepted: int = 0                    # accepted candidate tokens (bonus excluded)
     from_retrieval: int = 0              # accepted tokens that were retrieved nodes
+    from_source: dict = field(default_factory=dict)   # those, per retrieval source (graft.SOURCES)
     draft_forwards: int = 0
     verified: int = 0                    # real candidate nodes verified (root and padding excluded)
     padded: int = 0                      # candidate slots the passes ran at (N - 1, padding included)
@@ -269,6 +270,7 @@ class Request:
                 "draft_forwards_per_round": round(self.draft_forwards / r, 4),
                 "verified_per_round": round(self.verified / r, 4), "padded_per_round": round(self.padded / r, 4),
                 "retrieval_share": round(self.from_retrieval / max(self.accepted, 1), 4),
+                "retrieval_shares": {s: round(self.from_source.get(s, 0) / max(self.accepted, 1), 4) for s in SOURCES},
                 "syncs_per_round": round(self.syncs / r, 4),
                 "round_ms": {k: round(v / r * 1000, 4) for k, v in self.times.items() if k != "prefill"},
                 "prefill_ms": round(self.times.get("prefill", 0.0) * 1000, 3),
@@ -503,7 +505,7 @@ class Engine:
     def step(self, method: Method, record: bool = False, full: bool = False) -> tuple:
         """One round: the method proposes, the verifier checks every tree in one pass, the method
         learns (graft.Method.round); then the round's one host transfer (verify.commit). Returns
-        (the Round, per slot (accepted tokens, bonus, retrieved flags of the accepted, real nodes) or
+        (the Round, per slot (accepted tokens, bonus, the accepted's sources (graft.SOURCES, 0: none), real nodes) or
         None for an empty slot)."""
         self.steps.mark()                     # the last round's step outputs are dead from here on
         rnd = method.round(self, record, full)
@@ -614,7 +616,9 @@ class Scheduler:
             r.rounds += 1
             r.committed += len(new)
             r.accepted += kept
-            r.from_retrieval += sum(ret[:kept])
+            r.from_retrieval += sum(1 for x in ret[:kept] if x)
+            for name, i in SOURCES.items():
+                r.from_source[name] = r.from_source.get(name, 0) + ret[:kept].count(i)
             r.draft_forwards += rnd.forwards
             r.verified += nodes
             r.padded += method.N - 1

@@ -129,7 +129,9 @@ def main(argv=None):
     if method != "ar":
         line += (f", MAT {st['mat']:.2f}, {st['draft_forwards_per_round']:.2f} draft forwards/round, "
                  f"{st['verified_per_round']:.1f} nodes verified/round (padded to {st['padded_per_round']:.0f}), "
-                 f"retrieval share {st['retrieval_share']:.2f}")
+                 f"retrieval share {st['retrieval_share']:.2f}" + (
+                     " (" + ", ".join(f"{k} {v:.2f}" for k, v in st["retrieval_shares"].items()) + ")"
+                     if METHODS[method].needs_matrix else ""))
     print(line, file=err)
     out = {"method": method, "budget": cfg.budget if METHODS[method].has_budget else None,   # None: it has none
            "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text_out,

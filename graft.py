@@ -5,6 +5,8 @@ requests (a single request is a batch of one). The pieces:
   ContinuationMatrix   M [V, k]: the target's recent top-k next tokens after each token (section 3);
                        each request reads and writes its own copy (B, V+1, k)
   build_template       a static tree of ranks grown best-first from per-rank hit rates (section 4)
+  context_match        the longest earlier match of each request's recent context, and what followed it
+                       (the "context" retrieval source beside the matrix: section 4a)
   graft_trees          kept draft nodes + retrieval subtree -> one tree of a fixed size (section 2.4)
   assemble             keep, retrieve, graft: the round's trees, one per request (one graph per method)
   Method               what a decoding method declares (head, matrix, budget, calibration) and its round;
@@ -29,6 +31,17 @@ CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test run
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
 
 MAX_TEMPLATE_DEPTH = 9
+
+# Retrieval sources (--sources), by the id a tree's `retrieved` holds for their nodes (0: not retrieved):
+# the continuation matrix, and exact matches of the request's recent context in its prompt and its own
+# output so far (docs/graft.md section 4a).
+SOURCES = {"matrix": 1, "context": 2}
+
+MATCH = 8                        # the longest context suffix a match looks for (tokens)
+
+# P(a context continuation's next token is right | its match is m tokens long), m = 0..MATCH, before a
+# warm-up measures it (calibrate.context_hit_rates); 0 for m = 0: no match, nothing offered
+PRIOR_CONTEXT_RATES = (0.0, 0.25, 0.4, 0.5, 0.58, 0.64, 0.68, 0.72, 0.75)
 
 # Graft's pruning policies, each with the calibration it reads (calibrate.py computes both; None: the
 # warm-up's choice, --calibration). "replace" reads Youden's J: the throughput calibration prices the
@@ -157,11 +170,14 @@ PRIOR_HIT_RATES = (0.72, 0.3, 0.17, 0.12, 0.09, 0.075, 0.065, 0.055)   # decayin
 
 @dataclass
 class Template:
-    """A static tree of ranks, nodes in best-first order (so parents come first)."""
-    parents: torch.Tensor        # (n,) -1 = the root
+    """A static tree of ranks, nodes in best-first order (so parents come first). With a context chain
+    (with_chain) it is the retrieval tree's shape: the matrix's nodes, then the chain's (rank -1, the
+    first one's parent -2: the root itself, whatever the matrix's nodes hang under)."""
+    parents: torch.Tensor        # (n,) -1 = the node retrieval hangs under (the root, or a draft node)
     ranks: torch.Tensor          # (n,)
     depth: torch.Tensor          # (n,) 1-based
     levels: list                 # per depth: (node idx, parent idx, rank) tensors, for batched gathers
+    score: torch.Tensor | None = None   # (n,) log of the product of hit rates on the node's rank path
 
     @property
     def size(self) -> int:
@@ -171,11 +187,11 @@ class Template:
         return torch.bincount(self.depth)[1:].tolist()
 
     def tensors(self) -> list:
-        return [self.parents, self.ranks, self.depth] + [x for lv in self.levels for x in lv]
+        return [self.parents, self.ranks, self.depth, self.score] + [x for lv in self.levels for x in lv]
 
     def to(self, device) -> "Template":
         return Template(self.parents.to(device), self.ranks.to(device), self.depth.to(device),
-                        [tuple(x.to(device) for x in lv) for lv in self.levels])
+                        [tuple(x.to(device) for x in lv) for lv in self.levels], self.score.to(device))
 
 
 def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Template:
@@ -195,28 +211,85 @@ def build_template(hit_rates, n: int, max_depth: int = MAX_TEMPLATE_DEPTH) -> Te
             for r in range(len(a)):
                 heapq.heappush(heap, (neg * a[r], counter, j, r, d + 1))
                 counter += 1
+    return _template(parents, ranks, depth, [math.log(x) for x in score])
+
+
+def _template(parents, ranks, depth, score) -> Template:
     long = lambda x: torch.tensor(x, dtype=torch.long)
     levels = []
     for d in range(1, max(depth, default=0) + 1):        # (host lists: built once, then moved to the device)
         idx = [j for j, x in enumerate(depth) if x == d]
         levels.append((long(idx), long([parents[j] for j in idx]), long([ranks[j] for j in idx])))
-    return Template(long(parents), long(ranks), long(depth), levels)
+    return Template(long(parents), long(ranks), long(depth), levels, torch.tensor(score, dtype=torch.float32))
+
+
+def with_chain(tpl: Template, T: int) -> Template:
+    """The retrieval tree's shape: the template's nodes, then a chain of T context nodes under the root
+    (rank -1; the first one's parent -2). Their scores are the request's, each round (context_scores)."""
+    n = tpl.size
+    return _template(tpl.parents.tolist() + [-2] + list(range(n, n + T - 1)), tpl.ranks.tolist() + [-1] * T,
+                     tpl.depth.tolist() + list(range(1, T + 1)), tpl.score.tolist() + [0.0] * T)
+
+
+# ----------------------------------------------------------------------------- context matches
+
+def context_match(ctx: torch.Tensor, clen: torch.Tensor, G: int, T: int) -> tuple:
+    """Each request's longest match of its recent context: the newest earlier position where its last
+    m <= G tokens occur again (longest first, then newest), and the T tokens that followed there.
+    ctx (B, S) the request's tokens so far (prompt, then output, the root last), the first clen (B,)
+    real. Returns (tokens (B, T) long, real (B, T): a known token (before the root's position) after a
+    match, m (B,) the match's length, 0: none). Static shapes, no host sync: G x S comparisons."""
+    B, S = ctx.shape
+    dev = ctx.device
+    i = torch.arange(G, device=dev)
+    at = clen[:, None] - 1 - i[None]                                        # (B, G) the suffix, newest first
+    tail = ctx.gather(1, at.clamp(min=0))
+    src = torch.arange(S, device=dev)[None] - i[:, None]                    # (G, S) compared with tail[i]
+    eq = (ctx[:, src.clamp(min=0)] == tail[:, :, None]) & (src >= 0)[None] & (at >= 0)[:, :, None]   # (B, G, S)
+    run = eq.long().cumprod(1).sum(1)                                       # (B, S) match length ending there
+    run = torch.where(torch.arange(S, device=dev)[None] < clen[:, None] - 1, run, 0)   # earlier ends only
+    best = (run * S + torch.arange(S, device=dev)[None]).argmax(1)          # longest, then newest
+    m = run.gather(1, best[:, None])[:, 0]
+    pos = best[:, None] + 1 + torch.arange(T, device=dev)[None]             # (B, T)
+    return ctx.gather(1, pos.clamp(max=S - 1)), (pos < clen[:, None]) & (m[:, None] > 0), m
+
+
+def context_scores(real: torch.Tensor, m: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """The chain's log scores, on the template's scale: node t (1-based) after a match of m tokens
+    scores t * log q(m), q the warm-up's hit rate of matches that long (log_q (MATCH+1,)); -inf where
+    there is no token to offer. real (B, T), m (B,). Returns (B, T) float32."""
+    t = torch.arange(1, real.shape[1] + 1, device=real.device, dtype=torch.float32)
+    return torch.where(real, t[None] * log_q[m.clamp(max=log_q.numel() - 1)][:, None], float("-inf"))
+
+
+def context_append(ctx: torch.Tensor, clen: torch.Tensor, new: torch.Tensor, n: torch.Tensor):
+    """Append each request's first n (B,) tokens of new (B, P) to its context (ctx (B, S), clen (B,));
+    the rest write the spare last column, which no match reads."""
+    S, P = ctx.shape[1], new.shape[1]
+    j = torch.arange(P, device=ctx.device)[None]
+    ctx.scatter_(1, torch.where(j < n[:, None], clen[:, None] + j, S - 1).clamp(max=S - 1), new)
+    clen.add_(n)
 
 
 
 # ----------------------------------------------------------------------------- hybrid trees
 
-def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free) -> tuple:
+def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free, r_score=None) -> tuple:
     """Merge each request's kept draft nodes and its retrieval subtree into one tree of n slots.
 
     d_tok, d_par, kept (B, n): the selected draft candidates (select: parents first, d_par indexing
-    them, -1 = the root) and which of them each request keeps (a prefix-closed set); r_tok (B, n) the
-    template's retrieved tokens (None: no retrieval), hung under `anchor` (B,) (-1 = the root, or the
-    index of a kept draft node). The kept nodes come first, compacted in order; a retrieved node that
-    repeats a kept sibling's token is merged into it (its children attach there) and costs no slot;
-    the first free[b] (B,) unmerged template nodes, in template order, take the next slots, so the
-    result is prefix-closed. Slots left over are padding. Returns (tokens, parents, valid, retrieved),
-    each (B, n), without the root: parents index the result, -1 = root. Static shapes throughout."""
+    them, -1 = the root) and which of them each request keeps (a prefix-closed set); r_tok (B, R) the
+    retrieval tree's tokens (tpl: its shape; None: no retrieval), hung under `anchor` (B,) (-1 = the
+    root, or the index of a kept draft node; a parent -2 in tpl is the root itself); r_score (B, R)
+    their log scores (default tpl.score; -inf: not offered). The kept nodes come first, compacted in
+    order; a retrieved node that repeats a kept sibling's token, or an earlier retrieved sibling's, is
+    merged into it (its children attach there, and the node kept takes the better score) and costs no
+    slot; a node's score is capped by its parent's, and the free[b] (B,) best unmerged nodes by score
+    (ties: tree order, so parents come first) take the next slots in that order: the result is
+    prefix-closed. With the template's own scores this is the first free[b] unmerged nodes in template
+    order. Slots left over are padding. Returns (tokens, parents, valid, retrieved), each (B, n),
+    without the root: parents index the result, -1 = root; retrieved: the node's source (SOURCES, 0:
+    drafted). Static shapes throughout."""
     B, n = d_tok.shape
     dev = d_tok.device
     kpos = kept.cumsum(1) - 1                                             # a kept node's index in the result
@@ -224,26 +297,45 @@ def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free) -
     d_dst = torch.where(kept, kpos, n)                                    # the dropped write a spare slot
     r_vals = (None,) * 4
     if r_tok is not None:
-        hid = torch.zeros(B, n, dtype=torch.long, device=dev)            # hybrid id: draft index, or n + j if new
-        merged = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        R = r_tok.shape[1]
+        score = (tpl.score[None].expand(B, R) if r_score is None else r_score).clone()
+        hid = torch.zeros(B, R, dtype=torch.long, device=dev)            # hybrid id: draft index, or n + j if new
+        merged = torch.zeros(B, R, dtype=torch.bool, device=dev)
+        eff = torch.full((B, R), float("-inf"), device=dev)              # score capped by the parent's
+        up = lambda par: torch.where(par[None] == -1, anchor[:, None],                       # noqa: E731
+                                     torch.where(par[None] < -1, -1, hid[:, par.clamp(min=0)]))
         for idx, par, _ in tpl.levels:                                    # level by level: parents are resolved
-            ph = torch.where(par[None] < 0, anchor[:, None], hid[:, par.clamp(min=0)])
-            same = kept[:, None, :] & (d_par[:, None, :] == ph[:, :, None]) & (d_tok[:, None, :] == r_tok[:, idx][:, :, None])
-            hit = same.any(-1)
-            merged[:, idx] = hit
-            hid[:, idx] = torch.where(hit, same.int().argmax(-1), n + idx[None])
-        new = ~merged
-        take = new & (new.cumsum(1) <= free[:, None])                     # the first free[b] unmerged nodes
-        slot = kept.sum(1, keepdim=True) + take.cumsum(1) - 1             # their index in the result
-        ph = torch.where(tpl.parents[None] < 0, anchor[:, None], hid[:, tpl.parents.clamp(min=0)])
+            ph, tok, off = up(par), r_tok[:, idx], score[:, idx] > float("-inf")        # (B, l)
+            same = kept[:, None, :] & (d_par[:, None, :] == ph[:, :, None]) & (d_tok[:, None, :] == tok[:, :, None])
+            hit = same.any(-1) & off
+            l = idx.numel()                                               # an earlier sibling of this level
+            twin = ((ph[:, :, None] == ph[:, None, :]) & (tok[:, :, None] == tok[:, None, :]) & off[:, None, :]
+                    & ~hit[:, None, :] & torch.ones(l, l, dtype=torch.bool, device=dev).tril(-1)[None])
+            dup = twin.any(-1) & off & ~hit
+            first = twin.int().argmax(-1)                                 # (B, l) the earliest such sibling
+            merged[:, idx] = hit | dup
+            into = torch.where(dup, first, torch.arange(l, device=dev))                # itself, or the sibling kept
+            hid[:, idx] = torch.where(hit, same.int().argmax(-1), n + idx[into])
+            lifted = score[:, idx].scatter_reduce(1, into, score[:, idx], "amax")
+            cap = torch.where(ph >= n, eff.gather(1, (ph - n).clamp(0, R - 1)), float("inf"))
+            eff[:, idx] = torch.minimum(lifted, cap)
+        new = ~merged & (eff > float("-inf"))
+        order = torch.sort(torch.where(new, eff, float("-inf")), dim=1, descending=True, stable=True).indices
+        ns = new.gather(1, order)
+        take = torch.zeros_like(new).scatter(1, order, ns & (ns.cumsum(1) <= free[:, None]))
+        rank = torch.zeros_like(hid).scatter(1, order, ns.cumsum(1) - 1)   # its place among the taken
+        slot = kept.sum(1, keepdim=True) + rank
+        ph = up(tpl.parents)
         as_draft = torch.where(ph >= 0, kpos.gather(1, ph.clamp(0, n - 1)), -1)
-        r_par = torch.where(ph >= n, slot.gather(1, (ph - n).clamp(0, n - 1)), as_draft)
+        r_par = torch.where(ph >= n, slot.gather(1, (ph - n).clamp(0, R - 1)), as_draft)
         r_dst = torch.where(take, slot, n)
-        r_vals = (r_tok, r_par, take, take)
+        src = torch.where(tpl.ranks < 0, SOURCES["context"], SOURCES["matrix"])[None].expand(B, R)
+        r_vals = (r_tok, r_par, take, src)
     out = []
-    for (d_val, fill), r_val in zip(((d_tok, 0), (d_parc, -1), (kept, False), (torch.zeros_like(kept), False)), r_vals):
+    zeros = torch.zeros_like(d_tok)
+    for (d_val, fill), r_val in zip(((d_tok, 0), (d_parc, -1), (kept, False), (zeros, 0)), r_vals):
         t = torch.full((B, n + 1), fill, dtype=d_val.dtype, device=dev).scatter(1, d_dst, d_val)
-        out.append((t if r_val is None else t.scatter(1, r_dst, r_val))[:, :n])
+        out.append((t if r_val is None else t.scatter(1, torch.where(r_dst < n, r_dst, n), r_val))[:, :n])
     return tuple(out)
 
 
@@ -276,6 +368,7 @@ class Config:
     policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: stop at B = 1, else replace)
     matrix_k: int = 8
     recycle_size: int = 80
+    sources: tuple = tuple(SOURCES)    # what retrieval draws from (--sources): the matrix, context matches
     pld_ngram: int = 3
     pld_tokens: int = 10
 
@@ -316,6 +409,7 @@ class Calibration:
     hit_rates: tuple = PRIOR_HIT_RATES
     budget_curve: dict = field(default_factory=dict)
     cost_spread: float | None = None
+    context_rates: tuple = PRIOR_CONTEXT_RATES    # q(m): a context match's hit rate by its length m
 
     def get(self, method: str | None, kind: str | None = None) -> dict | None:
         """{"budget", "thresholds", "rate"} of `method` under calibration `kind` (default: chosen)."""
@@ -367,6 +461,13 @@ class Method:
             self.matrix = matrix if matrix is not None else eng.matrix
             self.M = self.matrix.M[None].repeat(eng.B, 1, 1)
             self.written = self.matrix.written[None].repeat(eng.B, 1)
+        self.uses = tuple(self.cfg.sources) if self.needs_matrix else ()      # the retrieval sources it reads
+        self.ctx = None
+        if "context" in self.uses:      # each request's tokens so far (B, S), the first clen[b] real
+            self.ctx = torch.zeros(eng.B, eng.model.max_seq_len + self.P + 1, dtype=torch.long, device=eng.device)
+            self.clen = torch.zeros(eng.B, dtype=torch.long, device=eng.device)
+            self.log_q = torch.tensor([math.log(q) if q > 0 else float("-inf") for q in self.cal.context_rates],
+                                      device=eng.device)
 
     @classmethod
     def configure(cls, cfg: Config, drafter=None, batch: int = 1) -> Config:
@@ -384,23 +485,33 @@ class Method:
 
     def tensors(self) -> list:
         """What lives across rounds (the engine declares it static)."""
-        return [self.M, self.written] if self.matrix is not None else []
+        return ([self.M, self.written] if self.matrix is not None else []) + (
+            [self.ctx, self.clen, self.log_q] if self.ctx is not None else [])
 
     # -- a request's life in slot b (host-side calls, around the compiled steps)
     def admit(self, eng, b: int):
         if self.matrix is not None:
             self.M[b].copy_(self.matrix.M)
             self.written[b].copy_(self.matrix.written)
+        if self.ctx is not None:
+            self.clen[b] = 0
 
     def prompt_chunk(self, eng, b: int, ids, logits, feats, n: int):
         """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, C, V), feats (1, C, F) or
-        None; the first n real. The matrix learns the prompt's continuations."""
+        None; the first n real. The matrix learns the prompt's continuations; the context keeps its tokens
+        (a copy on the device, from the chunk already there)."""
         if self.matrix is not None:
             eng.steps.matrix_update(self.M, self.written, ids, logits, torch.arange(ids.shape[1], device=ids.device)[None] < n,
                                     slots=eng.slot_index(b))
+        if self.ctx is not None:
+            L = eng.slots[b].L                # after this chunk
+            self.ctx[b, L - n:L] = ids[0, :n]
+            self.clen[b] = L
 
     def prefilled(self, eng, b: int):
-        """Slot b's prompt is in the cache and its first token in eng.root[b]."""
+        """Slot b's prompt is in the cache and its first token in eng.root[b] (the context's last)."""
+        if self.ctx is not None:
+            context_append(self.ctx[b:b + 1], self.clen[b:b + 1], eng.root[b:b + 1, None], self.clen[b:b + 1] * 0 + 1)
 
     def finish(self, eng, b: int):
         if self.matrix is not None:           # what the request learned becomes the prior
@@ -478,13 +589,16 @@ class Recycle(Method):
     def __init__(self, eng, cfg, cal=None, matrix=None):
         super().__init__(eng, cfg, cal, matrix)
         self.tpl = build_template(self.cal.hit_rates, self.cfg.recycle_size).to(eng.device)
+        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH).to(self.tpl.parents.device) if self.ctx is not None else self.tpl
 
     @classmethod
     def shape(cls, cfg):
-        return cfg.recycle_size + 1, 1 + len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels)
+        chain = MAX_TEMPLATE_DEPTH if "context" in cfg.sources else 0
+        depth = max(len(build_template(PRIOR_HIT_RATES, cfg.recycle_size).levels), chain)
+        return cfg.recycle_size + 1, min(cfg.recycle_size, depth) + 1
 
     def tensors(self):
-        return super().tensors() + self.tpl.tensors()
+        return super().tensors() + self.tpl.tensors() + self.rtpl.tensors()
 
     def round(self, eng, record=False, full=False) -> Round:
         st = eng.steps
@@ -499,10 +613,29 @@ class Recycle(Method):
 
 
 def recycle_tree(m: Recycle, root: torch.Tensor, active: torch.Tensor) -> Tree:
-    """Recycle's step: every request's template filled from its own matrix under its root."""
-    toks = retrieve(m.M, root, m.tpl)
-    yes = torch.ones_like(toks, dtype=torch.bool)
-    return with_root(root, toks, m.tpl.parents[None].expand_as(toks), yes, yes, active > 0)
+    """Recycle's step: every request's retrieval tree (its matrix's template, its context chain) under
+    its root, the best `recycle_size` nodes of it (graft_trees with no draft node kept)."""
+    r_tok, r_score = retrieval(m, root)
+    B, n = root.shape[0], m.tpl.size
+    none = torch.zeros(B, n, dtype=torch.long, device=root.device)
+    return with_root(root, *graft_trees(none, none - 1, none > 0, r_tok, m.rtpl, torch.full_like(root, -1),
+                                        torch.full_like(root, n), r_score), active > 0)
+
+
+def retrieval(m: Method, under: torch.Tensor) -> tuple:
+    """Every request's retrieval tree (m.rtpl): the template's tokens from its own matrix under `under`
+    (B,), then its context chain after its longest context match; and their log scores (a source the
+    method does not use offers nothing: -inf). Returns (tokens, scores), (B, R) each."""
+    B, n = under.shape[0], m.tpl.size
+    if "matrix" in m.uses:
+        r_tok, r_score = retrieve(m.M, under, m.tpl), m.tpl.score[None].expand(B, n)
+    else:
+        r_tok = torch.zeros(B, n, dtype=torch.long, device=under.device)
+        r_score = torch.full((B, n), float("-inf"), device=under.device)
+    if m.ctx is None:
+        return r_tok, r_score
+    c_tok, real, mlen = context_match(m.ctx, m.clen, MATCH, m.rtpl.size - n)
+    return torch.cat([r_tok, c_tok], 1), torch.cat([r_score, context_scores(real, mlen, m.log_q)], 1)
 
 
 class Eagle3Tree(Method):
@@ -534,6 +667,7 @@ class Eagle3Tree(Method):
         self.taus = torch.tensor([self.thresholds[c] for c in stops[:-1]], dtype=torch.float64, device=dev)
         self.log_tau = self.slot_thresholds().to(dev)
         self.tpl = build_template(self.cal.hit_rates, n).to(dev) if cfg.retrieve else None
+        self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH).to(self.tpl.parents.device) if self.ctx is not None else self.tpl
         self.anchor = "deepest" if cfg.ablation == "tail" or self.policy == "replace" else "root"
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
         self.record_tpl = None           # the warm-up's: a retrieval under the root to record
@@ -553,7 +687,7 @@ class Eagle3Tree(Method):
     def tensors(self):
         return super().tensors() + [self.keep, self.drafted, self.taus, self.log_tau, self.conf, self.pend_feats,
                                     self.pend_ids, self.pend_n] + (
-            self.tpl.tensors() if self.tpl is not None else [])
+            self.tpl.tensors() + self.rtpl.tensors() if self.tpl is not None else [])
 
     def slot_thresholds(self) -> torch.Tensor:
         """log tau per candidate slot (C,) for the replace policy: the threshold of the deepest
@@ -587,6 +721,7 @@ class Eagle3Tree(Method):
 
     def prefilled(self, eng, b):
         """The first round's extend reads the prompt's last feature with the first token."""
+        super().prefilled(eng, b)
         self.pend_feats[b].zero_()
         self.pend_feats[b, 0] = self._last[0, 0]
         self.pend_ids[b].zero_()
@@ -690,7 +825,7 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree
         kept = ~(anc & low[:, None, :]).any(-1) & (rank < K[:, None])
     else:
         kept = rank < K[:, None]
-    r_tok = anchor = free = None
+    r_tok = r_score = anchor = free = None
     if m.tpl is not None:
         if m.anchor == "deepest":    # the best node of the deepest kept level (-1: none kept, the root)
             lv = torch.where(kept, level_of(sel, k), 0)
@@ -699,9 +834,9 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree
         else:
             anchor = torch.full_like(root, -1)
         under = torch.where(anchor >= 0, d_tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
-        r_tok = retrieve(m.M, under, m.tpl)
+        r_tok, r_score = retrieval(m, under)
         free = n - kept.sum(1)
-    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.tpl, anchor, free), active > 0)
+    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.rtpl, anchor, free, r_score), active > 0)
 
 
 def learn(m: Method, tree: Tree, v, active: torch.Tensor):
@@ -710,10 +845,12 @@ def learn(m: Method, tree: Tree, v, active: torch.Tensor):
     after each (the last one the bonus)."""
     if m.matrix is not None:
         update(m.M, m.written, tree.tokens, v.logits, tree.valid, v.path, v.A)
+    nxt = torch.cat([tree.tokens.gather(1, v.path[:, 1:]), v.bonus[:, None]], 1)            # (B, P)
+    nxt = torch.where(torch.arange(m.P, device=nxt.device)[None] == v.A[:, None], v.bonus[:, None], nxt)
+    if m.ctx is not None:                # the context grows by the accepted tokens and the bonus
+        context_append(m.ctx, m.clen, nxt, (v.A + 1) * active)
     if m.needs_head:
-        nxt = torch.cat([tree.tokens.gather(1, v.path[:, 1:]), v.bonus[:, None]], 1)        # (B, P)
-        at_bonus = torch.arange(m.P, device=nxt.device)[None] == v.A[:, None]
-        m.pend_ids.copy_(torch.where(at_bonus, v.bonus[:, None], nxt))
+        m.pend_ids.copy_(nxt)
         m.pend_feats.copy_(v.feats)
         m.pend_n.copy_((v.A + 1) * active)
 

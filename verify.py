@@ -154,7 +154,8 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mod
 @dataclass
 class Tree:
     """A proposal per request: N nodes each, root first (see the module docstring), (B, N) each.
-    `retrieved` marks nodes from the continuation matrix (statistics only; the verifier never reads it)."""
+    `retrieved` gives each node's retrieval source (graft.SOURCES: 1 the continuation matrix, 2 a context
+    match; 0 or False: not retrieved), statistics only: the verifier never reads it."""
     tokens: torch.Tensor
     parents: torch.Tensor
     valid: torch.Tensor
@@ -276,7 +277,7 @@ NOT_FINITE = ("the target's logits are not finite (NaN or inf) in this pass: the
 def commit(v: Verified, tree: Tree) -> list:
     """The one host sync of a round: for every request, the accepted length, the bonus, whether its
     logits were finite, the real candidates its tree held, and the path's tokens and sources, in one
-    transfer. Returns per request (accepted tokens, bonus, retrieved flags of the accepted (0/1 each),
+    transfer. Returns per request (accepted tokens, bonus, retrieval sources of the accepted (0: none),
     real candidate nodes verified, whether its real nodes' logits were finite: the engine refuses to
     go on when an active request's were not, since a NaN would make the argmax pick token 0 again and
     again)."""

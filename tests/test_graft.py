@@ -662,7 +662,7 @@ class FakeEngine:
     def __init__(self, drafter, matrix=None):
         import types
         self.drafter, self.B, self.matrix = drafter, drafter.scores.shape[0], matrix
-        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2))
+        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2), max_seq_len=64)
 
 
 def set_stages(m, stages: list):

@@ -103,7 +103,7 @@ class MockEngine:
     def __init__(self, head, matrix, prompts, roots, L, samplings=None):
         B = len(prompts)
         self.drafter, self.B, self.matrix = head, B, matrix
-        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2))
+        self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2), max_seq_len=64)
         self.L, self.root, self.active = T(L), T(roots), torch.ones(B, dtype=torch.long)
         samplings = samplings or [Sampling()] * B
         self.smp, self.mode = SlotSampling(B, "cpu"), sampling_mode(samplings)
