@@ -61,7 +61,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 530
 
 
-def test_the_algorithm_fits_in_2255_lines():
+def test_the_algorithm_fits_in_2265_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -69,12 +69,13 @@ def test_the_algorithm_fits_in_2255_lines():
     leave (continuous batching, +50), exact mode came (model.py's padded Linear and exact_attention, the
     engine's mode: +120) and retrieval drew from several sources (graft.py: the context match on the
     device, each request's context, the merge of both sources by one score, the shares by source: +85;
-    the host's reference match and the warm-up's rates live in calibrate.py)."""
+    the host's reference match and the warm-up's rates live in calibrate.py), and model.py routed CPU
+    linears and exact attention to kernels.py (+10)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "kernels"})
     assert algorithm == {"model", "draft", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2255, lines
+    assert lines <= 2265, lines
 
 
 def test_no_batched_twins():
