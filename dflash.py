@@ -92,6 +92,31 @@ class DFlash(nn.Module):
         return torch.log_softmax(self.target.lm_head(h).float(), dim=-1)
 
 
+def feature_columns(captured: tuple, wanted: tuple, dim: int) -> list:
+    """The columns of the target's captured features (captured: the layers whose input is captured,
+    sorted, repeats allowed; dim wide each) that hold `wanted`, in wanted's order: a drafter reads
+    its own features when the target captures another drafter's too."""
+    free, cols = list(captured), []
+    for w in wanted:
+        i = next(j for j, c in enumerate(free) if c == w)
+        free[i] = None
+        cols += range(i * dim, (i + 1) * dim)
+    return cols
+
+
+def share_features(target, dflash: DFlash, head=None) -> list:
+    """Make the target capture what the drafter (and an EAGLE-3 head beside it) reads: the union of
+    their layers; the head's feature_cols pick its own. Returns the drafter's columns."""
+    mine = tuple(i + 1 for i in dflash.config.target_layer_ids)        # outputs of layer i = inputs of i+1
+    theirs = tuple(target.capture_layers) if head is not None else ()
+    target.capture_layers = tuple(sorted(theirs + mine))
+    dim = target.args.dim
+    if head is not None:
+        head.feature_cols = torch.tensor(feature_columns(target.capture_layers, theirs, dim),
+                                         device=target.embed_tokens.weight.device)
+    return feature_columns(target.capture_layers, mine, dim)
+
+
 class BlockDrafter:
     """Block drafting for B requests at once, static-shaped, against the drafter's own KV cache
     (B, ...), which holds the context rows of each request: row t = position t, Ld[b] of them
