@@ -16,7 +16,7 @@ reads them (those tests run last).
   one_verify_graph  the verify passes --budget auto times share one graph per path length
   statics       every tensor a compiled step reads on two calls or more is declared static
   statics_shared  the same with a method's buffer left undeclared, two instances sharing their graphs
-  inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
+  inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-naive-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
   batch         B = 2 (aot_eager, full attention, every step output poisoned as it expires): after a
@@ -178,7 +178,7 @@ def main(out: str, only=()):
 
     def inductor():
         eager, comp = tiny_pair("inductor", tmp)
-        methods = {m: E.make_method(comp, m, CFG) for m in ("ar", "graft-root")}
+        methods = {m: E.make_method(comp, m, CFG) for m in ("ar", "graft-naive-root")}
         t0 = time.time()
         E.compile_warmup(comp, list(methods.values()))
         secs = time.time() - t0

@@ -64,10 +64,10 @@ def test_compiled_auto_budget_warmup_compiles_a_constant_number_of_graphs():
 
 
 def test_compiled_with_inductor_equals_eager():
-    """The real CPU backend on the tiny model: ar and graft-root (every kind of step), greedy; no
+    """The real CPU backend on the tiny model: ar and graft-naive-root (every kind of step), greedy; no
     graph compiled after warm-up."""
     got = compile_result("inductor")
-    assert got["same"] == {"ar": True, "graft-root": True} and got["graphs_after_warmup"] == 0
+    assert got["same"] == {"ar": True, "graft-naive-root": True} and got["graphs_after_warmup"] == 0
 
 
 def test_compiled_gpu_check_runs_tiny():

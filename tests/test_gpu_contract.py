@@ -126,7 +126,7 @@ def test_a_template_left_on_the_cpu_is_caught(monkeypatch):
     monkeypatch.setattr(GR.Template, "to", lambda self, device: self)
     got = placement_check(2, False)
     bad = {k for k, v in got.items() if k != "missing" and v != "ok"}
-    retrieving = {"graft", "recycle", "graft-fixed", "graft-root", "graft-tail"}
+    retrieving = {"graft", "recycle", "graft-fixed", "graft-naive-root", "graft-naive-tail"}
     assert {k.split("/")[0] for k in bad} == retrieving
     assert {k.split("/")[2] for k in bad if k.count("/") == 2} == {"assemble", "recycle_tree"}
     assert "graft/greedy/assemble" in bad
