@@ -46,6 +46,8 @@ import graft as GR  # noqa: E402
 import verify as V  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
+NO_BLOCK = [m for m in E.METHODS if m not in E.NEEDS_BLOCK]   # (engines here have no DFlash drafter)
+
 GREEDY, SAMPLED = V.Sampling(), V.Sampling(temperature=0.8, top_p=0.9, seed=1234)
 THRESHOLDS = {0: 0.3, 1: 0.1, 2: 0.02}                # every stage fires on the tiny head
 CFG = GR.Config(budget=8, checkpoints=(0, 1, 2), thresholds=THRESHOLDS)
@@ -141,7 +143,7 @@ def main(out: str, only=()):
     def every_method():
         eager, comp = tiny_pair("aot_eager", tmp)
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS), "sampled": same(eager, comp, m, SAMPLED, PROMPTS)}
-                for m in E.METHODS}
+                for m in NO_BLOCK}
 
     def recompiles():
         _, comp = tiny_pair("aot_eager", tmp)
@@ -206,7 +208,7 @@ def main(out: str, only=()):
         eager, _ = tiny_pair("aot_eager", tmp)
         comp = tiny_engine(tmp, compile=True, backend="aot_eager", check_lifetimes=True, attention="full")
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS_LONG), "sampled": same(eager, comp, m, SAMPLED, PROMPTS_LONG)}
-                for m in E.METHODS}
+                for m in NO_BLOCK}
 
     def one_verify_graph():
         """--budget auto times a verify pass per budget: one graph serves them all (the size is dynamic)."""
@@ -223,7 +225,7 @@ def main(out: str, only=()):
         for attention, B in (("window", 1), ("full", 1), ("window", 2)):
             calls, backend = recording()
             eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention, batch=B)
-            for m in E.METHODS:
+            for m in NO_BLOCK:
                 p = E.make_method(eng, m, CFG)
                 if B == 1:
                     for ids in PROMPTS_LONG:
@@ -264,7 +266,7 @@ def main(out: str, only=()):
         later = [[1] + list(range(60, 100)), [1, 5], PROMPTS[1], [1, 3, 4], [1] + list(range(20, 37))]
         smp = lambda i, seed: V.Sampling(temperature=0.5 + 0.1 * (i % 4), top_p=0.8 + 0.05 * (i % 3), seed=seed + i)
         out = {}
-        for name, policy in [(m, None) for m in E.METHODS] + [("graft", "stop"), ("prune", "stop")]:
+        for name, policy in [(m, None) for m in NO_BLOCK] + [("graft", "stop"), ("prune", "stop")]:
             m = comp.make(name, dataclasses.replace(CFG, policy=policy))
             E.run(comp, m, [E.Request(x, smp(i, 100), i) for i, x in enumerate(first)], 12)
             before = counters["stats"]["unique_graphs"]
