@@ -130,7 +130,8 @@ class BlockDrafter:
         c, p = model.config, model.fc.weight
         self.model, self.block = model, c.block_size
         self.cache = KVCache(c.n_layers, batch, c.layer.n_kv_heads, rows, c.layer.head_dim, p.dtype, p.device)
-        model.rope = rope_table(c.layer, rows).to(p.device)
+        if model.rope is None or model.rope.shape[0] < rows:    # only grows: another engine on this drafter
+            model.rope = rope_table(c.layer, rows).to(p.device)    # keeps reading the same table
         z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=p.device)
         self.Ld = z(batch)                                                     # committed context rows
         self.tokens, self.conf = z(batch, self.block - 1), z(batch, self.block - 1, dtype=torch.float32)

@@ -1,7 +1,15 @@
-"""Train an EAGLE-3 head for any target this engine loads (and, for the demo, a small target).
+"""Train an EAGLE-3 head or a DFlash block drafter for any target this engine loads (and, for the demo,
+a small target).
 
     python train.py eagle3 --ckpt TARGET --prompts FILE --out DIR [--minutes 10] [--device cuda]
     python train.py eagle3 --ckpt TARGET --texts DIR [DIR ...] --seq-len 1024 [--init HEAD_DIR] --out DIR
+    python train.py dflash --ckpt TARGET --prompts FILE --out DIR [--layers 2] [--minutes 35]
+
+DFlash (train_dflash): the target continues the prompts; blocks start at random anchors inside its
+continuations; a block is [the anchor's token, mask tokens] reading the target's features before the
+anchor and the whole block, and learns the target's next block_size - 1 tokens, position k of the
+block weighted exp(-(k-1)/gamma) (later guesses count for less: they are only used when every one
+before them was right). Saved in z-lab's layout (checkpoint.save_dflash).
 
 EAGLE-3 recipe (arXiv 2503.01840, training-time test), small enough to read in one go:
   1. Self-distillation data: the target's own continuations of the prompts (greedy by default), made

@@ -211,3 +211,30 @@ def test_what_a_cut_would_have_accepted():
     assert CAL.tail_accepted(conf, 1, ret, parents, truth, 0.5) == 1          # broke before the cut
     assert CAL.tail_accepted(conf, 3, ret, parents, truth, 0.85) == 1 + 3     # K=1: 6, 7, 8 retrieved
     assert CAL.tail_accepted(conf, 0, ret, parents, truth, 0.95) == 2         # K=0: 5, 6 under the root
+
+
+def test_the_cached_block_is_the_training_block(target, random_dflash):
+    """The engine's block (the context written chunk by chunk into the drafter's cache, then the
+    accepted path's rows, then the block at its positions) gives the logits training computes for a
+    block at the same anchor over the whole context at once (train.dflash_loss's layout: context
+    rows first, blocks after them at their own positions): inference reads what the drafter learned."""
+    from dflash import BlockDrafter, share_features
+    d = load_dflash(str(random_dflash), target)
+    cols = share_features(target, d)
+    toks = torch.tensor([[(7 * i + 3) % 4000 + 1 for i in range(40)]])
+    _, feats = target(toks, torch.arange(40), capture=True)                       # (1, 40, F)
+    a, S = 25, d.config.block_size
+    bd = BlockDrafter(d, 1, 128, cols)
+    bd.prefill(feats[:, :16], torch.tensor(16), torch.tensor([0]))               # a prompt chunk
+    bd.prefill(feats[:, 16:20], torch.tensor(4), torch.tensor([0]))              # a shorter one
+    path = torch.cat([feats[:, 20:a], feats[:, :3] * float("nan")], 1)           # 5 accepted rows, padding
+    bd.draft(path, torch.tensor([5]), toks[:, a], torch.arange(128))
+    ids = torch.cat([toks[:, a:a + 1], torch.full((1, S - 1), d.config.mask_token_id)], 1)
+    pos = a + torch.arange(S)[None]
+    mask = torch.cat([(torch.arange(40) < a).expand(1, S, 40), torch.ones(1, S, S, dtype=torch.bool)], 2)
+    cache = E.KVCache(d.config.n_layers, 1, d.config.layer.n_kv_heads, 40 + S, d.config.layer.head_dim,
+                      torch.float32, "cpu")
+    h = d(bd.features(feats), torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool), ids,
+          40 + torch.arange(S)[None], pos, mask, cache)
+    best, tok = d.logprobs(h[:, 1:]).max(-1)
+    assert torch.equal(tok, bd.tokens) and torch.allclose(best.exp(), bd.conf, atol=1e-5)
