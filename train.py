@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import hf_model_args, load_head, load_model, read_config, save_dflash, save_head
+from checkpoint import hf_model_args, load_dflash, load_head, load_model, read_config, save_dflash, save_head
 from dflash import DFlash, DFlashConfig, default_layer_ids
 from model import GraftError, KVCache, ModelArgs
 from draft import Eagle3, HeadConfig
@@ -609,22 +609,27 @@ def train_dflash(a) -> str:
         save_state(data_path, {"tokens": torch.tensor([t for s in seqs for t in s]), "lengths": torch.tensor(
             [len(s) for s in seqs]), "starts": torch.tensor(starts)}, {})
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
-    ids = tuple(default_layer_ids(ta.n_layers, a.layers))
-    target.capture_layers = tuple(i + 1 for i in ids)        # the outputs of those layers
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=ta.vocab_size)
-    mask_id = a.mask_token_id if a.mask_token_id is not None else ta.vocab_size - 1 - int(counts.flip(0).argmin())
-    layer = ModelArgs(arch="qwen3", vocab_size=ta.vocab_size, dim=ta.dim, n_layers=a.layers, n_heads=ta.n_heads,
-                      n_kv_heads=ta.n_kv_heads, head_dim=ta.head_dim, intermediate_size=ta.intermediate_size,
-                      norm_eps=ta.norm_eps, rope_theta=ta.rope_theta, rope_scaling=ta.rope_scaling,
-                      max_position_embeddings=ta.max_position_embeddings, qk_norm=True)
-    model = DFlash(DFlashConfig(layer, a.layers, a.block_size, mask_id, ids), target).to(dev)
+    if a.init:                   # go on training a drafter (its shape, target layers and mask token kept)
+        model = load_dflash(a.init, target, dev, torch.float32)
+        ids, mask_id, a.layers, a.block_size = (model.config.target_layer_ids, model.config.mask_token_id,
+                                                model.config.n_layers, model.config.block_size)
+    else:
+        ids = tuple(default_layer_ids(ta.n_layers, a.layers))
+        mask_id = a.mask_token_id if a.mask_token_id is not None else ta.vocab_size - 1 - int(counts.flip(0).argmin())
+        layer = ModelArgs(arch="qwen3", vocab_size=ta.vocab_size, dim=ta.dim, n_layers=a.layers, n_heads=ta.n_heads,
+                          n_kv_heads=ta.n_kv_heads, head_dim=ta.head_dim, intermediate_size=ta.intermediate_size,
+                          norm_eps=ta.norm_eps, rope_theta=ta.rope_theta, rope_scaling=ta.rope_scaling,
+                          max_position_embeddings=ta.max_position_embeddings, qk_norm=True)
+        model = DFlash(DFlashConfig(layer, a.layers, a.block_size, mask_id, ids), target).to(dev)
+    target.capture_layers = tuple(i + 1 for i in ids)        # the outputs of those layers
     log(f"drafter: {a.layers} layers, block {a.block_size}, target layers {list(ids)}, mask token {mask_id} "
         f"(seen {int(counts[mask_id])} times in the data)")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng, step = random.Random(a.seed), 0
     data = dflash_batches(seqs, starts, a.seq_len, a.batch, a.anchors, a.block_size, rng)
     t0, deadline = time.time(), time.time() + a.minutes * 60 if a.minutes else float("inf")
-    logf = open(os.path.join(a.out, "train_log.jsonl"), "w")
+    logf = open(os.path.join(a.out, "train_log.jsonl"), "a")
     logf.write(json.dumps({"command": "python train.py " + " ".join(sys.argv[1:])}) + "\n")
     model.train()
     while step < a.steps and time.time() < deadline:
@@ -917,6 +922,7 @@ def parse_args(argv=None):
     f.add_argument("--new-tokens", type=int, default=256, help="the target's continuation per prompt")
     f.add_argument("--max-prompts", type=int, default=0)
     f.add_argument("--gen-batch", type=int, default=32)
+    f.add_argument("--init", default=None, metavar="DIR", help="go on training this drafter (its shape kept)")
     f.add_argument("--layers", type=int, default=2, help="draft layers (5 for an 8B target in the published ones)")
     f.add_argument("--block-size", type=int, default=16)
     f.add_argument("--mask-token-id", type=int, default=None,
