@@ -681,7 +681,7 @@ def default_demo(device) -> str:
 # Published DFlash drafters (z-lab's Hub pages), and the one shipped for the stdlib target.
 STDLIB_DFLASH = os.path.join(HERE, "checkpoints", "stdlib-qwen3-dflash")
 
-KNOWN_DFLASH = {"Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-4B": "z-lab/Qwen3-4B-DFlash-b16"}
+KNOWN_DFLASH = {"Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16"}
 
 
 def known_dflash(ckpt: str) -> str | None:
