@@ -324,7 +324,8 @@ class Engine:
     window of the cache that grows with the context (`window`, a CPU's fastest) or over the whole
     cache (static shapes, what CUDA graphs need). Caches are allocated once, here, for trees of up to
     `nodes` nodes and paths of `path` rows (cli.room). check_lifetimes: poison every step output when
-    it expires (tests)."""
+    it expires (tests). dflash: a DFlash drafter (dflash.DFlash) for the block methods, dflash_cols its
+    features' columns in what the target captures (dflash.share_features)."""
 
     def __init__(self, model, tokenizer, head, matrix: ContinuationMatrix, batch: int = 1, nodes: int = 1,
                  path: int = 1, top_k: int = 10, depth: int = 8, compile: bool = False, window: bool = True,

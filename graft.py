@@ -763,7 +763,6 @@ class BlockDraft(Method):
         tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
         self.tau = torch.tensor(float(tau or 0.0) if self.cut else 0.0, device=dev)
         self.tpl = build_template(self.cal.hit_rates, n).to(dev) if self.cut else None
-        self.record_tpl = None
 
     @classmethod
     def shape(cls, cfg):
