@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from calibrate import AUTO_BUDGETS, method_config, needs_warmup, warm_up, warmup_method
+from calibrate import AUTO_BUDGETS, calibrate_tail, method_config, needs_warmup, warm_up, warmup_method
 from cli import WARMUP_RUNS, ArgumentParser, add_engine_flags, build_engine, check_args, check_sampling, config_from_args
 import data
-from data import DEMO_DRAFT, known_head, read_prompts
-from engine import NEEDS_HEAD, Request, Scheduler, compile_warmup
+from data import DEMO_DRAFT, known_dflash, known_head, read_prompts
+from engine import NEEDS_BLOCK, NEEDS_HEAD, Request, Scheduler, compile_warmup
 from graft import METHODS
 from model import GraftError
 import tp
@@ -72,6 +72,9 @@ def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=
         raise GraftError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if method in NEEDS_HEAD and not draft:
         raise GraftError(f"--method {method} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
+    block = (a.dflash or known_dflash(ckpt)) if method in NEEDS_BLOCK else None
+    if method in NEEDS_BLOCK and not block:
+        raise GraftError(f"--method {method} needs a DFlash drafter: pass --dflash DIR_OR_HUB_ID")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     cfg = config_from_args(a)
     head = draft if method in NEEDS_HEAD else None
@@ -79,7 +82,7 @@ def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=
     todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
     eng = build_engine(ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
                        attention=a.attention, chunk=a.prefill_chunk, batch=batch, methods=todo,
-                       more_batches=more_batches, exact=a.exact)
+                       more_batches=more_batches, exact=a.exact, dflash=block)
     return eng, method, cfg
 
 
@@ -93,6 +96,8 @@ def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
     wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
     cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
                   log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+    if getattr(METHODS[method], "cut", False) and cfg.tail_threshold is None:     # graft-tail's cut
+        calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log)
     cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
     return method_config(cal, method, cfg, a.auto_budget), cal
 

@@ -45,8 +45,10 @@ DESCRIPTIONS = {
     "recycle": "Token Recycling: an 80-node retrieval tree from the continuation matrix, no draft head",
     "pld": "prompt lookup: copy up to 10 tokens after the last match of the newest 1-3 tokens",
     "graft-fixed": "fixed 40/20 draft/retrieval split, full drafting, no calibration (ablation)",
-    "graft-root": "dense 60-node draft plus a 20-node retrieval subtree at the root (ablation)",
-    "graft-tail": "dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)",
+    "graft-naive-root": "dense 60-node draft plus a 20-node retrieval subtree at the root (ablation)",
+    "graft-naive-tail": "dense 60-node draft plus a 20-node retrieval subtree under the best draft leaf (ablation)",
+    "dflash": "a DFlash drafter's block (16 tokens: the root + 15 guesses) verified as a chain (--dflash)",
+    "graft-tail": "Graft-TAIL: the block's confident prefix, the tail retrieved under its last kept guess (--dflash)",
 }
 
 # --batch without --methods: every method that is not an ablation
@@ -450,6 +452,10 @@ def main(argv=None) -> dict:
     draft = a.draft or (DATA.known_head(a.ckpt) if need_head else None)
     if need_head and not draft:
         raise GraftError(f"{', '.join(m for m in methods if m in E.NEEDS_HEAD)} need an EAGLE-3 head: pass --draft")
+    need_block = any(m in E.NEEDS_BLOCK for m in methods)
+    block = a.dflash or (DATA.known_dflash(a.ckpt) if need_block else None)
+    if need_block and not block:
+        raise GraftError(f"{', '.join(m for m in methods if m in E.NEEDS_BLOCK)} need a DFlash drafter: pass --dflash")
     dtype = a.dtype or ("bfloat16" if str(a.device).startswith("cuda") else "float32")
     log = lambda s: print(s, file=sys.stderr)
     if contexts:
@@ -467,7 +473,8 @@ def main(argv=None) -> dict:
                                                                 a.auto_budget)]
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
-                           methods=todo, more_batches=sizes or (), exact=exact(executions[0]))
+                           methods=todo, more_batches=sizes or (), exact=exact(executions[0]),
+                           dflash=block if need_block else None)
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
@@ -477,6 +484,8 @@ def main(argv=None) -> dict:
         wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
         cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
                           log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+        if any(getattr(E.METHODS[m], "cut", False) for m in methods) and cfg0.tail_threshold is None:
+            CAL.calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log)      # graft-tail's cut
         cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
         if a.auto_budget and cal.methods:
             budgets = [None]           # each method at the budget its calibration picked
@@ -630,7 +639,9 @@ def main(argv=None) -> dict:
                     "gpu": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else None},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_seq_len": eng.model.max_seq_len,
+        "ckpt": a.ckpt, "draft": draft, "dflash": block if need_block else None, "dtype": dtype,
+        "max_seq_len": eng.model.max_seq_len,
+        "tail_threshold": cfg0.tail_threshold if cfg0.tail_threshold is not None else cal and cal.tail_threshold,
         "executions": how, "attention": {x: "window" if e.window else "full" for x, e in engines.items()},
         "compile_seconds": {x: round(e.steps.compile_seconds, 2) for x, e in engines.items()},
         "prefill_chunk": eng.chunk, "max_new_tokens": a.max_new_tokens, "limit": a.limit, "chat": a.chat,

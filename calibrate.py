@@ -434,6 +434,78 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     return cal
 
 
+def tail_accepted(conf: list, A: int, retrieved: list, parents: list, truth: list, tau: float) -> int:
+    """What a graft-tail round would have accepted at cut tau (greedy): conf (n,) the block's
+    confidences, A what the whole block (dflash's chain) accepted, retrieved[K] (n,) the template's
+    tokens under guess K-1 (K = 0: the root), parents (n,) the template's (-1: under that guess),
+    truth the target's continuation after the root (at least n tokens). On the host."""
+    n = len(conf)
+    K = next((i for i, c in enumerate(conf) if c < tau), n)
+    if K == n or K > A:              # nothing cut, or the chain broke inside the kept prefix
+        return A
+    depth, best = [0] * (n - K), 0   # the retrieval subtree's first n - K nodes, matched against truth[K:]
+    for i in range(n - K):
+        d = 0 if parents[i] < 0 else depth[parents[i]]
+        ok = (parents[i] < 0 or d > 0) and K + d < len(truth) and retrieved[K][i] == truth[K + d]
+        depth[i] = d + 1 if ok else 0
+        best = max(best, depth[i])
+    return K + best
+
+
+def calibrate_tail(engine: Engine, cal: Calibration | None, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
+                   chat: bool = False, log=None) -> float:
+    """graft-tail's cut tau (docs/graft.md section 11): a few dflash generations on the warm-up prompts
+    (a copy of the warmed-up matrix, so the prior is left as it was) record every round's block
+    confidences and, for every possible cut, the retrieval the matrix offered then; tau is the cut that
+    maximises the tokens those rounds would have accepted (the same verify size at every tau, so the
+    same tokens per second; ties go to the smaller tau, 0 being dflash's chain). Sets
+    cal.tail_threshold and returns tau. (Not cached: it takes a few block generations.)"""
+    log = log or (lambda s: None)
+    cal = cal if cal is not None else Calibration()
+    m = engine.make("graft-tail", Config(tail_threshold=0.0), cal, engine.matrix.copy())
+    if engine.compiling:
+        compile_warmup(engine, [m])
+    recs = []
+
+    def record(rnd, got):
+        for b, g in enumerate(got):
+            if g is not None:
+                A = len(g[0])
+                recs.append((rnd.record["conf"][b].tolist(), A, rnd.record["retrieved"][b].tolist(),
+                             engine.slots[b].request, engine.slots[b].L - A - 1))
+
+    reqs = []
+    for p in list(prompts or WARMUP_PROMPTS)[:rounds]:
+        ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
+        if 0 < len(ids) <= engine.model.max_seq_len - max_new_tokens:
+            reqs.append(Request(ids))
+    if reqs:
+        run(engine, m, reqs, max_new_tokens, engine.tokenizer.eos_ids, on_round=record, record=True)
+    n, parents = m.N - 1, m.tpl.parents.tolist()
+    rows = []
+    for conf, A, ret, r, L in recs:
+        full = r.ids + r.tokens
+        truth = full[L + 1:L + 1 + n]
+        if len(truth) == n:          # the last rounds of a generation see too little of what followed
+            rows.append((conf, A, ret, truth))
+    cuts = sorted({round(c, 6) for row in rows for c in row[0]})
+    taus = [0.0] + [(a + b) / 2 for a, b in zip(cuts, cuts[1:])] + [1.0 + 1e-6]
+    if len(taus) > 65:               # at most 64 cuts: quantiles of the observed confidences
+        taus = [0.0] + [taus[round(i * (len(taus) - 1) / 63)] for i in range(1, 64)] + [1.0 + 1e-6]
+    best, best_tau, base = -1, 0.0, sum(row[1] for row in rows)
+    for tau in taus:
+        got = sum(tail_accepted(conf, A, ret, parents, truth, tau) for conf, A, ret, truth in rows)
+        if got > best:
+            best, best_tau = got, tau
+    cal.tail_threshold = best_tau
+    if rows:
+        log(f"warm-up: graft-tail: cut tau {best_tau:.3f}: {len(rows)} rounds would have committed MAT "
+            f"{(best + len(rows)) / len(rows):.2f} (dflash's chain: {(base + len(rows)) / len(rows):.2f})")
+    else:
+        log("warning: the graft-tail calibration left no round to score: tau 0 (graft-tail runs as dflash)")
+    return best_tau
+
+
 def read_calibrations(meta: dict, checkpoints) -> tuple | None:
     """(calibrations, budget_curve) from a cache file's JSON, or None when they are malformed or do not
     fit (checkpoints None: a warm-up without a head, which calibrates nothing)."""

@@ -8,6 +8,7 @@ import os
 import torch
 import torch.nn as nn
 
+from dflash import DFlash, DFlashConfig, default_layer_ids
 from draft import Eagle3, HeadConfig
 from model import GraftError, ModelArgs, Transformer
 
@@ -644,3 +645,92 @@ def save_head(head: Eagle3, out_dir: str, t2d: torch.Tensor | None = None, extra
         t2d[head.to_target(torch.arange(c.draft_vocab_size, device=head.d2t.device)).cpu()] = True
     sd["t2d"] = t2d.cpu()
     save_file(sd, os.path.join(out_dir, "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- the DFlash drafter
+
+def dflash_config(cfg, target_args: ModelArgs, what: str = "DFlash drafter config.json") -> DFlashConfig:
+    """Read a DFlash drafter's config.json as z-lab publishes it (a Qwen3 config with architectures
+    ["DFlashDraftModel"], `block_size` at the top or in `dflash_config`, and `dflash_config`'s
+    `mask_token_id` and `target_layer_ids`) and check it against the target it drafts for.
+    Errors: GraftError, one line naming the field, for anything malformed or that does not fit."""
+    c = Fields(cfg, what)
+    archs = c.get("architectures", list, [])
+    if "DFlashDraftModel" not in archs:
+        raise GraftError(f"{what}: architectures {archs!r:.60} is not ['DFlashDraftModel']: not a DFlash drafter")
+    d = Fields(c.get("dflash_config", dict), f"{what} dflash_config")
+    if c.get("hidden_act", str, "silu") != "silu":
+        raise GraftError(f"{what}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if c.get("attention_bias", bool, False) or c.get("use_sliding_window", bool, False):
+        raise GraftError(f"{what}: attention_bias and sliding-window layers are not supported")
+    H, nh, nkv, hd = read_heads(c, what)
+    ta = target_args
+    for key, mine, theirs in (("hidden_size", H, ta.dim), ("vocab_size", c.int("vocab_size", ta.vocab_size), ta.vocab_size),
+                              ("num_target_layers", c.int("num_target_layers", ta.n_layers), ta.n_layers)):
+        if mine != theirs:
+            raise GraftError(f"DFlash drafter does not fit the target: its {key} is {mine}, the target's is {theirs}")
+    n = c.int("num_hidden_layers")
+    theta, scaling = read_rope(cfg, what)
+    layer = ModelArgs(arch="qwen3", vocab_size=ta.vocab_size, dim=H, n_layers=n, n_heads=nh, n_kv_heads=nkv,
+                      head_dim=hd, intermediate_size=c.int("intermediate_size"), norm_eps=c.float("rms_norm_eps", 1e-6),
+                      rope_theta=theta, rope_scaling=scaling,
+                      max_position_embeddings=c.int("max_position_embeddings", ta.max_position_embeddings), qk_norm=True)
+    ids = d.get("target_layer_ids", list, None)
+    ids = list(default_layer_ids(ta.n_layers, n)) if ids is None else ids
+    if not ids or not all(type(i) is int and 0 <= i <= ta.n_layers - 2 for i in ids):
+        raise GraftError(f"{what}: target_layer_ids {ids!r:.60} are not layers 0..{ta.n_layers - 2} of this "
+                         f"{ta.n_layers}-layer target")
+    block = d.int("block_size", None, lo=2, hi=64) or c.int("block_size", lo=2, hi=64)
+    return DFlashConfig(layer, n, block, d.int("mask_token_id", lo=0, hi=ta.vocab_size - 1), tuple(ids))
+
+
+def load_dflash(ckpt: str, target, device=None, dtype=None) -> DFlash:
+    """Load a DFlash drafter (a local folder or hub id in z-lab's layout: config.json and
+    model.safetensors with fc, hidden_norm, norm and layers.N.*) for `target`, every tensor's name
+    and shape checked. Errors: GraftError, one line."""
+    path = resolve_checkpoint(ckpt, patterns=HEAD_PATTERNS)
+    c = dflash_config(read_config(path), target.args)
+    sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in read_head_weights(path).items()
+          if "rotary_emb" not in k}
+    with torch.device("meta"):
+        model = DFlash(c)
+    expected = model.state_dict()
+    unknown = sorted(set(sd) - set(expected))
+    if unknown:
+        raise GraftError(f"DFlash drafter {path} has weights this engine does not know: {', '.join(unknown[:4])}")
+    for k, t in expected.items():
+        if k not in sd:
+            raise GraftError(f"DFlash drafter {path} lacks weight {k}")
+        if tuple(sd[k].shape) != tuple(t.shape) or not sd[k].is_floating_point():
+            raise GraftError(f"DFlash drafter weight {k} has shape {tuple(sd[k].shape)} "
+                             f"{str(sd[k].dtype).replace('torch.', '')}, expected {tuple(t.shape)} floating-point")
+    device = device or target.embed_tokens.weight.device
+    dtype = dtype or target.embed_tokens.weight.dtype
+    state = {k: sd[k].to(device, dtype) for k in expected}
+    for k, t in state.items():
+        check_finite(f"DFlash drafter {k}", t)
+    model.load_state_dict(state, assign=True, strict=True)
+    model._target, model.path = (target,), path
+    return model.eval()
+
+
+def save_dflash(model: DFlash, out_dir: str, extra_config: dict | None = None):
+    """Write a drafter in z-lab's published layout: config.json (a Qwen3 config, architectures
+    ["DFlashDraftModel"], block_size, dflash_config) and model.safetensors (no embedding, no lm_head)."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    c, a = model.config, model.config.layer
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": a.dim,
+           "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_heads,
+           "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": c.n_layers,
+           "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.norm_eps,
+           "rope_theta": a.rope_theta, "hidden_act": "silu", "attention_bias": False, "vocab_size": a.vocab_size,
+           "num_target_layers": model.target.args.n_layers if model.target is not None else None,
+           "block_size": c.block_size, "tie_word_embeddings": False,
+           "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+           "torch_dtype": str(model.fc.weight.dtype).replace("torch.", "")}
+    cfg.update(extra_config or {})
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump({k: v for k, v in cfg.items() if v is not None}, fh, indent=2)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+              os.path.join(out_dir, "model.safetensors"))

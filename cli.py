@@ -9,7 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from calibrate import AUTO_BUDGETS, CALIBRATIONS
-from checkpoint import DTYPES, HEAD_PATTERNS, NotCached, cache_budget, free_memory, load_head, load_model, resolve_checkpoint
+from checkpoint import (DTYPES, HEAD_PATTERNS, NotCached, cache_budget, free_memory, load_dflash, load_head, load_model,
+                        resolve_checkpoint)
+from dflash import share_features
 from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
@@ -62,6 +64,11 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     """The flags generate.py and bench.py share: model, sampling and tree shape. bench.py's
     --calibration may name both calibrations, to compare them in one run."""
     p.add_argument("--draft", default=None, help="EAGLE-3 head: local folder or hub id (default: known mapping)")
+    p.add_argument("--dflash", default=None, help="DFlash block drafter: local folder or hub id, z-lab's layout "
+                                                  "(default: known mapping; methods dflash, graft-tail)")
+    p.add_argument("--tail-threshold", type=float, default=None,
+                   help="graft-tail's cut: keep the block's guesses up to the first whose drafter probability is "
+                        "below this (default: calibrated in the warm-up)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0,
                    help=f"0 (or below {MIN_TEMPERATURE}) = greedy")
@@ -231,6 +238,7 @@ def config_from_args(a) -> Config:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
         cfg.thresholds = dict(zip(cps, numbers("--thresholds", a.thresholds, float)))
+    cfg.tail_threshold = getattr(a, "tail_threshold", None)
     return cfg
 
 
@@ -251,7 +259,7 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None, more_batches=(), exact: bool = False) -> Engine:
+                 methods: list | None = None, more_batches=(), exact: bool = False, dflash=None) -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
@@ -259,7 +267,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). exact: model.py's
     exact mode (every method's tokens bit-identical to plain decoding's in any dtype). more_batches: batch
     sizes engines on this model will take later (bench --batch), checked against memory here too, before
-    the weights load. Errors:
+    the weights load. dflash: a DFlash drafter's folder or hub id (methods dflash, graft-tail). Errors:
     GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
     the memory there is (checked before they are allocated)."""
     if dtype not in DTYPES:
@@ -298,14 +306,20 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         if top_k > head.config.draft_vocab_size:
             raise GraftError(f"--draft-top-k {top_k} exceeds the head's draft vocabulary "
                              f"({head.config.draft_vocab_size} tokens)")
-    nodes, longest = room([(m, c) for m, c in methods if head is not None or not METHODS[m].needs_head],
-                          (top_k, depth), batch)
+    block = cols = None
+    if dflash:
+        block = load_dflash(dflash, model)
+        cols = share_features(model, block, head)      # the target captures what both drafters read
+    nodes, longest = room([(m, c) for m, c in methods if (head is not None or not METHODS[m].needs_head)
+                           and (block is not None or not METHODS[m].needs_block)], (top_k, depth), batch)
+    if block is not None:
+        nodes, longest = max(nodes, block.config.block_size), max(longest, block.config.block_size)
     check_batch_memory(model.args, max_seq_len, head, batch, max(nodes, longest), chunk, matrix_k, DTYPES[dtype],
                        device)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
     return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
                   window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
-                  exact=exact)
+                  exact=exact, dflash=block, dflash_cols=cols)
 
 
 def resolve_pair(ckpt: str, draft: str | None) -> tuple:
@@ -345,9 +359,13 @@ def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
     `methods` at this B (engine_room: memory checked first). build_engine without loading again."""
     d = eng.drafter
     nodes, path = engine_room(eng, batch, methods)
+    bd, cols = eng.dflash_args()
+    if bd is not None:
+        nodes, path = max(nodes, bd.config.block_size), max(path, bd.config.block_size)
     return Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
                   *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
-                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact)
+                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact,
+                  dflash=bd, dflash_cols=cols)
 
 
 def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chunk: int, matrix_k: int, dtype,

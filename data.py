@@ -678,6 +678,19 @@ def default_demo(device) -> str:
     return "smollm2"
 
 
+# Published DFlash drafters (z-lab's Hub pages), and the one shipped for the stdlib target.
+STDLIB_DFLASH = os.path.join(HERE, "checkpoints", "stdlib-qwen3-dflash")
+
+KNOWN_DFLASH = {"Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16"}
+
+
+def known_dflash(ckpt: str) -> str | None:
+    """The published (or shipped) DFlash drafter for a well-known target, or None."""
+    if os.path.isdir(ckpt) and os.path.realpath(ckpt) == os.path.realpath(STDLIB_CKPT):
+        return STDLIB_DFLASH if os.path.isdir(STDLIB_DFLASH) else None
+    return KNOWN_DFLASH.get(ckpt)
+
+
 def known_head(ckpt: str) -> str | None:
     """The published (or shipped) EAGLE-3 head for a well-known target: its Hub id, or a GGUF file (or
     a folder holding one) of the demo model, or ../shared/models/stories260K-hf (the head shipped for

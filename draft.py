@@ -63,6 +63,7 @@ class Eagle3(nn.Module):
         self.lm_head = Linear(H, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: nn.Embedding | None = None   # the target's, unless the checkpoint has its own
+        self.feature_cols = None     # its features' columns when the target captures more (a DFlash drafter's too)
         self.rope = None
         self.cache: KVCache | None = None
 
@@ -85,7 +86,7 @@ class Eagle3(nn.Module):
         keys/values (training only, see train.py); keep (B, T) bool: the real rows (padding writes
         zeros to the cache)."""
         if fused:
-            hidden = self.fc(hidden)
+            hidden = self.fc(hidden if self.feature_cols is None else hidden.index_select(-1, self.feature_cols))
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
             self.rope = rope_table(self.config.layer, ids.shape[-1]).to(hidden.device)
         rope = rope_at(self.rope, positions, hidden.dtype)
@@ -137,7 +138,8 @@ class Drafter:
 
     def buffers(self) -> list:
         return [self.Ld, self.scores, self.tokens, self.parents, self.beam_s, self.beam_tok, self.beam_h,
-                self.beam_at, self.seen, self.head.rope, self.cache.bi, self.cache.hi] + self.cache.tensors()
+                self.beam_at, self.seen, self.head.rope, self.cache.bi, self.cache.hi] + self.cache.tensors() + (
+            [self.head.feature_cols] if self.head.feature_cols is not None else [])
 
     def prefill(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, slot: torch.Tensor, cols: torch.Tensor):
         """Committed rows of request `slot` (1,) for a chunk of its prompt: feats (1, c, 3*Ht), ids (1, c)

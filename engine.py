@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash import BlockDrafter
 from draft import Drafter
-from graft import METHODS, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, learn, recycle_tree, update
+from graft import (METHODS, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree, learn,
+                   recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
                     token_hash, verify)
@@ -325,12 +327,13 @@ class Engine:
     window of the cache that grows with the context (`window`, a CPU's fastest) or over the whole
     cache (static shapes, what CUDA graphs need). Caches are allocated once, here, for trees of up to
     `nodes` nodes and paths of `path` rows (cli.room). check_lifetimes: poison every step output when
-    it expires (tests)."""
+    it expires (tests). dflash: a DFlash drafter (dflash.DFlash) for the block methods, dflash_cols its
+    features' columns in what the target captures (dflash.share_features)."""
 
     def __init__(self, model, tokenizer, head, matrix: ContinuationMatrix, batch: int = 1, nodes: int = 1,
                  path: int = 1, top_k: int = 10, depth: int = 8, compile: bool = False, window: bool = True,
                  chunk: int = PREFILL_CHUNK, backend: str = "inductor", check_lifetimes: bool = False,
-                 exact: bool = False):
+                 exact: bool = False, dflash=None, dflash_cols=None):
         if batch < 1:
             raise GraftError(f"--batch must be >= 1, got {batch}")
         p = model.embed_tokens.weight
@@ -347,6 +350,8 @@ class Engine:
             model.rope = rope_table(a, rows).to(p.device)
         self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
         self.drafter = Drafter(head, batch, S, top_k, depth, path, chunk) if head is not None else None
+        # a DFlash block drafter (dflash_cols: its features' columns in what the target captures)
+        self.block = BlockDrafter(dflash, batch, rows, dflash_cols) if dflash is not None else None
         self.slots = [Slot() for _ in range(batch)]
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=p.device)
         self.L, self.root, self.active = z(batch), z(batch), z(batch)   # committed rows, next roots, live slots
@@ -362,7 +367,8 @@ class Engine:
                           *self.smp.tensors(),
                           self.fills.n, self.fills.slot, *self.fills.level, self.fills.cols,
                           token_hash(a.vocab_size, p.device),  # sampling's table: read, never built, in a graph
-                          *([self.fills.head_cols, *self.drafter.buffers()] if head is not None else []))
+                          *([self.fills.head_cols, *self.drafter.buffers()] if head is not None else []),
+                          *(self.block.buffers() if dflash is not None else []))
         # The steps of a round, bound and compiled here and nowhere else (gpt-fast's one visible block):
         # the target's three passes, the head's three, and the methods' own.
         s, d = self.steps, self.drafter
@@ -374,6 +380,10 @@ class Engine:
             s.extend = s.compile(Drafter.extend, "extend", d)                   # accepted paths + level 1
             s.level = s.compile(Drafter.level, "level", d)                      # one more level
             s.assemble = s.compile(assemble, "assemble", d)                    # keep, retrieve, graft
+        if self.block is not None:
+            s.block_prefill = s.compile(BlockDrafter.prefill, "block_prefill", self.block)   # a prompt's context
+            s.block_draft = s.compile(BlockDrafter.draft, "block_draft", self.block)         # a block per request
+            s.block_tree = s.compile(block_tree, "block_tree", self.block)                   # chain, or cut + retrieval
         s.recycle_tree = s.compile(recycle_tree, "recycle_tree")                # Token Recycling's tree
         s.learn = s.compile(learn, "learn")                                     # matrices, the head's next input
         s.matrix_update = s.compile(update, "matrix_update")                    # a prompt chunk into a matrix
@@ -420,7 +430,12 @@ class Engine:
         window = (not (compile and self.cuda)) if window is None else window
         return Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
                       *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
-                      self.steps.lifetimes is not None, self.exact if exact is None else exact)
+                      self.steps.lifetimes is not None, self.exact if exact is None else exact, *self.dflash_args())
+
+    def dflash_args(self) -> tuple:
+        """(the DFlash drafter, its feature columns) for another engine on this one's model."""
+        b = self.block
+        return (b.model, b.cols.tolist()) if b is not None else (None, None)
 
     def make(self, name: str, cfg: Config | None = None, cal: Calibration | None = None,
              matrix: ContinuationMatrix | None = None) -> Method:
@@ -432,6 +447,8 @@ class Engine:
         cls = METHODS[name]
         if cls.needs_head and self.drafter is None:
             raise GraftError(f"--method {name} needs an EAGLE-3 head: pass --draft DIR_OR_HUB_ID")
+        if cls.needs_block and self.block is None:
+            raise GraftError(f"--method {name} needs a DFlash drafter: pass --dflash DIR_OR_HUB_ID")
         m = cls(self, cfg or Config(), cal, matrix)
         if m.N > self.room[0] or m.P > self.room[1]:
             raise GraftError(f"--method {name}: its tree ({m.N} nodes, paths of {m.P}) does not fit the room this "
@@ -448,7 +465,8 @@ class Engine:
         self.seat(b, r)
         slot, C = self.slots[b], self.chunk
         if not self.window or self.B > 1:     # rows past its length are read under the mask (full attention, a
-            for t in self.cache.tensors() + (self.drafter.cache.tensors() if self.drafter else []):   # batch's
+            for t in self.cache.tensors() + (self.drafter.cache.tensors() if self.drafter else []) + (
+                    self.block.cache.tensors() if self.block else []):                                    # batch's
                 t[b].zero_()                  # window): none may hold an earlier request's junk (0 * NaN = NaN)
         self.smp.set(b, r.sampling)
         method.admit(self, b)
@@ -461,7 +479,7 @@ class Engine:
             chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])[None]
             self.fills.n.fill_(n)
             logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(C, b=b),
-                                                   method.needs_head, self.smp, mode, self.root)
+                                                   method.needs_head or method.needs_block, self.smp, mode, self.root)
             finite &= ok
             slot.L += n
             method.prompt_chunk(self, b, chunk, logits, feats, n)
@@ -479,6 +497,11 @@ class Engine:
         self.steps.head_prefill(feats, ids, self.fills.n, self.slot_index(b), self.cols(ids.shape[1], True, b))
         self.slots[b].Ld += n
 
+    def block_prefill(self, b: int, feats, n: int):
+        """The DFlash drafter's context rows for a chunk of slot b's prompt (BlockDrafter.prefill)."""
+        self.fills.n.fill_(n)
+        self.steps.block_prefill(feats, self.fills.n, self.slot_index(b))
+
     def advance_head(self):
         """After an extend: every slot's head rows grew by the path it read."""
         for s in self.slots:
@@ -491,10 +514,12 @@ class Engine:
         self.slots[b] = Slot(r, pend=int(r is not None))
         self.L[b], self.active[b] = 0, int(r is not None)
         if r is not None:    # rows past L meet the mask's zero weights (0 * NaN = NaN): zeros, whatever the slot held
-            for c in [self.cache] + ([self.drafter.cache] if self.drafter else []):
+            for c in [self.cache] + ([self.drafter.cache] if self.drafter else []) + ([self.block.cache] if self.block else []):
                 c.clear(b)
         if self.drafter is not None:
             self.drafter.Ld[b] = 0
+        if self.block is not None:
+            self.block.Ld[b] = 0
         self.mode = sampling_mode([q.sampling for q in self.requests() if q is not None])
 
     def free(self, b: int, method: Method):
@@ -526,6 +551,7 @@ class Engine:
 
 # What the faces ask of a method name, read off the classes (graft.METHODS): nothing to keep in step.
 NEEDS_HEAD = {n for n, c in METHODS.items() if c.needs_head}
+NEEDS_BLOCK = {n for n, c in METHODS.items() if c.needs_block}
 NEEDS_MATRIX = {n for n, c in METHODS.items() if c.needs_matrix}
 PRUNING = {n for n, c in METHODS.items() if c.settings.get("prune")}
 CALIBRATED = {n: c.calibrated for n, c in METHODS.items() if c.calibrated}

@@ -94,7 +94,9 @@ def main(argv=None):
               f"(graft), or --method recycle or --method pld, which need no head", file=err)
     if needs_warmup(method, a.auto_budget) and a.warmup == 0 and not (a.auto_budget and method in CALIBRATED):
         print(f"--warmup 0: {method} runs uncalibrated (" + ("an empty continuation matrix, " if METHODS[method].needs_matrix
-              else "") + ("no pruning thresholds" if a.thresholds is None else "the given thresholds") + ")", file=err)
+              else "") + (("no cut: it runs as dflash" if a.tail_threshold is None else "the given cut")
+                          if METHODS[method].needs_block else
+                          "no pruning thresholds" if a.thresholds is None else "the given thresholds") + ")", file=err)
     cfg, cal = api.calibrated(eng, a, method, cfg, log=lambda s: print(s, file=err))
     if cal is None and a.auto_budget and method in CALIBRATED:
         print(f"budget: {cfg.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none", file=err)

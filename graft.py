@@ -371,6 +371,8 @@ class Config:
     sources: tuple = tuple(SOURCES)    # what retrieval draws from (--sources): the matrix, context matches
     pld_ngram: int = 3
     pld_tokens: int = 10
+    block: int = 16                    # a DFlash block: the root + block - 1 guesses (set from the drafter)
+    tail_threshold: float | None = None   # graft-tail's cut (default: calibrated in the warm-up)
 
     def keep_sizes(self) -> tuple:
         """Draft nodes kept when pruned at each checkpoint: --keep, else the paper's 8/24/40 scaled to
@@ -410,6 +412,7 @@ class Calibration:
     budget_curve: dict = field(default_factory=dict)
     cost_spread: float | None = None
     context_rates: tuple = PRIOR_CONTEXT_RATES    # q(m): a context match's hit rate by its length m
+    tail_threshold: float | None = None    # graft-tail's cut (calibrate.calibrate_tail)
 
     def get(self, method: str | None, kind: str | None = None) -> dict | None:
         """{"budget", "thresholds", "rate"} of `method` under calibration `kind` (default: chosen)."""
@@ -447,6 +450,7 @@ class Method:
     (root included)."""
     needs_head = False        # an EAGLE-3 head drafts (and verification captures its features)
     needs_matrix = False      # a continuation matrix per request
+    needs_block = False       # a DFlash drafter drafts blocks (and verification captures its features)
     has_budget = False        # the verification budget (--budget) sizes its tree
     calibrated = None         # whose warm-up calibration it reads (calibrate.py); None: none
     source = "draft"          # what proposes the nodes the matrix does not (--show-tree)
@@ -842,17 +846,18 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree
 def learn(m: Method, tree: Tree, v, active: torch.Tensor):
     """Step 6: each request's matrix learns every verified node's top-k (update); the head's next
     extend reads each accepted path: the features of the root and the accepted nodes, and the token
-    after each (the last one the bonus)."""
+    after each (the last one the bonus); a DFlash drafter's next block reads the same features."""
     if m.matrix is not None:
         update(m.M, m.written, tree.tokens, v.logits, tree.valid, v.path, v.A)
     nxt = torch.cat([tree.tokens.gather(1, v.path[:, 1:]), v.bonus[:, None]], 1)            # (B, P)
     nxt = torch.where(torch.arange(m.P, device=nxt.device)[None] == v.A[:, None], v.bonus[:, None], nxt)
     if m.ctx is not None:                # the context grows by the accepted tokens and the bonus
         context_append(m.ctx, m.clen, nxt, (v.A + 1) * active)
-    if m.needs_head:
-        m.pend_ids.copy_(nxt)
+    if m.needs_head or m.needs_block:
         m.pend_feats.copy_(v.feats)
         m.pend_n.copy_((v.A + 1) * active)
+    if m.needs_head:
+        m.pend_ids.copy_(nxt)
 
 
 class Prune(Eagle3Tree):
@@ -870,14 +875,101 @@ class GraftFixed(Graft):
     settings = dict(prune=False, retrieve=True, ablation="fixed")
 
 
-class GraftRoot(Graft):
+class GraftNaiveRoot(Graft):
     settings = dict(prune=False, retrieve=True, ablation="root")
 
 
-class GraftTail(Graft):
+class GraftNaiveTail(Graft):
     settings = dict(prune=False, retrieve=True, ablation="tail")
+
+
+class BlockDraft(Method):
+    """dflash: a DFlash drafter's block, verified as a chain (docs/graft.md section 11): the root and
+    the block's block - 1 guesses, one draft forward a round. The drafter reads the accepted path's
+    features (pend_feats, the first pend_n real) before its next block."""
+    needs_block = True
+    cut = False               # graft-tail: the confident prefix kept, the tail retrieved
+
+    def __init__(self, eng, cfg, cal=None, matrix=None):
+        super().__init__(eng, replace(cfg, block=eng.block.block), cal, matrix)
+        B, dev, n = eng.B, eng.device, self.N - 1
+        F = len(eng.model.capture_layers) * eng.model.args.dim
+        self.pend_feats = torch.zeros(B, self.P, F, dtype=eng.dtype, device=dev)
+        self.pend_n = torch.zeros(B, dtype=torch.long, device=dev)
+        self.chain = (torch.arange(n, device=dev) - 1).expand(B, n).contiguous()     # parents: a chain
+        tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
+        self.tau = torch.tensor(float(tau or 0.0) if self.cut else 0.0, device=dev)
+        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if self.cut else None
+
+    @classmethod
+    def shape(cls, cfg):
+        return cfg.block, cfg.block
+
+    def tensors(self):
+        return super().tensors() + [self.pend_feats, self.pend_n, self.chain, self.tau] + (
+            self.tpl.tensors() if self.tpl is not None else [])
+
+    def prompt_chunk(self, eng, b, ids, logits, feats, n):
+        super().prompt_chunk(eng, b, ids, logits, feats, n)
+        eng.block_prefill(b, feats, n)           # the prompt's features are the drafter's context
+
+    def prefilled(self, eng, b):
+        self.pend_n[b] = 0                       # the context holds the whole prompt: nothing pending
+
+    def finish(self, eng, b):
+        super().finish(eng, b)
+        self.pend_n[b] = 0
+
+    def round(self, eng, record=False, full=False) -> Round:
+        st, d = eng.steps, eng.block
+        st.block_draft(self.pend_feats, self.pend_n, eng.root, eng.cols(d.block))       # one forward
+        eng.clock.mark("draft")
+        tree = st.block_tree(self, eng.root, eng.active)
+        eng.clock.mark("assemble")
+        v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, True, eng.root)
+        eng.clock.mark("verify")
+        rec = self.recorded(eng, d) if record else None                # before the matrix learns
+        st.learn(self, tree, v, eng.active)
+        eng.clock.mark("update")
+        return Round(tree, v, [None] * eng.B, 1, 1, rec)
+
+    def recorded(self, eng, d) -> dict:
+        """What the cut's calibration reads of a round (calibrate.calibrate_tail): each position's
+        confidence and, for every cut K, the retrieval the template would hang under the K-th guess
+        (K = 0: the root), taken before the matrix learns this round."""
+        under = torch.cat([eng.root[:, None], d.tokens[:, :-1]], 1)                    # (B, n)
+        got = [retrieve(self.M, under[:, K], self.tpl) for K in range(under.shape[1])] if self.tpl is not None else []
+        return {"conf": d.conf.clone(), "retrieved": torch.stack(got, 1) if got else None}
+
+
+class GraftTail(BlockDraft):
+    """graft-tail, the paper's Graft-TAIL: the block's confident prefix (every guess up to the first
+    whose drafter probability is below tau) is kept, and the slots of the tail go to a retrieval
+    subtree from the continuation matrix under the last kept guess (the root when none is kept):
+    one tree of the block's size, verified like any other."""
+    needs_matrix = True
+    cut = True
+
+
+def block_tree(d, m: BlockDraft, root: torch.Tensor, active: torch.Tensor) -> Tree:
+    """The block methods' step: every request's block as a chain under its root (dflash), or its
+    confident prefix and a retrieval subtree under the last kept guess (graft-tail), n = block - 1
+    candidates either way. d: the BlockDrafter (tokens, conf (B, n))."""
+    tok = d.tokens
+    B, n = tok.shape
+    if m.tpl is None:
+        yes = torch.ones_like(tok, dtype=torch.bool)
+        return with_root(root, tok, m.chain, yes, ~yes, active > 0)
+    low = d.conf < m.tau                                                               # (B, n)
+    K = torch.where(low.any(1), low.int().argmax(1), n)                               # the confident prefix
+    kept = torch.arange(n, device=tok.device)[None] < K[:, None]
+    anchor = K - 1                                                                     # -1: the root
+    under = torch.where(anchor >= 0, tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
+    r_tok = retrieve(m.M, under, m.tpl)
+    return with_root(root, *graft_trees(tok, m.chain, kept, r_tok, m.tpl, anchor, n - K), active > 0)
 
 
 # name -> method; every method runs at every batch size, and nothing looks at a name after setup
 METHODS = {"ar": Plain, "eagle3": Eagle3Tree, "prune": Prune, "graft": Graft, "recycle": Recycle, "pld": PromptLookup,
-           "graft-fixed": GraftFixed, "graft-root": GraftRoot, "graft-tail": GraftTail}
+           "dflash": BlockDraft, "graft-tail": GraftTail, "graft-fixed": GraftFixed, "graft-naive-root": GraftNaiveRoot,
+           "graft-naive-tail": GraftNaiveTail}

@@ -1,7 +1,15 @@
-"""Train an EAGLE-3 head for any target this engine loads (and, for the demo, a small target).
+"""Train an EAGLE-3 head or a DFlash block drafter for any target this engine loads (and, for the demo,
+a small target).
 
     python train.py eagle3 --ckpt TARGET --prompts FILE --out DIR [--minutes 10] [--device cuda]
     python train.py eagle3 --ckpt TARGET --texts DIR [DIR ...] --seq-len 1024 [--init HEAD_DIR] --out DIR
+    python train.py dflash --ckpt TARGET --prompts FILE --out DIR [--layers 2] [--minutes 35]
+
+DFlash (train_dflash): the target continues the prompts; blocks start at random anchors inside its
+continuations; a block is [the anchor's token, mask tokens] reading the target's features before the
+anchor and the whole block, and learns the target's next block_size - 1 tokens, position k of the
+block weighted exp(-(k-1)/gamma) (later guesses count for less: they are only used when every one
+before them was right). Saved in z-lab's layout (checkpoint.save_dflash).
 
 EAGLE-3 recipe (arXiv 2503.01840, training-time test), small enough to read in one go:
   1. Self-distillation data: the target's own continuations of the prompts (greedy by default), made
@@ -34,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import hf_model_args, load_head, load_model, read_config, save_head
-from model import GraftError, ModelArgs
+from checkpoint import hf_model_args, load_dflash, load_head, load_model, read_config, save_dflash, save_head
+from dflash import DFlash, DFlashConfig, default_layer_ids
+from model import GraftError, KVCache, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
 from verify import Sampling
@@ -509,6 +518,147 @@ def train_eagle3(a) -> str:
     return a.out
 
 
+# ----------------------------------------------------------------------------- a DFlash drafter
+
+def dflash_batches(seqs: list, starts: list, seq_len: int, batch: int, anchors: int, S: int, rng: random.Random):
+    """Endless batches of windows of seq_len tokens, each with `anchors` block starts sampled where the
+    target generated the block's tokens (at or after the continuation's start, the whole block inside
+    the window). Yields tokens (B, T), anchors (B, A), real lengths (B,)."""
+    windows = [(s, w) for s, seq in enumerate(seqs) for w in range(0, max(len(seq) - S, 1), seq_len)
+               if min(len(seq), w + seq_len) - max(w, starts[s] - 1) >= S]
+    if not windows:
+        raise GraftError("no training data: no sequence has a continuation of a whole block")
+    while True:
+        rng.shuffle(windows)
+        for i in range(0, max(len(windows) - batch + 1, 1), batch):
+            toks, anc, lens = [], [], []
+            for s, w in windows[i:i + batch]:
+                seq = seqs[s][w:w + seq_len]
+                lo, hi = max(0, starts[s] - 1 - w), len(seq) - S
+                toks.append(seq + [0] * (seq_len - len(seq)))
+                anc.append([rng.randint(lo, hi) for _ in range(anchors)])
+                lens.append(len(seq))
+            yield torch.tensor(toks), torch.tensor(anc), torch.tensor(lens)
+
+
+def dflash_loss(model: DFlash, feats, toks, anc, gamma: float):
+    """The published objective on one batch: feats (B, T, k*H) the target's features, toks (B, T) its
+    tokens, anc (B, A) block starts. Each block is [toks[a], mask, ...] at positions a..a+S-1; it reads
+    the context rows before a and its own block (all of it: no causal mask) and predicts toks[a+1..a+S-1],
+    position k weighted exp(-(k-1)/gamma). Returns (loss, top-1 accuracy per block position)."""
+    B, T, _ = feats.shape
+    A, S, dev = anc.shape[1], model.config.block_size, feats.device
+    j = torch.arange(S, device=dev)
+    pos = (anc[:, :, None] + j).reshape(B, A * S)                                        # (B, A*S)
+    ids = torch.where(j[None, None] == 0, toks.gather(1, anc)[:, :, None], model.config.mask_token_id)
+    ids = ids.reshape(B, A * S)
+    block = torch.arange(A, device=dev).repeat_interleave(S)                              # (A*S,)
+    see_ctx = torch.arange(T, device=dev)[None, None] < anc.repeat_interleave(S, 1)[:, :, None]   # (B, A*S, T)
+    see_blk = (block[:, None] == block[None, :]).expand(B, -1, -1)                        # (B, A*S, A*S)
+    cache = KVCache(model.config.n_layers, B, model.config.layer.n_kv_heads, T + A * S, model.config.layer.head_dim,
+                    feats.dtype, dev)
+    rows = (T + torch.arange(A * S, device=dev))[None].expand(B, -1)
+    ctx_rows = torch.arange(T, device=dev)[None].expand(B, -1)
+    h = model(feats, ctx_rows, torch.ones(B, T, dtype=torch.bool, device=dev), ids, rows, pos,
+              torch.cat([see_ctx, see_blk], 2), cache)                                   # (B, A*S, H)
+    logp = model.logprobs(h.view(B, A, S, -1)[:, :, 1:])                                  # (B, A, S-1, V)
+    labels = toks.gather(1, (anc[:, :, None] + j[1:]).reshape(B, -1)).view(B, A, S - 1)
+    w = torch.exp(-(j[1:] - 1).float() / gamma)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]                                      # (B, A, S-1)
+    acc = (logp.argmax(-1) == labels).float().mean((0, 1))
+    return (ce * w).sum(-1).mean() / w.sum(), acc.tolist()
+
+
+def train_dflash(a) -> str:
+    """Train a DFlash drafter for --ckpt by the published recipe: the target continues --prompts (its
+    own tokens are the labels), blocks start at random anchors inside those continuations, each block
+    is [anchor token, mask tokens] and predicts the target's next block_size - 1 tokens, with a
+    position-decayed cross-entropy. Saved in z-lab's layout (checkpoint.save_dflash). Errors:
+    GraftError, one line, for bad options."""
+    dev = a.device
+    torch.manual_seed(a.seed)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.block_size < 2 or a.layers < 1 or a.seq_len < a.block_size + 1 or a.anchors < 1:
+        raise GraftError("--block-size >= 2, --layers >= 1, --anchors >= 1 and --seq-len > --block-size, please")
+    target = load_model(a.ckpt, device=dev, dtype=torch.float32, max_seq_len=1)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    ta, tok = target.args, load_tokenizer(target.path, target.args)
+    log = lambda s: print(s, file=sys.stderr)
+    os.makedirs(a.out, exist_ok=True)
+    data_path = os.path.join(a.out, "train_data.safetensors")
+    if os.path.isfile(data_path):
+        t, _ = load_state(data_path)
+        flat, lens, starts = t["tokens"].tolist(), t["lengths"].tolist(), t["starts"].tolist()
+        seqs, i = [], 0
+        for n in lens:
+            seqs.append(flat[i:i + n])
+            i += n
+        log(f"data: {len(seqs)} sequences from {data_path}")
+    else:
+        prompts = read_prompts(a.prompts, "--prompts")[:a.max_prompts or None]
+        enc = [e for e in ((tok.apply_chat(p) if a.chat else tok.encode(p)) for p in prompts)
+               if 0 < len(e) <= ta.max_position_embeddings - a.new_tokens]
+        seqs, starts, t0 = [], [], time.time()
+        for s in range(0, len(enc), a.gen_batch):
+            part = enc[s:s + a.gen_batch]
+            seqs += continue_batch(target, part, a.new_tokens, Sampling(0.0), tok.eos_ids)
+            starts += [len(e) for e in part]
+            progress("data", min(s + a.gen_batch, len(enc)), len(enc), t0)
+        save_state(data_path, {"tokens": torch.tensor([t for s in seqs for t in s]), "lengths": torch.tensor(
+            [len(s) for s in seqs]), "starts": torch.tensor(starts)}, {})
+        log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=ta.vocab_size)
+    if a.init:                   # go on training a drafter (its shape, target layers and mask token kept)
+        model = load_dflash(a.init, target, dev, torch.float32)
+        ids, mask_id, a.layers, a.block_size = (model.config.target_layer_ids, model.config.mask_token_id,
+                                                model.config.n_layers, model.config.block_size)
+    else:
+        ids = tuple(default_layer_ids(ta.n_layers, a.layers))
+        mask_id = a.mask_token_id if a.mask_token_id is not None else ta.vocab_size - 1 - int(counts.flip(0).argmin())
+        layer = ModelArgs(arch="qwen3", vocab_size=ta.vocab_size, dim=ta.dim, n_layers=a.layers, n_heads=ta.n_heads,
+                          n_kv_heads=ta.n_kv_heads, head_dim=ta.head_dim, intermediate_size=ta.intermediate_size,
+                          norm_eps=ta.norm_eps, rope_theta=ta.rope_theta, rope_scaling=ta.rope_scaling,
+                          max_position_embeddings=ta.max_position_embeddings, qk_norm=True)
+        model = DFlash(DFlashConfig(layer, a.layers, a.block_size, mask_id, ids), target).to(dev)
+    target.capture_layers = tuple(i + 1 for i in ids)        # the outputs of those layers
+    log(f"drafter: {a.layers} layers, block {a.block_size}, target layers {list(ids)}, mask token {mask_id} "
+        f"(seen {int(counts[mask_id])} times in the data)")
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng, step = random.Random(a.seed), 0
+    data = dflash_batches(seqs, starts, a.seq_len, a.batch, a.anchors, a.block_size, rng)
+    t0, deadline = time.time(), time.time() + a.minutes * 60 if a.minutes else float("inf")
+    logf = open(os.path.join(a.out, "train_log.jsonl"), "a")
+    logf.write(json.dumps({"command": "python train.py " + " ".join(sys.argv[1:])}) + "\n")
+    model.train()
+    while step < a.steps and time.time() < deadline:
+        toks, anc, _ = (x.to(dev) for x in next(data))
+        with torch.no_grad():
+            _, feats = target(toks, torch.arange(toks.shape[1], device=dev), capture=True)
+        lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, acc = dflash_loss(model, feats, toks, anc, a.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % a.log_every == 0:
+            rec = {"step": step, "loss": round(loss.item(), 4), "acc": [round(x, 3) for x in acc], "lr": lr,
+                   "seconds": round(time.time() - t0, 1)}
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            progress("train", step, a.steps, t0, f"loss {rec['loss']:.3f} acc1 {acc[0]:.2f}")
+        if step % a.save_every == 0:
+            save_dflash(model, a.out)
+    model.eval()
+    save_dflash(model, a.out)
+    log(f"saved DFlash drafter to {a.out} after {step} steps ({time.time() - t0:.0f}s)")
+    return a.out
+
+
 # ----------------------------------------------------------------------------- a small target from scratch
 
 
@@ -763,6 +913,32 @@ def parse_args(argv=None):
     e.add_argument("--save-every", type=int, default=200)
     e.add_argument("--restart", action="store_true", help="ignore a saved train_state.safetensors")
     e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    f = sub.add_parser("dflash", help="train a DFlash block drafter for a target (the published recipe)")
+    f.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
+    f.add_argument("--prompts", required=True, help=PROMPT_FORMATS)
+    f.add_argument("--out", required=True)
+    f.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    f.add_argument("--chat", action="store_true", help="render each prompt with the target's chat template")
+    f.add_argument("--new-tokens", type=int, default=256, help="the target's continuation per prompt")
+    f.add_argument("--max-prompts", type=int, default=0)
+    f.add_argument("--gen-batch", type=int, default=32)
+    f.add_argument("--init", default=None, metavar="DIR", help="go on training this drafter (its shape kept)")
+    f.add_argument("--layers", type=int, default=2, help="draft layers (5 for an 8B target in the published ones)")
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--mask-token-id", type=int, default=None,
+                   help="default: the token the data uses least (highest id on ties)")
+    f.add_argument("--anchors", type=int, default=16, help="blocks per window")
+    f.add_argument("--gamma", type=float, default=7.0, help="position k of a block weighs exp(-(k-1)/gamma)")
+    f.add_argument("--seq-len", type=int, default=256)
+    f.add_argument("--batch", type=int, default=8)
+    f.add_argument("--steps", type=int, default=100000)
+    f.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
+    f.add_argument("--lr", type=float, default=3e-3)
+    f.add_argument("--warmup-steps", type=int, default=50)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--log-every", type=int, default=10)
+    f.add_argument("--save-every", type=int, default=200)
+    f.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     t = sub.add_parser("target", help="pretrain a small Qwen3-architecture target from scratch")
     t.add_argument("--out", required=True)
     t.add_argument("--corpus", nargs="*", default=None,
@@ -808,6 +984,8 @@ def main(argv=None):
         return train_eagle3(a)
     if a.cmd == "target":
         return train_target(a)
+    if a.cmd == "dflash":
+        return train_dflash(a)
     if a.cmd in ("stdlib-prompts", "chat-prompts") and not a.out.endswith(".jsonl"):
         raise GraftError(f"{a.cmd} writes JSON lines: name --out FILE.jsonl (a prompts file's format is read "
                          f"from its name), not {a.out}")

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import calibrate as CAL  # noqa: E402
 import cli as CLI  # noqa: E402
 import engine as E  # noqa: E402
+from dflash import DFlash, DFlashConfig, share_features  # noqa: E402
 from draft import Eagle3, HeadConfig  # noqa: E402
 from graft import Config, ContinuationMatrix  # noqa: E402
 from model import ModelArgs, Transformer, cache_rows  # noqa: E402
@@ -186,11 +187,13 @@ def placement_check(batch: int, window: bool, device: str = "meta", methods=E.ME
     a = ModelArgs(**dict(tiny, max_position_embeddings=4096))
     with torch.device("meta"):
         model, head = Transformer(a), Eagle3(head_args(a, HEAD_TINY))
-    model, head = model.to_empty(device=device), head.to_empty(device=device)
-    head.embed_tokens, model.max_seq_len, model.path = model.embed_tokens, 256, "random"
+        block = DFlash(DFlashConfig(ModelArgs(**dict(tiny, n_layers=1, qk_norm=True)), 1, 4, 3, (0,)))
+    model, head, block = model.to_empty(device=device), head.to_empty(device=device), block.to_empty(device=device)
+    head.embed_tokens, model.max_seq_len, model.path, block._target = model.embed_tokens, 256, "random", (model,)
+    cols = share_features(model, block, head) if set(methods) & E.NEEDS_BLOCK else None   # a DFlash drafter too
     nodes, path = CLI.room([(m, Config(budget=60)) for m in E.METHODS], (4, 4), batch)
     eng = E.Engine(model, None, head, ContinuationMatrix(a.vocab_size, 8, device=device), batch, nodes, path, 4, 4,
-                   chunk=16, window=window)
+                   chunk=16, window=window, **(dict(dflash=block, dflash_cols=cols) if set(methods) & E.NEEDS_BLOCK else {}))
     out, ran, tag = {}, set(), [None]
     for name in sorted(eng.steps.names):             # each step, watched: which ran, which raised
         def watched(*args, _step=getattr(eng.steps, name), _name=name, **kw):

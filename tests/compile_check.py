@@ -16,7 +16,7 @@ reads them (those tests run last).
   one_verify_graph  the verify passes --budget auto times share one graph per path length
   statics       every tensor a compiled step reads on two calls or more is declared static
   statics_shared  the same with a method's buffer left undeclared, two instances sharing their graphs
-  inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-root (every
+  inductor      the tiny model compiled with inductor (the real CPU backend): ar, and graft-naive-root (every
                 kind of step in one stage: prefill, decode, verify, the head's extend and level,
                 retrieval and grafting, the matrix update), greedy
   batch         B = 2 (aot_eager, full attention, every step output poisoned as it expires): after a
@@ -45,6 +45,8 @@ import engine as E  # noqa: E402
 import graft as GR  # noqa: E402
 import verify as V  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
+
+NO_BLOCK = [m for m in E.METHODS if m not in E.NEEDS_BLOCK]   # (engines here have no DFlash drafter)
 
 GREEDY, SAMPLED = V.Sampling(), V.Sampling(temperature=0.8, top_p=0.9, seed=1234)
 THRESHOLDS = {0: 0.3, 1: 0.1, 2: 0.02}                # every stage fires on the tiny head
@@ -141,7 +143,7 @@ def main(out: str, only=()):
     def every_method():
         eager, comp = tiny_pair("aot_eager", tmp)
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS), "sampled": same(eager, comp, m, SAMPLED, PROMPTS)}
-                for m in E.METHODS}
+                for m in NO_BLOCK}
 
     def recompiles():
         _, comp = tiny_pair("aot_eager", tmp)
@@ -178,7 +180,7 @@ def main(out: str, only=()):
 
     def inductor():
         eager, comp = tiny_pair("inductor", tmp)
-        methods = {m: E.make_method(comp, m, CFG) for m in ("ar", "graft-root")}
+        methods = {m: E.make_method(comp, m, CFG) for m in ("ar", "graft-naive-root")}
         t0 = time.time()
         E.compile_warmup(comp, list(methods.values()))
         secs = time.time() - t0
@@ -206,7 +208,7 @@ def main(out: str, only=()):
         eager, _ = tiny_pair("aot_eager", tmp)
         comp = tiny_engine(tmp, compile=True, backend="aot_eager", check_lifetimes=True, attention="full")
         return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS_LONG), "sampled": same(eager, comp, m, SAMPLED, PROMPTS_LONG)}
-                for m in E.METHODS}
+                for m in NO_BLOCK}
 
     def one_verify_graph():
         """--budget auto times a verify pass per budget: one graph serves them all (the size is dynamic)."""
@@ -223,7 +225,7 @@ def main(out: str, only=()):
         for attention, B in (("window", 1), ("full", 1), ("window", 2)):
             calls, backend = recording()
             eng = tiny_engine(tmp, compile=True, backend=backend, attention=attention, batch=B)
-            for m in E.METHODS:
+            for m in NO_BLOCK:
                 p = E.make_method(eng, m, CFG)
                 if B == 1:
                     for ids in PROMPTS_LONG:
@@ -264,7 +266,7 @@ def main(out: str, only=()):
         later = [[1] + list(range(60, 100)), [1, 5], PROMPTS[1], [1, 3, 4], [1] + list(range(20, 37))]
         smp = lambda i, seed: V.Sampling(temperature=0.5 + 0.1 * (i % 4), top_p=0.8 + 0.05 * (i % 3), seed=seed + i)
         out = {}
-        for name, policy in [(m, None) for m in E.METHODS] + [("graft", "stop"), ("prune", "stop")]:
+        for name, policy in [(m, None) for m in NO_BLOCK] + [("graft", "stop"), ("prune", "stop")]:
             m = comp.make(name, dataclasses.replace(CFG, policy=policy))
             E.run(comp, m, [E.Request(x, smp(i, 100), i) for i, x in enumerate(first)], 12)
             before = counters["stats"]["unique_graphs"]

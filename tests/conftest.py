@@ -27,6 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from graft import METHODS as _METHODS
+
+# The methods every engine runs, with or without a DFlash drafter: the suites that parametrize over
+# methods on engines built without one take these; tests/test_dflash.py runs the block methods.
+NO_BLOCK = [m for m, c in _METHODS.items() if not c.needs_block]
+
 # Tiny models gain nothing from intra-op threads, and on a small shared machine (2 cores, other
 # processes busy) torch's thread pool can make a 5 ms forward take a second. One thread, always.
 torch.set_num_threads(1)

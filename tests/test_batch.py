@@ -21,6 +21,7 @@ import torch
 import engine as E
 import graft as GR
 from cli import build_engine
+from conftest import NO_BLOCK
 from data import STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT
 from engine import METHODS, Request, generate, make_method
 from graft import Config, build_template, graft_trees
@@ -75,7 +76,7 @@ def baselines(engines, prompts):
     return eos, out
 
 
-CASES = [(m, None) for m in METHODS] + [(m, p) for m in ("prune", "graft") for p in GR.POLICIES]
+CASES = [(m, None) for m in NO_BLOCK] + [(m, p) for m in ("prune", "graft") for p in GR.POLICIES]
 
 
 @has_stdlib
@@ -177,7 +178,7 @@ def test_caches_are_allocated_once(engines, prompts):
     eng = engines[2]
     ptrs = lambda: [t.data_ptr() for t in eng.cache.tensors() + eng.drafter.cache.tensors()]
     before = ptrs()
-    for m in METHODS:
+    for m in NO_BLOCK:
         E.run(eng, eng.make(m, Config(budget=60)), [Request(x) for x in prompts[:3]], 4)
     assert ptrs() == before
 

@@ -18,7 +18,7 @@ import calibrate as CAL
 import engine as E
 import graft as GR
 import verify as V
-from conftest import ROOT, compile_result
+from conftest import NO_BLOCK, ROOT, compile_result
 from test_lossless import random_head
 from verify import Sampling
 
@@ -29,7 +29,7 @@ SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=1234)
 # ----------------------------------------------------------------------------- compiled against eager
 
 @pytest.mark.parametrize("s", ["greedy", "sampled"])
-@pytest.mark.parametrize("method", list(E.METHODS))
+@pytest.mark.parametrize("method", NO_BLOCK)
 def test_compiled_equals_eager_every_method(method, s):
     """A tiny random Llama and head, compiled (aot_eager) and eager: the same tokens, two prompts."""
     assert compile_result("every_method")[method][s]
@@ -64,10 +64,10 @@ def test_compiled_auto_budget_warmup_compiles_a_constant_number_of_graphs():
 
 
 def test_compiled_with_inductor_equals_eager():
-    """The real CPU backend on the tiny model: ar and graft-root (every kind of step), greedy; no
+    """The real CPU backend on the tiny model: ar and graft-naive-root (every kind of step), greedy; no
     graph compiled after warm-up."""
     got = compile_result("inductor")
-    assert got["same"] == {"ar": True, "graft-root": True} and got["graphs_after_warmup"] == 0
+    assert got["same"] == {"ar": True, "graft-naive-root": True} and got["graphs_after_warmup"] == 0
 
 
 def test_compiled_gpu_check_runs_tiny():
@@ -98,7 +98,7 @@ def test_compiled_gpu_check_runs_tiny():
 
 
 @pytest.mark.parametrize("s", ["greedy", "sampled"])
-@pytest.mark.parametrize("method", list(E.METHODS))
+@pytest.mark.parametrize("method", NO_BLOCK)
 def test_compiled_outputs_are_never_read_after_they_expire(method, s):
     """Every method compiled (aot_eager), each step output poisoned as soon as a CUDA graph's next
     generation or replay would overwrite it: still the eager engine's tokens (three prompts, one of
@@ -139,7 +139,7 @@ def test_statics_rule():
     assert CC.unstated(calls, {id(a), id(b)}) == []
 
 
-@pytest.mark.parametrize("method", list(E.METHODS) + ["graft-stop", "prune-stop"])
+@pytest.mark.parametrize("method", NO_BLOCK + ["graft-stop", "prune-stop"])
 def test_compiled_batch_never_recompiles_as_requests_come_and_go(method):
     """B = 2, aot_eager, full attention, every step output poisoned as it expires: after a first
     stream, a second with other prompt lengths, more prompts than slots and other seeds and

@@ -37,7 +37,7 @@ import engine as E
 import graft as GR
 import model as M
 import verify as V
-from conftest import ROOT
+from conftest import NO_BLOCK, ROOT
 from engine import Request
 from test_lossless import prompts, random_head
 from verify import Sampling, Tree
@@ -114,19 +114,19 @@ placement_check = GC.placement_check
 def test_every_step_runs_on_a_non_cpu_device(batch, window):
     """Every step the engine compiles, of every method, greedy and sampled, one request and a batch
     with a refill, and the verify step at every size --budget auto times: no CPU tensor in any."""
-    got = placement_check(batch, window)
+    got = placement_check(batch, window, methods=NO_BLOCK)       # (the block methods': tests/test_dflash.py)
     assert got.pop("missing") == []
     assert {k: v for k, v in got.items() if v != "ok"} == {}
-    assert len(got) == 2 * len(E.METHODS) + 7
+    assert len(got) == 2 * len(NO_BLOCK) + 7
 
 
 def test_a_template_left_on_the_cpu_is_caught(monkeypatch):
     """The check sees the failure it exists for: retrieval templates that stay on the CPU (the first
     GPU run's crash) fail every method that retrieves, in the step that retrieves, and no other."""
     monkeypatch.setattr(GR.Template, "to", lambda self, device: self)
-    got = placement_check(2, False)
+    got = placement_check(2, False, methods=NO_BLOCK)
     bad = {k for k, v in got.items() if k != "missing" and v != "ok"}
-    retrieving = {"graft", "recycle", "graft-fixed", "graft-root", "graft-tail"}
+    retrieving = {"graft", "recycle", "graft-fixed", "graft-naive-root", "graft-naive-tail"}
     assert {k.split("/")[0] for k in bad} == retrieving
     assert {k.split("/")[2] for k in bad if k.count("/") == 2} == {"assemble", "recycle_tree"}
     assert "graft/greedy/assemble" in bad
@@ -223,7 +223,7 @@ def engines(pair):
     return get
 
 
-@pytest.mark.parametrize("name", list(E.METHODS))
+@pytest.mark.parametrize("name", NO_BLOCK)
 def test_expired_outputs_are_never_read(engines, reference, taus, name):
     """Outputs poisoned as a CUDA graph's next replay would overwrite them: every method, both attention
     modes, one request at a time and three slots with a refill, greedy and sampled requests side by
@@ -344,7 +344,7 @@ def reached(m, stages: list) -> int:
     return max(len(cps) if s is None else cps.index(s) + 1 for s in stages)
 
 
-@pytest.mark.parametrize("name", list(E.METHODS))
+@pytest.mark.parametrize("name", NO_BLOCK)
 def test_host_syncs_per_round_are_the_documented_ones(pair, taus, transfers, name):
     """B = 1: one host sync a round (commit's transfer) plus one per checkpoint reached, plus the
     prefill's one: counted, not trusted from what the round reports."""
@@ -379,7 +379,7 @@ def test_host_syncs_at_a_batch(pair, taus, transfers, name, policy):
     assert transfers.syncs == 5 + sum(want)
 
 
-@pytest.mark.parametrize("name", list(E.METHODS))
+@pytest.mark.parametrize("name", NO_BLOCK)
 def test_no_host_data_enters_a_round(pair, taus, transfers, name):
     """A tensor built from host values for the device inside a round is a blocking copy on a GPU:
     none but each prompt's one copy (pld's chains go through a pinned buffer, asynchronously), at
@@ -500,7 +500,7 @@ def test_every_step_has_its_own_code_object(pair, taus):
     assert len({id(c) for c in codes.values()}) == len(codes)
     assert all(c.co_name.endswith(f"__{n}") for n, c in codes.items())
     assert codes["verify"] is not V.verify.__code__
-    for m in E.METHODS:
+    for m in NO_BLOCK:
         method(eng, m, taus)
     assert eng.steps.names == names and all(getattr(eng.steps, n).__code__ is codes[n] for n in names)
 
@@ -541,7 +541,7 @@ def test_every_static_is_marked_on_a_gpu(pair, taus, as_if_cuda, batch):
     """A compiled engine on a GPU marks every static's address (the caches, round state, sampling rows,
     every method's buffers, made after the engine): none is copied per replay."""
     eng = engine(pair, batch, compile=True, backend="aot_eager")
-    for name in E.METHODS:
+    for name in NO_BLOCK:
         method(eng, name, taus)
     assert len(eng.steps.statics) > 30 and [f"{tuple(t.shape)} {t.dtype}" for t in unmarked(eng)] == []
 

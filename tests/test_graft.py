@@ -692,7 +692,7 @@ def test_graft_tail_anchor_is_deepest_draft_node():
                     top_k=2, depth=3)
     cfg = GR.Config(budget=5, top_k=2, depth=3)
     cm = ContinuationMatrix(64, 8)
-    g = GR.GraftTail(FakeEngine(d), cfg, matrix=cm)
+    g = GR.GraftNaiveTail(FakeEngine(d), cfg, matrix=cm)
     assert g.anchor == "deepest" and g.cfg.ablation == "tail"
     a = g.stages[None][1]                           # retrieved nodes on top of the dense tree
     tree = assemble(d, g, T([30]))
@@ -718,7 +718,7 @@ def test_tail_anchor_is_per_request():
     parents = T([-1, -1, 0, 0, 1, 1, 2, 2]).expand(2, -1)
     d = FakeDrafter(scores, tokens, parents, 2, 3)
     cm = ContinuationMatrix(64, 8)
-    g = GR.GraftTail(FakeEngine(d), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
+    g = GR.GraftNaiveTail(FakeEngine(d), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
     upd_b = ContinuationMatrix(64, 8)
     upd(upd_b, T([16, 17]), torch.randn(2, 64, generator=torch.Generator().manual_seed(0)))
     g.M[1].copy_(upd_b.M)
@@ -726,7 +726,7 @@ def test_tail_anchor_is_per_request():
     assert tree.tokens[:, 5].tolist() == [16, 17]               # the anchors, each at tree index 5
     assert (tree.tokens[1, 6:].long()[:, None] == upd_b.M[17].long()[None]).any(-1)[tree.parents[1, 6:] == 5].all()
     for b in range(2):
-        one = GR.GraftTail(FakeEngine(rows_of(d, b)), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
+        one = GR.GraftNaiveTail(FakeEngine(rows_of(d, b)), GR.Config(budget=5, top_k=2, depth=3), matrix=cm)
         one.M[0].copy_(g.M[b])
         alone = assemble(rows_of(d, b), one, tree.tokens[b, :1])
         for f in ("tokens", "parents", "valid", "retrieved"):
@@ -1048,7 +1048,7 @@ def test_method_config_uses_each_methods_own_calibration():
     assert method_config(cal, "graft", cfg, auto_budget=False) == cfg
     assert method_config(cal, "graft", cfg, False, calibration="throughput") == GR.Config(
         budget=16, thresholds={0: 1.0, 1: 0.0, 5: 0.0})
-    assert method_config(cal, "graft-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
+    assert method_config(cal, "graft-naive-root", cfg, auto_budget=True).budget == 8        # ablations: graft's
     assert method_config(cal, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
     given = GR.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
     assert method_config(cal, "graft", given, False, calibration="youden").thresholds == given.thresholds

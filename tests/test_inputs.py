@@ -25,7 +25,7 @@ import data as DATA
 import engine as E
 import generate as GEN
 import model as M
-from conftest import ROOT, make_tiny_model
+from conftest import NO_BLOCK, ROOT, make_tiny_model
 from graft import Config
 from test_lossless import random_head
 from verify import Sampling, position_noise
@@ -237,7 +237,7 @@ def poison(eng, value: float):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("method", list(E.METHODS))
+@pytest.mark.parametrize("method", NO_BLOCK)
 def test_masked_cache_rows_never_change_a_result(stdlib_engines, dtype, method):
     """Row 10: with --attention full every pass reads every cache row; rows a request never wrote (a
     failed request's NaN, a buffer's garbage) are masked, and 0 * NaN = NaN: the engine zeroes a slot

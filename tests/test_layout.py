@@ -1,7 +1,7 @@
 """The layout (README, "Reading the code"): imports go one way, and the algorithm stays small.
 
     kernels                                                       a CPU's linear and attention (kernels.cpp), under model
-    model <- draft, verify <- graft <- engine <- calibrate       the algorithm, in reading order
+    model <- draft, dflash, verify <- graft <- engine <- calibrate   the algorithm, in reading order
     checkpoint, gguf_checkpoint, tokenizer                        loaders: the model (and the head) only
     tp                                                            tensor parallelism: shards the model (loaders
                                                                   take its Shards as an argument, never import it)
@@ -13,7 +13,7 @@ import ast
 
 from conftest import ROOT
 
-CORE = ["model", "draft", "verify", "graft", "engine", "calibrate"]
+CORE = ["model", "draft", "dflash", "verify", "graft", "engine", "calibrate"]
 LOADERS = ["checkpoint", "gguf_checkpoint", "tokenizer"]
 SERVING = ["data", "cli"]
 API = ["api"]
@@ -21,10 +21,11 @@ FACES = ["generate", "bench", "train", "serve"]
 # what each may import from the project (tp: tensor parallelism, which shards the model; cli, api and the
 # faces use it)
 ALLOWED = {
-    "kernels": set(), "model": {"kernels"}, "draft": {"model"}, "verify": {"model"}, "graft": {"model", "draft", "verify"},
-    "engine": {"model", "draft", "verify", "graft"},
-    "calibrate": {"model", "draft", "verify", "graft", "engine"},
-    **{m: {"model", "draft"} | set(LOADERS) - {m} for m in LOADERS},
+    "kernels": set(), "model": {"kernels"}, "draft": {"model"}, "dflash": {"model"}, "verify": {"model"},
+    "graft": {"model", "draft", "verify"},
+    "engine": {"model", "draft", "dflash", "verify", "graft"},
+    "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine"},
+    **{m: {"model", "draft", "dflash"} | set(LOADERS) - {m} for m in LOADERS},
     "tp": {"model"},
     "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data", "tp", "kernels"},
     "api": set(CORE) | set(LOADERS) | set(SERVING) | {"tp"},
@@ -61,27 +62,30 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 530
 
 
-def test_the_algorithm_fits_in_2265_lines():
+def test_the_algorithm_fits_in_2480_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
     a batch of one). 2000 lines until the loop became a Scheduler a server steps as requests arrive and
     leave (continuous batching, +50), exact mode came (model.py's padded Linear and exact_attention, the
-    engine's mode: +120) and retrieval drew from several sources (graft.py: the context match on the
-    device, each request's context, the merge of both sources by one score, the shares by source: +85;
-    the host's reference match and the warm-up's rates live in calibrate.py), and model.py routed CPU
-    linears and exact attention to kernels.py (+10)."""
+    engine's mode: +120), retrieval drew from several sources (graft.py: the context match on the device,
+    each request's context, the merge of both sources by one score, the shares by source: +85; the host's
+    reference match and the warm-up's rates live in calibrate.py), model.py routed CPU linears and exact
+    attention to kernels.py (+10), and block drafting came (+210: dflash.py, the DFlash drafter and its
+    batched steps, ~150; the block methods dflash and graft-tail in graft.py and the engine's block steps,
+    ~100; 41 lines of an older cap were still free; +5 where the two merged: the learn step feeds the
+    context, the head and the block drafter)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "kernels"})
-    assert algorithm == {"model", "draft", "verify", "graft", "engine"}
+    assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2265, lines
+    assert lines <= 2480, lines
 
 
 def test_no_batched_twins():
     """One kernel per step for every B: no function is a batched twin of another (nothing is named *_each),
     and no method name is tested for inside the engine (methods declare what they need)."""
-    for m in ["model", "draft", "verify", "graft", "engine"]:
+    for m in ["model", "draft", "dflash", "verify", "graft", "engine"]:
         tree = ast.parse((ROOT / f"{m}.py").read_text())
         names = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         assert not [n for n in names if n.endswith("_each")], m

@@ -23,7 +23,7 @@ import graft as GR
 from calibrate import warm_up
 from checkpoint import save_head
 from cli import build_engine
-from conftest import needs_shared
+from conftest import NO_BLOCK, needs_shared
 from draft import Eagle3, HeadConfig
 from engine import METHODS, Request, generate, make_method
 from graft import Calibration, Config
@@ -104,7 +104,7 @@ def cal(engines):
 
 
 # every method, and prune and graft under each pruning policy (None: the default for the engine's B)
-CASES = [(m, None) for m in METHODS] + [(m, p) for m in ("prune", "graft") for p in GR.POLICIES]
+CASES = [(m, None) for m in NO_BLOCK] + [(m, p) for m in ("prune", "graft") for p in GR.POLICIES]
 
 
 def config(policy=None, **kw):
@@ -326,7 +326,7 @@ def test_stories_every_method_lossless(stories, kind):
     base = [alone(eng, r, 40, eng.tokenizer.eos_ids) for r in reqs()]
     mats = {}
     for B, e in engs.items():
-        for m in list(METHODS)[1:]:
+        for m in NO_BLOCK[1:]:
             res = E.run(e, e.make(m, Config(budget=24), cal), reqs(), 40, e.tokenizer.eos_ids)
             assert [r.tokens for r in res.requests] == base, (m, B)
             mats[(m, B)] = res.stats()["mat"]

@@ -34,7 +34,7 @@ SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.9, top_p=0.
 def tokens_of(spec: dict) -> dict:
     out, weights = {}, 0
     for ckpt, head in spec["models"]:
-        methods = [m for m in spec.get("methods") or METHODS if head or not METHODS[m].needs_head]
+        methods = [m for m in spec.get("methods") or METHODS if (head or not METHODS[m].needs_head) and not METHODS[m].needs_block]
         cfg = Config(budget=12)
         todo = [(m, cfg) for m in methods]
         eng = build_engine(ckpt, head, "cpu", "float32", max_seq_len=96, top_k=4, depth=4, batch=spec["batch"],
