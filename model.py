@@ -484,6 +484,8 @@ class Transformer(nn.Module):
         rows more hold the uncommitted rows of a round (a tree, a padded prefill chunk) at the end, so
         a step never needs a shape that depends on how full the cache is."""
         p, a = self.embed_tokens.weight, self.args
+        if p.device.type == "cpu":
+            kernels.ready()             # built before any step is traced: compiled steps then call them too
         self.max_seq_len = max_seq_len
         rows = cache_rows(max_seq_len + slack)
         self.rope = rope_table(a, rows).to(p.device)
