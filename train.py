@@ -637,13 +637,8 @@ def train_dflash(a) -> str:
         with torch.no_grad():
             _, feats = target(toks, torch.arange(toks.shape[1], device=dev), capture=True)
         lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
-        for g in opt.param_groups:
-            g["lr"] = lr
         loss, acc = dflash_loss(model, feats, toks, anc, a.gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimize(opt, model, loss, lr)
         step += 1
         if step % a.log_every == 0:
             rec = {"step": step, "loss": round(loss.item(), 4), "acc": [round(x, 3) for x in acc], "lr": lr,
@@ -702,6 +697,16 @@ def target_config(a, vocab: int) -> dict:
             "max_position_embeddings": a.context, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
             "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "float16"}
+
+
+def optimize(opt, model, loss, lr: float):
+    """One optimizer step at learning rate lr, gradients clipped to norm 1."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
 
 
 def lr_at(a, step: int, frac: float) -> float:
@@ -807,13 +812,8 @@ def train_target(a) -> str:
         xs = torch.stack([data[s:s + T + 1] for s in starts]).long()                # (B, T+1)
         frac = max(step / a.steps, (time.time() - t0) / budget)
         lr = lr_at(a, step, frac)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
         loss = step_loss(xs)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimize(opt, model, loss, lr)
         step += 1
         if step % a.log_every == 0:
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6), "seconds": round(time.time() - t0, 1)}
@@ -875,6 +875,17 @@ def ensure_stories_head(out: str | None = None, minutes: float = 0, log=True) ->
 
 # ----------------------------------------------------------------------------- command line
 
+def loop_flags(p):
+    """The training loop's flags, the same for every kind of drafter."""
+    p.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train an EAGLE-3 head (eagle3) or a small demo target (target).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -902,17 +913,11 @@ def parse_args(argv=None):
                    help="the target's distribution is kept as its top entries (computed once over the data)")
     e.add_argument("--view-tokens", type=int, default=2048, help="tokens per target pass when computing them")
     e.add_argument("--steps", type=int, default=2000)
-    e.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
     e.add_argument("--batch", type=int, default=16)
     e.add_argument("--seq-len", type=int, default=256)
     e.add_argument("--ttt", type=int, default=7, help="unrolled training-time-test steps")
-    e.add_argument("--lr", type=float, default=3e-3)
-    e.add_argument("--warmup-steps", type=int, default=50)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--log-every", type=int, default=10)
-    e.add_argument("--save-every", type=int, default=200)
+    loop_flags(e)
     e.add_argument("--restart", action="store_true", help="ignore a saved train_state.safetensors")
-    e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     f = sub.add_parser("dflash", help="train a DFlash block drafter for a target (the published recipe)")
     f.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
     f.add_argument("--prompts", required=True, help=PROMPT_FORMATS)
@@ -932,13 +937,7 @@ def parse_args(argv=None):
     f.add_argument("--seq-len", type=int, default=256)
     f.add_argument("--batch", type=int, default=8)
     f.add_argument("--steps", type=int, default=100000)
-    f.add_argument("--minutes", type=float, default=0, help="stop after this many minutes (0 = no limit)")
-    f.add_argument("--lr", type=float, default=3e-3)
-    f.add_argument("--warmup-steps", type=int, default=50)
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--log-every", type=int, default=10)
-    f.add_argument("--save-every", type=int, default=200)
-    f.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    loop_flags(f)
     t = sub.add_parser("target", help="pretrain a small Qwen3-architecture target from scratch")
     t.add_argument("--out", required=True)
     t.add_argument("--corpus", nargs="*", default=None,
