@@ -52,7 +52,6 @@ template <> inline vec vload_tail<at::Half>(const at::Half* p, int64_t n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(n), p));
 }
 inline void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
-inline void store_tail(float* p, vec a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax2(vec a, vec b) { return _mm512_max_ps(a, b); }
@@ -74,7 +73,6 @@ template <typename T> inline vec vload_tail(const T* p, int64_t n) {
   vec r = vzero(); for (int64_t i = 0; i < n; i++) r.v[i] = float(p[i]); return r;
 }
 inline void store(float* p, vec a) { for (int i = 0; i < 16; i++) p[i] = a.v[i]; }
-inline void store_tail(float* p, vec a, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = a.v[i]; }
 inline vec vadd(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] += b.v[i]; return a; }
 inline vec vsub(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] -= b.v[i]; return a; }
 inline vec vmax2(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = std::max(a.v[i], b.v[i]); return a; }

@@ -155,7 +155,8 @@ class Linear(nn.Linear):
     exact = False
 
     def forward(self, x):
-        if use_kernels(x) and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+        if (use_kernels(x) and x.dtype == self.weight.dtype
+                and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))):
             return kernels.linear(x, self.weight, self.bias)
         if not self.exact:
             return F.linear(x, self.weight, self.bias)
