@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -175,6 +176,33 @@ void linear_impl(const X* x, const T* w, const float* b, T* y, int64_t M, int64_
   });
 }
 
+// y (M, N) = x (M, K) W^T (+ b), x and y of W's dtype T. bfloat16 runs the CPU's bfloat16 dot product
+// where it has one; otherwise x is widened into `wide` once and W as it streams.
+template <typename T>
+void lin(const T* x, int64_t M, const at::Tensor& w, const float* b, T* y, std::vector<float>& wide) {
+  const int64_t K = w.size(1), N = w.size(0);
+  const T* wp = w.data_ptr<T>();
+#if defined(__AVX512BF16__)
+  constexpr bool narrow = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+#else
+  constexpr bool narrow = std::is_same_v<T, float>;
+#endif
+  if constexpr (narrow) {
+    linear_impl(x, wp, b, y, M, K, N);
+  } else {
+    wide.resize(M * K);
+    for (int64_t i = 0; i < M * K; i++) wide[i] = float(x[i]);
+    linear_impl(wide.data(), wp, b, y, M, K, N);
+  }
+}
+
+// bias (N,) as float32 (null: none); `keep` holds the converted copy alive
+inline const float* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "graft::linear: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "graft::linear: x (..., K) and W (N, K)");
@@ -187,23 +215,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
   at::Tensor bf;
-  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* bp = bias_ptr(bias, bf);
+  std::vector<float> wide;
   switch (x.scalar_type()) {
-    case at::kFloat: linear_impl(xs.data_ptr<float>(), wc.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N); break;
-    case at::kBFloat16:
-#if defined(__AVX512BF16__)
-      linear_impl(xs.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
-      break;
-#endif
-    case at::kHalf: {
-      auto xf = xs.to(at::kFloat);                    // x widened once; W widened as it streams
-      if (x.scalar_type() == at::kHalf)
-        linear_impl(xf.data_ptr<float>(), wc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M, K, N);
-      else
-        linear_impl(xf.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
-      break;
-    }
+    case at::kFloat: lin(xs.data_ptr<float>(), M, wc, bp, y.data_ptr<float>(), wide); break;
+    case at::kBFloat16: lin(xs.data_ptr<at::BFloat16>(), M, wc, bp, y.data_ptr<at::BFloat16>(), wide); break;
+    case at::kHalf: lin(xs.data_ptr<at::Half>(), M, wc, bp, y.data_ptr<at::Half>(), wide); break;
     default: TORCH_CHECK(false, "graft::linear: float32, bfloat16 or float16");
   }
   return y.view(sizes);
@@ -360,16 +377,20 @@ inline void kv_head(const float* qf, const T* kb, int64_t kstride, const T* vb, 
   }
 }
 
+// Strided (b, h, t) rows of D elements: element d of row (b, h, t) is p[b * sb + h * sh + t * st + d].
+template <typename P>
+struct Rows {
+  P* p;
+  int64_t sb, sh, st;
+  P* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+};
+
+// q (B, H, Tq, D) against the keys and values of cache batch kbat[b] (b itself when kbat is null),
+// rows 0..S-1, under mask rows mask(b, t) (S bools, stride ms_s). Writes out (B, H, Tq, D).
 template <typename T>
-void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                    at::Tensor& out, float scale) {
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), G = H / Hkv;
-  const T* qp = q.data_ptr<T>(); const T* kp = k.data_ptr<T>(); const T* vp = v.data_ptr<T>();
-  const bool* mp = mask.data_ptr<bool>();
-  T* op = out.data_ptr<T>();
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
-  TORCH_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "graft::attention: rows must be contiguous");
+void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kbat, Rows<const bool> mask, int64_t ms_s,
+            Rows<T> out, int64_t B, int64_t H, int64_t Tq, int64_t D, int64_t Hkv, int64_t S, float scale) {
+  const int64_t G = H / Hkv;
   TORCH_CHECK(D <= 256, "graft::attention: head_dim <= 256");
   const int64_t NV = (D + LANES - 1) / LANES;
   const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16;     // the template's
@@ -379,29 +400,40 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     std::vector<float> s(G * (S + 16)), qf(G * NVT * LANES, 0.f);
     std::vector<T*> outs(G);
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / Tq, t = i % Tq;
-      const bool* mrow = mp + b * ms[0] + t * ms[2];
+      const int64_t b = i / Tq, t = i % Tq, kb_ = kbat ? kbat[b] : b;
+      const bool* mrow = mask.at(b, 0, t);
       int64_t n = 0;                                    // the keys this query sees, in row order
-      for (int64_t j = 0; j < S; j++) if (mrow[j * ms[3]]) seen[n++] = j;
+      for (int64_t j = 0; j < S; j++) if (mrow[j * ms_s]) seen[n++] = j;
       for (int64_t h = 0; h < Hkv; h++) {
         for (int64_t g = 0; g < G; g++) {
-          const T* qr = qp + b * qs[0] + (h * G + g) * qs[1] + t * qs[2];
+          const T* qr = q.at(b, h * G + g, t);
           for (int64_t d = 0; d < D; d++) qf[g * NVT * LANES + d] = float(qr[d]) * scale;
-          outs[g] = op + ((b * H + h * G + g) * Tq + t) * D;
+          outs[g] = out.at(b, h * G + g, t);
         }
-        const T* kb = kp + b * ks[0] + h * ks[1];
-        const T* vb = vp + b * vs[0] + h * vs[1];
-        const float* q = qf.data();
+        const T* kb = k.at(kb_, h, 0);
+        const T* vb = v.at(kb_, h, 0);
+        const float* qp = qf.data();
         switch (NVT) {
-          case 1: kv_head<T, 1, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 2: kv_head<T, 2, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 4: kv_head<T, 4, 4>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 8: kv_head<T, 8, 2>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          default: kv_head<T, 16, 1>(q, kb, ks[2], vb, vs[2], seen.data(), n, D, s.data(), S + 16, outs.data(), G);
+          case 1: kv_head<T, 1, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 2: kv_head<T, 2, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 4: kv_head<T, 4, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          case 8: kv_head<T, 8, 2>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
+          default: kv_head<T, 16, 1>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G);
         }
       }
     }
   });
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                    at::Tensor& out, float scale) {
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
+  TORCH_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "graft::attention: rows must be contiguous");
+  const int64_t H = q.size(1), Tq = q.size(2), D = q.size(3);
+  attend<T>({q.data_ptr<T>(), qs[0], qs[1], qs[2]}, {k.data_ptr<T>(), ks[0], ks[1], ks[2]},
+            {v.data_ptr<T>(), vs[0], vs[1], vs[2]}, nullptr, {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3],
+            {out.data_ptr<T>(), H * Tq * D, Tq * D, D}, q.size(0), H, Tq, D, k.size(1), k.size(2), scale);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
@@ -422,14 +454,185 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+// ------------------------------------------------------------------------------------------ layer
+
+// A whole decoder layer (Llama, Qwen3: a dense MLP) in one call, for eager exact-mode steps: the ~60
+// small torch ops of model.Block cost more than its weights take to read at one token. Every stage is
+// per row (norms, RoPE, SwiGLU: a fixed loop over a row's elements) or one of the kernels above, so a
+// row's result is still a function of that row (and the keys its mask shows) alone. Roundings follow
+// model.py's torch ops: each op's float32 result rounded to the activations' dtype T.
+template <typename T>
+std::unique_ptr<T[]> scratch(int64_t n) { return std::unique_ptr<T[]>(new T[n]); }
+
+// y = T(T(x * rsqrt(mean(x^2) + eps)) * w) for n rows of K (model.RMSNorm: normalize in float32, round, scale)
+template <typename T>
+void rms_norm(const T* x, const T* w, T* y, int64_t n, int64_t K, float eps) {
+  for (int64_t r = 0; r < n; r++) {
+    const T* xr = x + r * K;
+    T* yr = y + r * K;
+    float ss = 0.f;
+    for (int64_t k = 0; k < K; k++) ss += float(xr[k]) * float(xr[k]);
+    const float inv = 1.f / std::sqrt(ss / float(K) + eps);
+    for (int64_t k = 0; k < K; k++) yr[k] = T(float(T(float(xr[k]) * inv)) * float(w[k]));
+  }
+}
+
+// rotate-half RoPE in place on n_heads heads of D per row: x*cos + cat(-x2, x1)*sin (model.apply_rope);
+// row m = b*Tq + t reads cos/sin row (b, t)
+template <typename T>
+void rope(T* x, int64_t B, int64_t Tq, int64_t n_heads, int64_t D, Rows<const T> cs, Rows<const T> sn) {
+  const int64_t half = D / 2;
+  float r[256];
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < Tq; t++) {
+      const T* c = cs.at(b, 0, t);
+      const T* s = sn.at(b, 0, t);
+      for (int64_t h = 0; h < n_heads; h++) {
+        T* xr = x + ((b * Tq + t) * n_heads + h) * D;
+        for (int64_t d = 0; d < D; d++) r[d] = d < half ? -float(xr[d + half]) : float(xr[d - half]);
+        for (int64_t d = 0; d < D; d++) xr[d] = T(float(T(float(xr[d]) * float(c[d]))) + float(T(r[d] * float(s[d]))));
+      }
+    }
+}
+
+template <typename T>
+at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq, const float* bq,
+                      const at::Tensor& wk, const float* bk, const at::Tensor& wv, const float* bv, const at::Tensor& wo,
+                      const c10::optional<at::Tensor>& qn, const c10::optional<at::Tensor>& kn, const at::Tensor& n2,
+                      const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const int64_t* rows, const int64_t* slots,
+                      const at::Tensor& mask, const bool* keep, int64_t H, float eps) {
+  const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2), M = B * Tq;
+  const int64_t Hkv = kc.size(1), D = kc.size(3), S = mask.size(3), I = wg.size(0);
+  const int64_t NQ = H * D, NK = Hkv * D;
+  std::vector<float> wide;
+  const T* xp = x.data_ptr<T>();
+  auto h = scratch<T>(M * Dm), q = scratch<T>(M * NQ), k = scratch<T>(M * NK), v = scratch<T>(M * NK);
+  auto att = scratch<T>(M * NQ), x1 = scratch<T>(M * Dm), g = scratch<T>(M * I), u = scratch<T>(M * I);
+  // 1. attention's input: norm, q/k/v, the q/k norms (Qwen3), RoPE at each row's position
+  rms_norm(xp, n1.data_ptr<T>(), h.get(), M, Dm, eps);
+  lin(h.get(), M, wq, bq, q.get(), wide);
+  lin(h.get(), M, wk, bk, k.get(), wide);
+  lin(h.get(), M, wv, bv, v.get(), wide);
+  if (qn.has_value() && qn->defined()) {
+    rms_norm(q.get(), qn->data_ptr<T>(), q.get(), M * H, D, eps);
+    rms_norm(k.get(), kn->data_ptr<T>(), k.get(), M * Hkv, D, eps);
+  }
+  const auto cst = cos.strides(), sst = sin.strides();
+  rope(q.get(), B, Tq, H, D, Rows<const T>{cos.data_ptr<T>(), cst[0], 0, cst[1]}, Rows<const T>{sin.data_ptr<T>(), sst[0], 0, sst[1]});
+  rope(k.get(), B, Tq, Hkv, D, Rows<const T>{cos.data_ptr<T>(), cst[0], 0, cst[1]}, Rows<const T>{sin.data_ptr<T>(), sst[0], 0, sst[1]});
+  // 2. the new keys and values into the cache at their rows (a padding row, keep false, writes zeros)
+  const auto ks = kc.strides(), vs = vc.strides();
+  T* kp = kc.data_ptr<T>();
+  T* vp = vc.data_ptr<T>();
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t b = m / Tq, sb = slots ? slots[b] : b, r = rows[m];
+    const bool real = keep ? keep[m] : true;
+    for (int64_t hh = 0; hh < Hkv; hh++) {
+      T* kd = kp + sb * ks[0] + hh * ks[1] + r * ks[2];
+      T* vd = vp + sb * vs[0] + hh * vs[1] + r * vs[2];
+      const T* kr = k.get() + m * NK + hh * D;
+      const T* vr = v.get() + m * NK + hh * D;
+      for (int64_t d = 0; d < D; d++) { kd[d] = real ? kr[d] : T(0.f); vd[d] = real ? vr[d] : T(0.f); }
+    }
+  }
+  // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual
+  const auto ms = mask.strides();
+  attend<T>({q.get(), Tq * NQ, D, NQ}, {kp, ks[0], ks[1], ks[2]}, {vp, vs[0], vs[1], vs[2]}, slots,
+            {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
+            1.f / std::sqrt(float(D)));
+  lin(att.get(), M, wo, nullptr, h.get(), wide);                     // h: o_proj's output
+  for (int64_t i = 0; i < M * Dm; i++) x1[i] = T(float(xp[i]) + float(h[i]));
+  // 4. the MLP: norm, SwiGLU (silu(g) = g / (1 + exp(-g)), per element), down, the residual
+  rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), M, Dm, eps);
+  lin(h.get(), M, wg, nullptr, g.get(), wide);
+  lin(h.get(), M, wu, nullptr, u.get(), wide);
+  for (int64_t i = 0; i < M * I; i++) {
+    const float gi = float(g[i]);
+    g[i] = T(float(T(gi / (1.f + std::exp(-gi)))) * float(u[i]));
+  }
+  lin(g.get(), M, wd, nullptr, h.get(), wide);
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  T* op = out.data_ptr<T>();
+  for (int64_t i = 0; i < M * Dm; i++) op[i] = T(float(x1[i]) + float(h[i]));
+  return out;
+}
+
+at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq, const c10::optional<at::Tensor>& bq,
+                 const at::Tensor& wk, const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
+                 const c10::optional<at::Tensor>& bv, const at::Tensor& wo, const c10::optional<at::Tensor>& qn,
+                 const c10::optional<at::Tensor>& kn, const at::Tensor& n2, const at::Tensor& wg, const at::Tensor& wu,
+                 const at::Tensor& wd, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                 const at::Tensor& rows, const c10::optional<at::Tensor>& slots, const at::Tensor& mask,
+                 const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps) {
+  // shapes, dtypes and every index are checked before anything is read or written
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "graft::block: x (B, T, dim), contiguous");
+  const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2);
+  TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.stride(3) == 1 && vc.stride(3) == 1,
+              "graft::block: caches (B, H_kv, rows, D)");
+  const int64_t Hkv = kc.size(1), R = kc.size(2), D = kc.size(3), I = wg.size(0);
+  TORCH_CHECK(D <= 256 && D % 2 == 0 && n_heads > 0 && n_heads % Hkv == 0, "graft::block: heads");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &wq, &wk, &wv, &wo, &n2, &wg, &wu, &wd, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device().is_cpu(), "graft::block: one dtype, CPU");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &wq, &wk, &wv, &wo, &n2, &wg, &wu, &wd})
+    TORCH_CHECK(t->is_contiguous(), "graft::block: contiguous weights");
+  TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && wq.sizes() == at::IntArrayRef({n_heads * D, Dm}) &&
+              wk.sizes() == at::IntArrayRef({Hkv * D, Dm}) && wv.sizes() == wk.sizes() &&
+              wo.sizes() == at::IntArrayRef({Dm, n_heads * D}) && wu.sizes() == wg.sizes() && wg.size(1) == Dm &&
+              wd.sizes() == at::IntArrayRef({Dm, I}), "graft::block: weight shapes");
+  const bool qk = qn.has_value() && qn->defined();
+  TORCH_CHECK(qk == (kn.has_value() && kn->defined()) && (!qk || (qn->numel() == D && kn->numel() == D &&
+              qn->scalar_type() == x.scalar_type() && kn->scalar_type() == x.scalar_type() && qn->is_contiguous() && kn->is_contiguous())),
+              "graft::block: q and k norms (D,) both or neither");
+  auto cs = cos.expand({B, Tq, D}), sn = sin.expand({B, Tq, D});
+  TORCH_CHECK(cs.stride(2) == 1 && sn.stride(2) == 1, "graft::block: cos, sin (B|1, T, D), rows contiguous");
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kBool && mask.size(2) == Tq && mask.size(3) <= R,
+              "graft::block: mask (B|1, 1, T, n_keys <= cache rows) bool");
+  auto m = mask.expand({B, 1, Tq, mask.size(3)});
+  auto rw = rows.expand({B, Tq}).to(at::kLong).contiguous();
+  const int64_t* rp = rw.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * Tq; i++) TORCH_CHECK(rp[i] >= 0 && rp[i] < R, "graft::block: a row outside the cache");
+  at::Tensor sl, kp;
+  const int64_t* sp = nullptr;
+  if (slots.has_value() && slots->defined()) {
+    sl = slots->to(at::kLong).contiguous();
+    TORCH_CHECK(sl.numel() == B, "graft::block: slots (B,)");
+    sp = sl.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) TORCH_CHECK(sp[b] >= 0 && sp[b] < kc.size(0), "graft::block: a slot outside the cache");
+  } else {
+    TORCH_CHECK(kc.size(0) == B, "graft::block: without slots the cache holds B requests");
+  }
+  const bool* keepp = nullptr;
+  if (keep.has_value() && keep->defined()) {
+    kp = keep->expand({B, Tq}).to(at::kBool).contiguous();
+    keepp = kp.data_ptr<bool>();
+  }
+  at::Tensor fb[3];
+  const float *bq_ = bias_ptr(bq, fb[0]), *bk_ = bias_ptr(bk, fb[1]), *bv_ = bias_ptr(bv, fb[2]);
+  TORCH_CHECK((!bq_ || fb[0].numel() == n_heads * D) && (!bk_ || fb[1].numel() == Hkv * D) && (!bv_ || fb[2].numel() == Hkv * D),
+              "graft::block: bias shapes");
+  switch (x.scalar_type()) {
+#define GRAFT_BLOCK(T) block_impl<T>(x, n1, wq, bq_, wk, bk_, wv, bv_, wo, qn, kn, n2, wg, wu, wd, cs, sn, kc, vc, rp, sp, m, keepp, n_heads, (float)eps)
+    case at::kFloat: return GRAFT_BLOCK(float);
+    case at::kBFloat16: return GRAFT_BLOCK(at::BFloat16);
+    case at::kHalf: return GRAFT_BLOCK(at::Half);
+#undef GRAFT_BLOCK
+    default: TORCH_CHECK(false, "graft::block: float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graft, lib) {
   lib.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "
+          "Tensor? qn, Tensor? kn, Tensor n2, Tensor wg, Tensor wu, Tensor wd, Tensor cos, Tensor sin, Tensor(a!) kc, "
+          "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("linear", &linear);
   lib.impl("attention", &attention);
+  lib.impl("block", &block);
 }

@@ -73,6 +73,10 @@ def _register_shapes():
     def _(x, w, bias):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("graft::block")
+    def _(x, *rest):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("graft::attention")
     def _(q, k, v, mask, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -84,3 +88,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return torch.ops.graft.attention(q, k, v, mask, scale)
+
+
+def block(x, *weights_and_step) -> torch.Tensor:
+    """One decoder layer (model.Block with a dense MLP), exact, in one call: model.Block.fused_forward
+    passes its weights, the RoPE rows, the KV cache (written at `rows`), the mask and the head count."""
+    return torch.ops.graft.block(x, *weights_and_step)

@@ -451,6 +451,9 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    exact = False
+    fuse = True         # exact eager CPU steps run the whole layer as one kernels.block call
+
     def __init__(self, a: ModelArgs, i: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
@@ -460,8 +463,28 @@ class Block(nn.Module):
         self.mlp = MoE(a) if sparse else MLP(a.dim, a.intermediate_size)
 
     def forward(self, x, rope, rows=None, mask=None, kv=None, keep=None, slots=None, pos=None):
+        if kv is not None and self.fused(x, mask):
+            return self.fused_forward(x, rope, rows, mask, kv, keep, slots)
         x = x + self.self_attn(self.input_layernorm(x), rope, rows, mask, kv, keep=keep, slots=slots, pos=pos)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused(self, x, mask) -> bool:
+        """Whether kernels.block computes this step: exact mode, eager, CPU, no gradient, a dense MLP, a
+        bool mask, and no hooks (tp.py's all-reduces) on the parts. The same arithmetic as the modules
+        (kernels.cpp), minus ~60 small torch ops a layer, which cost more than a token's weights take to read."""
+        a, m = self.self_attn, self.mlp
+        return (self.exact and self.fuse and isinstance(m, MLP) and mask is not None and mask.dtype == torch.bool
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and use_kernels(x)
+                and x.dtype == m.gate_proj.weight.dtype and not (a._forward_hooks or m._forward_hooks))
+
+    def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
+        a, m, (cache, i) = self.self_attn, self.mlp, kv
+        qn, kn = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+        return kernels.block(x, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                             a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, qn, kn,
+                             self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                             m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
+                             mask, keep, a.n_heads, self.input_layernorm.eps)
 
 
 class Transformer(nn.Module):

@@ -127,3 +127,48 @@ def test_without_a_compiler_one_line_and_torchs_kernels(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.ready())"], cwd=ROOT,
                        env=dict(env, GRAFT_KERNELS="0"), capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False" and r.stderr == ""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_layer_is_the_modules(arch, dtype):
+    """kernels.block (model.Block.fused_forward) against the same layers as torch modules (Block.fuse off,
+    exact mode): two requests in a 3-slot cache (slots), a padding row (keep), a tree mask, q/k/v biases
+    (llama) or q/k norms (qwen3). The same logits within the dtype's rounding, the same cache rows, and
+    a row outside the cache refused in one line before anything is written."""
+    torch.manual_seed(0)
+    kind = dict(arch="llama", n_heads=4, n_kv_heads=2, head_dim=16, attention_bias=True) if arch == "llama" else \
+        dict(arch="qwen3", n_heads=4, n_kv_heads=2, head_dim=32, qk_norm=True)
+    m = M.Transformer(M.ModelArgs(vocab_size=300, dim=64, n_layers=2, intermediate_size=96, norm_eps=1e-6, **kind))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else 0.2 * torch.randn(p.shape))
+    m = m.to(dtype).eval()
+    m.setup_caches(100, 3)                 # the RoPE table; the caches are the test's own (64 rows)
+    M.set_exact(m, True)
+    B, T, S = 2, 5, 48
+    tokens, slots = torch.randint(3, 300, (B, T)), torch.tensor([2, 0])
+    L = torch.tensor([30, 17])
+    rows = L[:, None] + torch.arange(T)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [0, 0, 0, 0, 1]]).bool()
+    mask = M.attention_mask(tree, L, torch.arange(S))
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 4] = False
+    out, caches = [], []
+    for fuse in (True, False):
+        M.Block.fuse = fuse
+        cache, g = M.KVCache(2, 3, 2, 64, kind["head_dim"], dtype, "cpu"), torch.Generator().manual_seed(1)
+        for t in cache.tensors():                       # rows the requests have committed already
+            t.copy_(torch.randn(t.shape, generator=g))
+        try:
+            with torch.no_grad():
+                out.append(m(tokens, rows, rows, mask, cache=cache, keep=keep, slots=slots).float())
+        finally:
+            M.Block.fuse = True
+        caches.append(cache)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert (out[0] - out[1]).abs().max() <= tol * out[1].abs().max()
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="a row outside the cache"):
+        m(tokens, rows + 60, rows + 60, mask, cache=caches[0], keep=keep, slots=slots)
