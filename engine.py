@@ -476,9 +476,11 @@ class Engine:
         for s in range(0, len(r.ids), C):
             n = min(C, len(r.ids) - s)
             self.steps.mark()                      # each chunk is a generation of its own (the step replays)
-            chunk = torch.cat([t[s:s + n], t.new_zeros(C - n)])[None]
+            # compiled, every chunk has C rows (one graph); eager, a short one is padded to 16 rows, not C
+            pad = C if self.steps.compiling else min(C, cache_rows(n))
+            chunk = torch.cat([t[s:s + n], t.new_zeros(pad - n)])[None]
             self.fills.n.fill_(n)
-            logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(C, b=b),
+            logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(pad, b=b),
                                                    method.needs_head or method.needs_block, self.smp, mode, self.root)
             finite &= ok
             slot.L += n

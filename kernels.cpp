@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -57,6 +58,27 @@ inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax2(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline vec vfirst(vec a, int64_t n) { return _mm512_maskz_mov_ps(tail_mask(n), a); }   // lanes >= n: 0
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vmin2(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vif_nonneg(vec c, vec a, vec b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, vzero(), _CMP_GE_OQ), b, a); }
+// float32 -> T, rounded to nearest even (as c10's conversions), n lanes stored; vround: the same rounding, kept as float32
+inline __m256i bf16_bits(vec a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF)));
+  const __m512i b = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(b);                  // NaN: c10's quiet NaN
+}
+template <typename T> inline void vstore(T* p, vec a, int64_t n);
+template <> inline void vstore<float>(float* p, vec a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a); }
+template <> inline void vstore<at::BFloat16>(at::BFloat16* p, vec a, int64_t n) { _mm256_mask_storeu_epi16(p, tail_mask(n), bf16_bits(a)); }
+template <> inline void vstore<at::Half>(at::Half* p, vec a, int64_t n) {
+  _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T> inline vec vround(vec a);
+template <> inline vec vround<float>(vec a) { return a; }
+template <> inline vec vround<at::BFloat16>(vec a) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(a)), 16)); }
+template <> inline vec vround<at::Half>(vec a) { return _mm512_cvtph_ps(_mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 #else
 // Portable: the same arithmetic on a 16-float array (the compiler may vectorize it; each lane's sum
 // is still one fixed sequence).
@@ -78,6 +100,12 @@ inline vec vadd(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] += b.v[i]; r
 inline vec vsub(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] -= b.v[i]; return a; }
 inline vec vmax2(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
 inline vec vfirst(vec a, int64_t n) { for (int64_t i = n; i < 16; i++) a.v[i] = 0.f; return a; }
+inline vec vmul(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] *= b.v[i]; return a; }
+inline vec vdiv(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] /= b.v[i]; return a; }
+inline vec vmin2(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = std::min(a.v[i], b.v[i]); return a; }
+inline vec vif_nonneg(vec c, vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = c.v[i] >= 0.f ? a.v[i] : b.v[i]; return a; }
+template <typename T> inline void vstore(T* p, vec a, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = T(a.v[i]); }
+template <typename T> inline vec vround(vec a) { for (int i = 0; i < 16; i++) a.v[i] = float(T(a.v[i])); return a; }
 #endif
 
 // ------------------------------------------------------------------------------------------ linear
@@ -464,16 +492,27 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 template <typename T>
 std::unique_ptr<T[]> scratch(int64_t n) { return std::unique_ptr<T[]>(new T[n]); }
 
+// Every stage below runs 16 elements of a row at a time, the last ones masked, with lane-wise arithmetic
+// only, so each element is computed alike wherever it sits; a row's one reduction (the norm's sum of
+// squares) is 16 lanes in order, then one vsum.
+template <typename F>
+inline void each16(int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) f(i, LANES);
+  if (i < n) f(i, n - i);
+}
+template <typename T> inline vec vin(const T* p, int64_t n) { return n == LANES ? vload(p) : vload_tail(p, n); }
+
 // y = T(T(x * rsqrt(mean(x^2) + eps)) * w) for n rows of K (model.RMSNorm: normalize in float32, round, scale)
 template <typename T>
 void rms_norm(const T* x, const T* w, T* y, int64_t n, int64_t K, float eps) {
   for (int64_t r = 0; r < n; r++) {
     const T* xr = x + r * K;
     T* yr = y + r * K;
-    float ss = 0.f;
-    for (int64_t k = 0; k < K; k++) ss += float(xr[k]) * float(xr[k]);
-    const float inv = 1.f / std::sqrt(ss / float(K) + eps);
-    for (int64_t k = 0; k < K; k++) yr[k] = T(float(T(float(xr[k]) * inv)) * float(w[k]));
+    vec acc = vzero();
+    each16(K, [&](int64_t k, int64_t m) { const vec v = vin(xr + k, m); acc = vfma(v, v, acc); });
+    const vec inv = vset1(1.f / std::sqrt(vsum(acc) / float(K) + eps));
+    each16(K, [&](int64_t k, int64_t m) { vstore(yr + k, vmul(vround<T>(vmul(vin(xr + k, m), inv)), vin(w + k, m)), m); });
   }
 }
 
@@ -482,17 +521,37 @@ void rms_norm(const T* x, const T* w, T* y, int64_t n, int64_t K, float eps) {
 template <typename T>
 void rope(T* x, int64_t B, int64_t Tq, int64_t n_heads, int64_t D, Rows<const T> cs, Rows<const T> sn) {
   const int64_t half = D / 2;
-  float r[256];
+  float xf[256], r[256];
   for (int64_t b = 0; b < B; b++)
     for (int64_t t = 0; t < Tq; t++) {
       const T* c = cs.at(b, 0, t);
       const T* s = sn.at(b, 0, t);
       for (int64_t h = 0; h < n_heads; h++) {
         T* xr = x + ((b * Tq + t) * n_heads + h) * D;
-        for (int64_t d = 0; d < D; d++) r[d] = d < half ? -float(xr[d + half]) : float(xr[d - half]);
-        for (int64_t d = 0; d < D; d++) xr[d] = T(float(T(float(xr[d]) * float(c[d]))) + float(T(r[d] * float(s[d]))));
+        for (int64_t d = 0; d < D; d++) xf[d] = float(xr[d]);
+        for (int64_t d = 0; d < D; d++) r[d] = d < half ? -xf[d + half] : xf[d - half];
+        each16(D, [&](int64_t d, int64_t m) {
+          vstore(xr + d, vadd(vround<T>(vmul(vin(xf + d, m), vin(c + d, m))), vround<T>(vmul(vin(r + d, m), vin(s + d, m)))), m);
+        });
       }
     }
+}
+
+// y = T(a + b), n elements (a residual)
+template <typename T>
+void add(const T* a, const T* b, T* y, int64_t n) {
+  each16(n, [&](int64_t i, int64_t m) { vstore(y + i, vadd(vin(a + i, m), vin(b + i, m)), m); });
+}
+
+// g = T(T(silu(g)) * u), n elements; silu(g) = g / (1 + exp(-g)), as g exp(g) / (1 + exp(g)) below 0 (the
+// exponential's argument is never positive: vexp_neg)
+template <typename T>
+void swiglu(T* g, const T* u, int64_t n) {
+  each16(n, [&](int64_t i, int64_t m) {
+    const vec x = vin(g + i, m), e = vexp_neg(vmin2(x, vsub(vzero(), x)));
+    const vec s = vdiv(vif_nonneg(x, x, vmul(x, e)), vadd(vset1(1.f), e));
+    vstore(g + i, vmul(vround<T>(s), vin(u + i, m)), m);
+  });
 }
 
 template <typename T>
@@ -533,7 +592,8 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
       T* vd = vp + sb * vs[0] + hh * vs[1] + r * vs[2];
       const T* kr = k.get() + m * NK + hh * D;
       const T* vr = v.get() + m * NK + hh * D;
-      for (int64_t d = 0; d < D; d++) { kd[d] = real ? kr[d] : T(0.f); vd[d] = real ? vr[d] : T(0.f); }
+      if (real) { std::memcpy(kd, kr, D * sizeof(T)); std::memcpy(vd, vr, D * sizeof(T)); }
+      else { std::memset((void*)kd, 0, D * sizeof(T)); std::memset((void*)vd, 0, D * sizeof(T)); }
     }
   }
   // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual
@@ -542,19 +602,16 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
             {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
             1.f / std::sqrt(float(D)));
   lin(att.get(), M, wo, nullptr, h.get(), wide);                     // h: o_proj's output
-  for (int64_t i = 0; i < M * Dm; i++) x1[i] = T(float(xp[i]) + float(h[i]));
-  // 4. the MLP: norm, SwiGLU (silu(g) = g / (1 + exp(-g)), per element), down, the residual
+  add(xp, h.get(), x1.get(), M * Dm);
+  // 4. the MLP: norm, SwiGLU, down, the residual
   rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), M, Dm, eps);
   lin(h.get(), M, wg, nullptr, g.get(), wide);
   lin(h.get(), M, wu, nullptr, u.get(), wide);
-  for (int64_t i = 0; i < M * I; i++) {
-    const float gi = float(g[i]);
-    g[i] = T(float(T(gi / (1.f + std::exp(-gi)))) * float(u[i]));
-  }
+  swiglu(g.get(), u.get(), M * I);
   lin(g.get(), M, wd, nullptr, h.get(), wide);
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   T* op = out.data_ptr<T>();
-  for (int64_t i = 0; i < M * Dm; i++) op[i] = T(float(x1[i]) + float(h[i]));
+  add(x1.get(), h.get(), op, M * Dm);
   return out;
 }
 
