@@ -320,34 +320,50 @@ struct Perm {
 };
 const Perm PERM;
 
-// GN query heads that share a KV head, against the keys their query sees (rows seen[0..n-1], in row
-// order): out[g][0..D-1] = softmax(q_g.K) V. Each key row is loaded once for the GN heads; each head's
-// arithmetic is its own and the same whatever heads run beside it. NV: vectors per head row
-// (D <= 16 NV), so the outputs stay in registers. qf: GN rows of 16 NV floats (scaled, zero-padded).
-template <typename T, int NV, int GN>
-inline void heads(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
-                  int64_t n, int64_t D, float* s, int64_t sstride, T* const* out) {
-  const int64_t nv = (D + LANES - 1) / LANES;        // vectors in use (NV rounds up)
-  auto row = [&](const T* r, vec* x) {
-    for (int e = 0; e < NV; e++) {
-      const int64_t d = e * LANES;
-      x[e] = e >= nv ? vzero() : d + LANES <= D ? vload(r + d) : vload_tail(r + d, D - d);
+// Attention of GN query heads that share a KV head, against the keys their query sees (rows seen[0..n-1],
+// in row order): out[g][0..D-1] = softmax(q_g.K) V, in three steps a caller may interleave with other
+// queries' (so that the queries of one request read each block of keys while it is in cache): scores
+// (chunks of 16 keys, their max), then sum (exp(score - max), summed in 16 lanes; sum p v key after key),
+// then finish. Each key row is loaded once for the GN heads; each head's arithmetic is its own and the
+// same whatever heads or queries run beside it and however the key range is split. NV: vectors per head
+// row (D <= 16 NV). qf: GN rows of 16 NV floats (scaled, zero-padded); s: GN rows of scores.
+template <int NV, int GN>
+struct Heads {
+  vec top[GN], mx[GN], l[GN], o[GN][NV];
+  Heads() {
+    for (int g = 0; g < GN; g++) {
+      top[g] = vset1(-std::numeric_limits<float>::infinity());
+      l[g] = vzero();
+      for (int e = 0; e < NV; e++) o[g][e] = vzero();
     }
-  };
-  // 1. scores, 16 keys at a time (vsum16), and their max
-  vec top[GN];
-  for (int g = 0; g < GN; g++) top[g] = vset1(-std::numeric_limits<float>::infinity());
-  for (int64_t c = 0; c < n; c += 16) {
+  }
+};
+
+template <typename T, int NV>
+inline void key_row(const T* r, int64_t D, vec* x) {
+  const int64_t nv = (D + LANES - 1) / LANES;        // vectors in use (NV rounds up)
+  for (int e = 0; e < NV; e++) {
+    const int64_t d = e * LANES;
+    x[e] = e >= nv ? vzero() : d + LANES <= D ? vload(r + d) : vload_tail(r + d, D - d);
+  }
+}
+
+// scores of keys [c0, c1) (multiples of 16) and their running max
+template <typename T, int NV, int GN>
+inline void scores(Heads<NV, GN>& a, const float* qf, const T* kb, int64_t kstride, const int64_t* seen, int64_t n,
+                   int64_t c0, int64_t c1, int64_t D, float* s, int64_t sstride) {
+  const int64_t nv = (D + LANES - 1) / LANES;
+  for (int64_t c = c0; c < std::min(c1, n); c += 16) {
     const int64_t m = std::min<int64_t>(16, n - c);
     vec part[GN][16];
     for (int64_t u = 0; u < 16; u++) {
       vec kr[NV];
-      if (u < m) row(kb + seen[c + u] * kstride, kr);
+      if (u < m) key_row<T, NV>(kb + seen[c + u] * kstride, D, kr);
       for (int g = 0; g < GN; g++) {
-        vec a = vzero();
+        vec acc = vzero();
         if (u < m)
-          for (int e = 0; e < NV; e++) if (e < nv) a = vfma(vload(qf + (g * NV + e) * LANES), kr[e], a);
-        part[g][u] = a;
+          for (int e = 0; e < NV; e++) if (e < nv) acc = vfma(vload(qf + (g * NV + e) * LANES), kr[e], acc);
+        part[g][u] = acc;
       }
     }
     for (int g = 0; g < GN; g++) {
@@ -355,53 +371,83 @@ inline void heads(const float* qf, const T* kb, int64_t kstride, const T* vb, in
       store(buf, vsum16(part[g]));
       float* sg = s + g * sstride + c;
       for (int64_t u = 0; u < 16; u++) sg[u] = u < m ? buf[PERM.lane_of[u]] : -std::numeric_limits<float>::infinity();
-      top[g] = vmax2(top[g], vload(sg));
+      a.top[g] = vmax2(a.top[g], vload(sg));
     }
   }
-  // 2. p = exp(score - max), summed in 16 lanes; sum p * v key after key, in registers
-  vec mx[GN], o[GN][NV], l[GN];
-  for (int g = 0; g < GN; g++) {
-    mx[g] = vset1(vmax(top[g]));
-    l[g] = vzero();
-    for (int e = 0; e < NV; e++) o[g][e] = vzero();
-  }
-  for (int64_t c = 0; c < n; c += 16) {
+}
+
+// p = exp(score - max) of keys [c0, c1), summed in 16 lanes; p v summed key after key (scores: all done)
+template <typename T, int NV, int GN>
+inline void sum(Heads<NV, GN>& a, const T* vb, int64_t vstride, const int64_t* seen, int64_t n, int64_t c0, int64_t c1,
+                int64_t D, const float* s, int64_t sstride) {
+  const int64_t nv = (D + LANES - 1) / LANES;
+  vec o[GN][NV];                                       // in registers for the range
+  for (int g = 0; g < GN; g++) for (int e = 0; e < NV; e++) o[g][e] = a.o[g][e];
+  for (int64_t c = c0; c < std::min(c1, n); c += 16) {
     const int64_t m = std::min<int64_t>(16, n - c);
     float pb[GN][16];
     for (int g = 0; g < GN; g++) {
-      const vec p = vfirst(vexp_neg(vsub(vload(s + g * sstride + c), mx[g])), m);
-      l[g] = vadd(l[g], p);
+      const vec p = vfirst(vexp_neg(vsub(vload(s + g * sstride + c), a.mx[g])), m);
+      a.l[g] = vadd(a.l[g], p);
       store(pb[g], p);
     }
     for (int64_t u = 0; u < m; u++) {
       vec vr[NV];
-      row(vb + seen[c + u] * vstride, vr);
+      key_row<T, NV>(vb + seen[c + u] * vstride, D, vr);
       for (int g = 0; g < GN; g++) {
         const vec pv = vset1(pb[g][u]);
         for (int e = 0; e < NV; e++) if (e < nv) o[g][e] = vfma(pv, vr[e], o[g][e]);
       }
     }
   }
+  for (int g = 0; g < GN; g++) for (int e = 0; e < NV; e++) a.o[g][e] = o[g][e];
+}
+
+template <typename T, int NV, int GN>
+inline void finish(Heads<NV, GN>& a, int64_t n, int64_t D, T* const* out) {
   for (int g = 0; g < GN; g++) {
-    const float sum = vsum(l[g]);
+    const float total = vsum(a.l[g]);
     float buf[16 * NV];
-    for (int e = 0; e < NV; e++) store(buf + e * LANES, o[g][e]);
-    for (int64_t d = 0; d < D; d++) out[g][d] = T(n ? buf[d] / sum : 0.f);     // sees nothing (padding): zeros
+    for (int e = 0; e < NV; e++) store(buf + e * LANES, a.o[g][e]);
+    for (int64_t d = 0; d < D; d++) out[g][d] = T(n ? buf[d] / total : 0.f);     // sees nothing (padding): zeros
   }
+}
+
+// One KV head of one request: its Tq queries' GN heads g0.. against their keys (query t: seen[t], n[t]),
+// the keys taken in blocks of KB, every query's work on a block before the next block: a tree's queries
+// share the committed rows, which are then read from memory once for all of them, not once per query.
+constexpr int64_t KB = 256;
+template <typename T, int NV, int GN>
+void kv_group(const float* qf, int64_t qstride, const T* kb, int64_t kstride, const T* vb, int64_t vstride,
+              const int64_t* const* seen, const int64_t* n, int64_t Tq, int64_t D, float* s, int64_t sstride,
+              T* const* out, int64_t ostride) {
+  std::vector<Heads<NV, GN>> a(Tq);
+  const int64_t most = *std::max_element(n, n + Tq);
+  for (int64_t c = 0; c < most; c += KB)
+    for (int64_t t = 0; t < Tq; t++) scores<T, NV, GN>(a[t], qf + t * qstride, kb, kstride, seen[t], n[t], c, c + KB, D, s + t * GN * sstride, sstride);
+  for (int64_t t = 0; t < Tq; t++)
+    for (int g = 0; g < GN; g++) a[t].mx[g] = vset1(vmax(a[t].top[g]));
+  for (int64_t c = 0; c < most; c += KB)
+    for (int64_t t = 0; t < Tq; t++) sum<T, NV, GN>(a[t], vb, vstride, seen[t], n[t], c, c + KB, D, s + t * GN * sstride, sstride);
+  for (int64_t t = 0; t < Tq; t++) finish<T, NV, GN>(a[t], n[t], D, out + t * ostride);
 }
 
 // every head of one KV head, GN at a time (GN from NV: the outputs must fit in registers)
 template <typename T, int NV, int GMAX>
-inline void kv_head(const float* qf, const T* kb, int64_t kstride, const T* vb, int64_t vstride, const int64_t* seen,
-                    int64_t n, int64_t D, float* s, int64_t sstride, T* const* out, int64_t G) {
+inline void kv_head(const float* qf, int64_t qstride, const T* kb, int64_t kstride, const T* vb, int64_t vstride,
+                    const int64_t* const* seen, const int64_t* n, int64_t Tq, int64_t D, float* s, int64_t sstride,
+                    T* const* out, int64_t G) {
   for (int64_t g = 0; g < G; g += GMAX) {
     const float* q = qf + g * NV * LANES;
+    T* const* o = out + g;
+#define GRAFT_GROUP(GN) kv_group<T, NV, GN>(q, qstride, kb, kstride, vb, vstride, seen, n, Tq, D, s, sstride, o, G)
     switch (std::min<int64_t>(GMAX, G - g)) {
-      case 1: heads<T, NV, 1>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
-      case 2: heads<T, NV, (GMAX >= 2 ? 2 : 1)>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
-      case 3: heads<T, NV, (GMAX >= 3 ? 3 : 1)>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g); break;
-      default: heads<T, NV, GMAX>(q, kb, kstride, vb, vstride, seen, n, D, s, sstride, out + g);
+      case 1: GRAFT_GROUP(1); break;
+      case 2: GRAFT_GROUP((GMAX >= 2 ? 2 : 1)); break;
+      case 3: GRAFT_GROUP((GMAX >= 3 ? 3 : 1)); break;
+      default: GRAFT_GROUP(GMAX);
     }
+#undef GRAFT_GROUP
   }
 }
 
@@ -422,33 +468,44 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
   TORCH_CHECK(D <= 256, "graft::attention: head_dim <= 256");
   const int64_t NV = (D + LANES - 1) / LANES;
   const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16;     // the template's
-  // one task per (request, query): its keys found once, then every KV head with the heads that share it
+  // 1. the keys each query sees, in row order, found once
+  std::vector<int64_t> seen(B * Tq * S), n(B * Tq);
   at::parallel_for(0, B * Tq, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> seen(S);
-    std::vector<float> s(G * (S + 16)), qf(G * NVT * LANES, 0.f);
-    std::vector<T*> outs(G);
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / Tq, t = i % Tq, kb_ = kbat ? kbat[b] : b;
-      const bool* mrow = mask.at(b, 0, t);
-      int64_t n = 0;                                    // the keys this query sees, in row order
-      for (int64_t j = 0; j < S; j++) if (mrow[j * ms_s]) seen[n++] = j;
-      for (int64_t h = 0; h < Hkv; h++) {
+      const bool* mrow = mask.at(i / Tq, 0, i % Tq);
+      int64_t c = 0;
+      for (int64_t j = 0; j < S; j++) if (mrow[j * ms_s]) seen[i * S + c++] = j;
+      n[i] = c;
+    }
+  });
+  // 2. one task per (request, KV head): the heads that share it, all of the request's queries together
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t qstride = G * NVT * LANES;
+    std::vector<float> s(Tq * G * (S + 16)), qf(Tq * qstride, 0.f);
+    std::vector<T*> outs(Tq * G);
+    std::vector<const int64_t*> sn(Tq);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / Hkv, h = i % Hkv, kb_ = kbat ? kbat[b] : b;
+      for (int64_t t = 0; t < Tq; t++) {
+        sn[t] = seen.data() + (b * Tq + t) * S;
         for (int64_t g = 0; g < G; g++) {
           const T* qr = q.at(b, h * G + g, t);
-          for (int64_t d = 0; d < D; d++) qf[g * NVT * LANES + d] = float(qr[d]) * scale;
-          outs[g] = out.at(b, h * G + g, t);
-        }
-        const T* kb = k.at(kb_, h, 0);
-        const T* vb = v.at(kb_, h, 0);
-        const float* qp = qf.data();
-        switch (NVT) {
-          case 1: kv_head<T, 1, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 2: kv_head<T, 2, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 4: kv_head<T, 4, 4>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          case 8: kv_head<T, 8, 2>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G); break;
-          default: kv_head<T, 16, 1>(qp, kb, k.st, vb, v.st, seen.data(), n, D, s.data(), S + 16, outs.data(), G);
+          for (int64_t d = 0; d < D; d++) qf[t * qstride + g * NVT * LANES + d] = float(qr[d]) * scale;
+          outs[t * G + g] = out.at(b, h * G + g, t);
         }
       }
+      const T* kb = k.at(kb_, h, 0);
+      const T* vb = v.at(kb_, h, 0);
+      const int64_t* nn = n.data() + b * Tq;
+#define GRAFT_KV(NV_, GMAX) kv_head<T, NV_, GMAX>(qf.data(), qstride, kb, k.st, vb, v.st, sn.data(), nn, Tq, D, s.data(), S + 16, outs.data(), G)
+      switch (NVT) {
+        case 1: GRAFT_KV(1, 4); break;
+        case 2: GRAFT_KV(2, 4); break;
+        case 4: GRAFT_KV(4, 4); break;
+        case 8: GRAFT_KV(8, 2); break;
+        default: GRAFT_KV(16, 1);
+      }
+#undef GRAFT_KV
     }
   });
 }
