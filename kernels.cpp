@@ -141,22 +141,23 @@ struct BF16Dot {
 };
 #endif
 
-// y[m, n] for m in [m0, m0 + mr), n in [n0, n0 + nr). Every (m, n) runs the same sequence: the lanes'
-// products over k in steps, in order, the masked tail, one vsum; mr and nr only decide how many
-// outputs run side by side. pf: the next rows of W, prefetched while these compute (or null).
+// y[m, n] for m in [m0, m0 + mr), n = n0, n0 + rs, .., n0 + (nr - 1) rs. Every (m, n) runs the same
+// sequence: the lanes' products over k in steps, in order, the masked tail, one vsum; mr, nr and rs only
+// decide which outputs run side by side. pf: the rows of W after these (one row on in each of the nr
+// streams), prefetched while these compute (or null).
 template <typename Op, typename T, int64_t mr, int64_t nr>
 inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0,
-                 int64_t n0, const T* pf) {
+                 int64_t n0, int64_t rs, const T* pf) {
   vec acc[mr][nr];
   #pragma GCC unroll 16
   for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
   auto step = [&](int64_t k, int64_t n) {            // n < STEP: the masked tail
     typename Op::V wv[nr];
     #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j) * K + k) : Op::w_tail(w + (n0 + j) * K + k, n);
+    for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j * rs) * K + k) : Op::w_tail(w + (n0 + j * rs) * K + k, n);
     if (pf)
 #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * K + k);
+      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k);
     #pragma GCC unroll 16
     for (int64_t i = 0; i < mr; i++) {
       const typename Op::V xv = n == Op::STEP ? Op::x(x + (m0 + i) * K + k) : Op::x_tail(x + (m0 + i) * K + k, n);
@@ -172,36 +173,36 @@ inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int6
     #pragma GCC unroll 16
     for (int64_t j = 0; j < nr; j++) {
       float s = vsum(acc[i][j]);
-      if (b) s += b[n0 + j];
-      y[(m0 + i) * N + n0 + j] = T(s);
+      if (b) s += b[n0 + j * rs];
+      y[(m0 + i) * N + n0 + j * rs] = T(s);
     }
 }
 
+// every row of x against W's rows n0 + j rs (j < nr), the last (n0 + rs - 1: the stream's end) prefetching nothing
 template <typename X, typename T, int64_t nr>
-inline void rows(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  // the first pass over these nr rows of W also prefetches the next nr (memory streams while it computes)
-  const T* pf = n0 + 2 * nr <= N ? w + (n0 + nr) * K : nullptr;
+inline void rows(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rs,
+                 bool last) {
+  const T* pf = last ? nullptr : w + (n0 + 1) * K;
   int64_t m = 0;
 #if defined(__AVX512BF16__)
   using Op = std::conditional_t<std::is_same_v<X, at::BFloat16>, BF16Dot, Widen<T>>;
 #else
   using Op = Widen<T>;
 #endif
-  for (; m + MR <= M; m += MR) tile<Op, T, MR, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
-  for (; m < M; m++) tile<Op, T, 1, nr>(x, w, b, y, K, N, m, n0, m ? nullptr : pf);
+  for (; m + MR <= M; m += MR) tile<Op, T, MR, nr>(x, w, b, y, K, N, m, n0, rs, m ? nullptr : pf);
+  for (; m < M; m++) tile<Op, T, 1, nr>(x, w, b, y, K, N, m, n0, rs, m ? nullptr : pf);
 }
 
+// W read as NR sequential streams (its rows in NR contiguous quarters, each walked row after row, which
+// the memory's prefetchers follow), the rows past the quarters one at a time. Threads split the
+// streams' rows: a thread never shares an output's sum with another.
 template <typename X, typename T>
 void linear_impl(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t tiles = (N + NR - 1) / NR;
-  // split over output columns only: a thread never shares an output's sum with another
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      int64_t n0 = t * NR;
-      if (n0 + NR <= N) rows<X, T, NR>(x, w, b, y, M, K, N, n0);
-      else for (int64_t n = n0; n < N; n++) rows<X, T, 1>(x, w, b, y, M, K, N, n);
-    }
+  const int64_t Q = N / NR;
+  at::parallel_for(0, Q, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) rows<X, T, NR>(x, w, b, y, M, K, N, t, Q, t + 1 == t1);
   });
+  for (int64_t n = NR * Q; n < N; n++) rows<X, T, 1>(x, w, b, y, M, K, N, n, 1, n + 1 == N);
 }
 
 // y (M, N) = x (M, K) W^T (+ b), x and y of W's dtype T. bfloat16 runs the CPU's bfloat16 dot product
