@@ -4,7 +4,7 @@ reads them (those tests run last).
 
   every_method  a tiny random Llama (2 layers) + random head, compiled with torch.compile's aot_eager
                 backend (dynamo tracing with fullgraph, functionalised cache writes, no codegen): every
-                method, greedy and sampled, two prompts, tokens equal to the eager engine's
+                method, sampled, two prompts, tokens equal to the eager engine's (greedy: lifetimes)
   recompiles    after compile_warmup, graphs compiled by rounds at other prompt/context lengths
   warmup        the calibration warm-up with --budget auto on the compiled engine (aot_eager): it runs
                 (more rounds than dynamo's recompile limit), records what the eager engine's records
@@ -141,9 +141,10 @@ def main(out: str, only=()):
     save = lambda: Path(out).write_text(json.dumps(result))
 
     def every_method():
+        # sampled only: greedy is checked for every method by `lifetimes` (full attention, outputs poisoned)
+        # and, with this window attention, by `inductor` (ar, graft-naive-root) and `recompiles`
         eager, comp = tiny_pair("aot_eager", tmp)
-        return {m: {"greedy": same(eager, comp, m, GREEDY, PROMPTS), "sampled": same(eager, comp, m, SAMPLED, PROMPTS)}
-                for m in NO_BLOCK}
+        return {m: {"sampled": same(eager, comp, m, SAMPLED, PROMPTS)} for m in NO_BLOCK}
 
     def recompiles():
         _, comp = tiny_pair("aot_eager", tmp)
