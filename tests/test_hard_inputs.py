@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import bench
 import calibrate as CAL
+import kernels
 import checkpoint as CK
 import cli as CLI
 import data as DATA
@@ -467,10 +468,10 @@ def test_warmup_cache_key_includes_cache_length(engine_with_head, tmp_path, monk
     assert CAL.state_path_for(a, "same") != CAL.state_path_for(b, "same")
 
 
-@pytest.mark.parametrize("change", ["threads", "torch", "attention", "compiled"])
+@pytest.mark.parametrize("change", ["threads", "torch", "attention", "compiled", "exact", "kernels"])
 def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monkeypatch, change):
-    """A calibration timed at one thread count (torch version, attention, execution) is not loaded
-    under another: its costs were measured on a different engine."""
+    """A calibration timed at one thread count (torch version, attention, execution, exact mode, the CPU
+    kernels' build) is not loaded under another: its costs were measured on a different engine."""
     eng = engine_with_head()
     before = CAL.state_path_for(eng, "same")
     threads = torch.get_num_threads()
@@ -481,6 +482,10 @@ def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monk
             monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
         elif change == "attention":
             eng.window = not eng.window
+        elif change == "exact":
+            eng.exact = not eng.exact
+        elif change == "kernels":
+            monkeypatch.setattr(kernels, "ON", not kernels.ON)
         else:
             monkeypatch.setattr(eng.steps, "compiling", True)
         assert CAL.state_path_for(eng, "same") != before

@@ -24,7 +24,7 @@ ALLOWED = {
     "kernels": set(), "model": {"kernels"}, "draft": {"model"}, "dflash": {"model"}, "verify": {"model"},
     "graft": {"model", "draft", "verify"},
     "engine": {"model", "draft", "dflash", "verify", "graft"},
-    "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine"},
+    "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine", "kernels"},   # kernels: in the cache key
     **{m: {"model", "draft", "dflash"} | set(LOADERS) - {m} for m in LOADERS},
     "tp": {"model"},
     "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data", "tp", "kernels"},
