@@ -154,6 +154,7 @@ def test_stories_head_recipe_trains_a_loadable_head(tmp_path):
     assert len(r.tokens) == 12 and r.draft_forwards > 0
 
 
+@needs_shared
 def test_stories_has_its_shipped_head(tmp_path):
     """stories260K-hf (by its place in ../shared) maps to the head shipped in checkpoints/;
     a copy of the model elsewhere is not recognised by name."""
