@@ -1,15 +1,18 @@
-// graft's CPU kernels: a linear and an attention whose result for a row is a function of that row's
-// inputs alone, bit for bit, whatever the rows beside it (kernels.py says why and how they are built).
+// graft's CPU kernels: a linear, an attention and a whole decoder layer whose result for a row is a
+// function of that row's inputs alone, bit for bit, whatever the rows beside it (kernels.py says why and
+// how they are built).
 //
-// Both are written so that every output element is reduced by one fixed sequence of float32 operations:
+// Each is written so that every output element is reduced by one fixed sequence of float32 operations:
 //   linear     y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]): 16-lane FMAs over k in order (bfloat16: the
 //              CPU's bfloat16 dot product where it has one), a masked tail, one fixed horizontal sum.
-//              Rows of x and of W are tiled for speed (4 x 4 outputs share their loads), but a tile
-//              changes which outputs are computed together, never how.
+//              W is read as four sequential streams (its rows in quarters), four rows of x sharing each
+//              load, but that changes which outputs are computed together, never how.
 //   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
 //              ancestors: position order), scores them 16 at a time by one reduction tree per key, and
 //              sums exp(score - max) * v one key after another (the weights' total in 16 lanes, in the
 //              same order). Plain decoding at the same position sees the same keys in the same order.
+//   block      a Llama/Qwen3 layer: the two above, and row-wise stages (norms, RoPE, SwiGLU, residuals)
+//              16 lanes at a time with lane-wise arithmetic only.
 // The one-token case reads each weight once as it streams, prefetching the next rows, which is what
 // makes the step fast; nothing is chosen by the number of rows.
 #include <ATen/ATen.h>
@@ -635,9 +638,9 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
     rms_norm(q.get(), qn->data_ptr<T>(), q.get(), M * H, D, eps);
     rms_norm(k.get(), kn->data_ptr<T>(), k.get(), M * Hkv, D, eps);
   }
-  const auto cst = cos.strides(), sst = sin.strides();
-  rope(q.get(), B, Tq, H, D, Rows<const T>{cos.data_ptr<T>(), cst[0], 0, cst[1]}, Rows<const T>{sin.data_ptr<T>(), sst[0], 0, sst[1]});
-  rope(k.get(), B, Tq, Hkv, D, Rows<const T>{cos.data_ptr<T>(), cst[0], 0, cst[1]}, Rows<const T>{sin.data_ptr<T>(), sst[0], 0, sst[1]});
+  const Rows<const T> cr{cos.data_ptr<T>(), cos.stride(0), 0, cos.stride(1)}, sr{sin.data_ptr<T>(), sin.stride(0), 0, sin.stride(1)};
+  rope(q.get(), B, Tq, H, D, cr, sr);
+  rope(k.get(), B, Tq, Hkv, D, cr, sr);
   // 2. the new keys and values into the cache at their rows (a padding row, keep false, writes zeros)
   const auto ks = kc.strides(), vs = vc.strides();
   T* kp = kc.data_ptr<T>();

@@ -1,4 +1,4 @@
-"""graft's CPU kernels (kernels.cpp): a linear and an attention that are row-invariant by construction.
+"""graft's CPU kernels (kernels.cpp): a linear, an attention and a decoder layer, row-invariant by construction.
 
 Why our own. On a CPU, torch's kernels pick their path by the number of rows: a one-row bfloat16
 `F.linear` takes oneDNN's matrix-vector route, which re-lays the weight on every call and reads it at
@@ -11,10 +11,12 @@ dtype; and the one-row linear streams its weight once, widened in registers.
 
     linear(x (..., K), W (N, K), b (N,) | None) -> (..., N)      x.dtype: float32, bfloat16 or float16
     attention(q (B, H, T, D), k, v (B, H_kv, S, D), mask (B|1, 1, T, S) bool, scale) -> (B, H, T, D)
+    block(x (B, T, dim), the layer's weights, cos, sin (B|1, T, D), k/v caches (B_c, H_kv, R, D) written at
+          rows (B, T) of requests slots (B,) | None, mask (B|1, 1, T, S) bool, keep (B, T) | None, ...) -> (B, T, dim)
 
 They are built from kernels.cpp by torch's C++ extension loader (the same compiler inductor uses on a
 CPU) on first use, with -march=native, into ~/.cache/graft-kernels/<hash> (GRAFT_KERNELS_DIR; about
-10 s once, then a load). Registered as torch ops (torch.ops.graft.*) with shape functions, so compiled graphs call them
+15 s once, then a load). Registered as torch ops (torch.ops.graft.*) with shape functions, so compiled graphs call them
 too. Where they cannot be built (no compiler) or GRAFT_KERNELS=0 is set, `ready()` is False, one line
 says why, and model.py uses torch's own kernels (and its slower padded exact mode).
 """

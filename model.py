@@ -132,10 +132,11 @@ def mask_bias(mask, dtype):
 # one fixed sequence of float32 operations whatever the rows beside it, and a one-row pass streams the
 # weight once (torch's one-row bfloat16 path reads it at a third of that). Exact mode (a tree node's
 # logits equal plain decoding's bit for bit, every dtype) adds kernels.py's attention, which reads a
-# query's visible keys in position order. Without the kernels (no compiler, a GPU), exact mode pads
-# matmul rows to a multiple of EXACT_ROWS (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2,
-# float32 for M a multiple of 4 or >= 12; scripts/exactness.py) and reduces keys in blocks of
-# EXACT_BLOCK absolute positions (exact_attention). tests/test_exact.py checks both paths.
+# query's visible keys in position order, and, eager, runs each dense layer as one kernels.block call.
+# Without the kernels (no compiler, a GPU), exact mode pads matmul rows to a multiple of EXACT_ROWS
+# (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 for M a multiple of 4 or >= 12;
+# scripts/exactness.py) and reduces keys in blocks of EXACT_BLOCK absolute positions
+# (exact_attention). tests/test_exact.py checks both paths.
 EXACT_ROWS, EXACT_BLOCK = 4, 64
 
 
