@@ -97,7 +97,8 @@ def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
     cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
                   log=log, calibration=a.calibration, auto_budget=a.auto_budget)
     if getattr(METHODS[method], "cut", False) and cfg.tail_threshold is None:     # graft-tail's cut
-        calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log)
+        calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log,
+                       use_cache=not a.no_cache and tp.world()[1] == 1)
     cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
     return method_config(cal, method, cfg, a.auto_budget), cal
 

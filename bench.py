@@ -485,7 +485,8 @@ def main(argv=None) -> dict:
         cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
                           log=log, calibration=a.calibration, auto_budget=a.auto_budget)
         if any(getattr(E.METHODS[m], "cut", False) for m in methods) and cfg0.tail_threshold is None:
-            CAL.calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log)      # graft-tail's cut
+            CAL.calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log,
+                               use_cache=not a.no_cache and tp.world()[1] == 1)      # graft-tail's cut
         cal = tp.same(cal)           # under torchrun rank 0's: a rank's own clock must not change its tokens
         if a.auto_budget and cal.methods:
             budgets = [None]           # each method at the budget its calibration picked

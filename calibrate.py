@@ -454,15 +454,22 @@ def tail_accepted(conf: list, A: int, retrieved: list, parents: list, truth: lis
 
 
 def calibrate_tail(engine: Engine, cal: Calibration | None, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
-                   chat: bool = False, log=None) -> float:
+                   chat: bool = False, log=None, use_cache: bool = True) -> float:
     """graft-tail's cut tau (docs/graft.md section 11): a few dflash generations on the warm-up prompts
     (a copy of the warmed-up matrix, so the prior is left as it was) record every round's block
     confidences and, for every possible cut, the retrieval the matrix offered then; tau is the cut that
     maximises the tokens those rounds would have accepted (the same verify size at every tau, so the
     same tokens per second; ties go to the smaller tau, 0 being dflash's chain). Sets
-    cal.tail_threshold and returns tau. (Not cached: it takes a few block generations.)"""
+    cal.tail_threshold and returns tau. Cached (tail_path: the drafter's bytes, the matrix it started
+    from, every setting), like the warm-up; use_cache=False computes it afresh."""
     log = log or (lambda s: None)
     cal = cal if cal is not None else Calibration()
+    path = tail_path(engine, prompts, rounds, max_new_tokens, chat) if use_cache else None
+    tau = read_tail(path) if path else None
+    if tau is not None:
+        cal.tail_threshold = tau
+        log(f"warm-up: graft-tail: cut tau {tau:.3f} (cached: {path})")
+        return tau
     m = engine.make("graft-tail", Config(tail_threshold=0.0), cal, engine.matrix.copy())
     if engine.compiling:
         compile_warmup(engine, [m])
@@ -502,9 +509,46 @@ def calibrate_tail(engine: Engine, cal: Calibration | None, prompts=None, rounds
     if rows:
         log(f"warm-up: graft-tail: cut tau {best_tau:.3f}: {len(rows)} rounds would have committed MAT "
             f"{(best + len(rows)) / len(rows):.2f} (dflash's chain: {(base + len(rows)) / len(rows):.2f})")
-    else:
+        if path:
+            write_tail(path, best_tau, len(rows))
+    else:       # (not cached: a later run with other prompts may find rounds to score)
         log("warning: the graft-tail calibration left no round to score: tau 0 (graft-tail runs as dflash)")
     return best_tau
+
+
+def tail_path(engine: Engine, prompts, rounds: int, max_new_tokens: int, chat: bool) -> str:
+    """The cache file of graft-tail's cut: state_path_for's key (target, head, dtype, kernels, ...) with
+    the DFlash drafter's bytes, a digest of the matrix the calibration starts from (the warm-up's, so
+    a warm-up on other prompts gives another file) and the calibration's own settings."""
+    d = hashlib.sha1()
+    for v in engine.matrix.state_dict().values():
+        d.update(v.detach().cpu().contiguous().numpy().tobytes())
+    drafter = os.path.abspath(engine.block.model.path) if engine.block is not None else "-"
+    key = state_path_for(engine, "graft-tail", [drafter, content_stamp(drafter) if drafter != "-" else "-"],
+                         d.hexdigest(), list(prompts or WARMUP_PROMPTS)[:rounds], rounds, max_new_tokens, chat)
+    return os.path.join(os.path.dirname(key), "tail-" + os.path.basename(key).split("-", 1)[1].split(".")[0] + ".json")
+
+
+def read_tail(path: str) -> float | None:
+    """The cached cut, or None when the file is absent, unreadable or not a cut in [0, 1 + 1e-6]."""
+    try:
+        with open(path) as fh:
+            tau = json.load(fh)["tau"]
+        return float(tau) if isinstance(tau, (int, float)) and 0 <= tau <= 1 + 1e-6 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_tail(path: str, tau: float, rounds: int):
+    """Cache the cut (JSON, written atomically); a cache that cannot be written only warns."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as fh:
+            json.dump({"tau": tau, "rounds": rounds}, fh)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"warning: could not save graft-tail's cut to {path}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
 
 
 def read_calibrations(meta: dict, checkpoints) -> tuple | None:

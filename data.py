@@ -251,7 +251,8 @@ def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root:
     at a deterministic pseudo-random `def`/`class` line when the file has one. Files are cycled."""
     import sysconfig
     root = root or sysconfig.get_paths()["stdlib"]
-    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout]
+    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout
+             and (heldout or not is_long_context_file(f, root))]      # training: never lcc/repobench's files
     rng = random.Random(seed)
     rng.shuffle(files)
     out, i = [], 0
@@ -266,6 +267,48 @@ def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root:
         if len(text.strip()) > 40 and text not in out:
             out.append(text)
     return out
+
+
+def stdlib_training_files(root: str | None = None) -> list:
+    """The stdlib's training split: neither held out (the stdlib set) nor long-context (lcc, repobench)."""
+    import sysconfig
+    root = root or sysconfig.get_paths()["stdlib"]
+    return [f for f in stdlib_files(root) if not is_heldout(f, root) and not is_long_context_file(f, root)]
+
+
+def code_prompts(n: int, seed: int = 0, root: str | None = None) -> list:
+    """n HumanEval-shaped prompts from the stdlib's training split: a function's `def` line(s) and its
+    docstring, nothing of the body (the target writes it); public functions only. Deterministic: files
+    in a seeded order, the first function of each file, then the second, ..."""
+    files = stdlib_training_files(root)
+    random.Random(seed).shuffle(files)
+    per_file = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            src = fh.read().splitlines(keepends=True)
+        found = []
+        for j, line in enumerate(src):
+            if not line.lstrip().startswith("def ") or line.lstrip().startswith("def _"):
+                continue
+            k = j
+            while k < len(src) and not src[k].rstrip().endswith(":"):       # a signature over lines
+                k += 1
+            doc = src[k + 1].strip() if k + 1 < len(src) else ""
+            q = doc[:3] if doc[:3] in ('"""', "'''") else ""
+            if not q:
+                continue
+            end = k + 1 if doc.count(q) >= 2 and len(doc) > 3 else next(
+                (e for e in range(k + 2, min(k + 40, len(src))) if q in src[e]), None)
+            if end is None:
+                continue
+            indent = len(line) - len(line.lstrip())
+            text = "".join(l[indent:] if l[:indent].isspace() else l for l in src[j:end + 1])
+            if 80 < len(text) < 1500:
+                found.append(text)
+        per_file.append(found)
+    # the first function of every file, then the second of every file, ...: spread over the split
+    out = [fs[i] for i in range(max(map(len, per_file), default=0)) for fs in per_file if i < len(fs)]
+    return list(dict.fromkeys(out))[:n]
 
 
 def stdlib_prompts(limit: int) -> list:

@@ -48,7 +48,7 @@ from model import GraftError, KVCache, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
 from verify import Sampling
-from data import PROMPT_FORMATS, STORIES, chat_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets
+from data import PROMPT_FORMATS, STORIES, chat_prompts, code_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stdlib_training_files
 from calibrate import cache_dir
 
 
@@ -142,12 +142,14 @@ def load_sequences(path: str) -> list:
 # ----------------------------------------------------------------------------- data
 
 def text_files(paths: list) -> list:
-    """The files --texts names: each PATH a file, or a folder whose .py files (all depths; __pycache__
-    left out) are taken; each folder's files sorted, folders in the order given, duplicates once.
+    """The files --texts names: each PATH a file, a folder whose .py files (all depths; __pycache__
+    left out) are taken, or `stdlib`: the running Python's standard library, its training split; each folder's files sorted, folders in the order given, duplicates once.
     Errors: GraftError, one line, for a path that does not exist or a folder without .py files."""
     out = []
     for p in paths:
-        if os.path.isfile(p):
+        if p == "stdlib" and not os.path.exists(p):     # the stdlib's training split (never lcc's or repobench's files)
+            found = stdlib_training_files()
+        elif os.path.isfile(p):
             found = [os.path.abspath(p)]
         elif os.path.isdir(p):
             found = []
@@ -398,44 +400,20 @@ def head_state(head) -> dict:
     return {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
 
 
-def train_eagle3(a) -> str:
-    """Train (or with --init fine-tune) a head; returns --out. Data: self-distillation of --prompts, or
-    windows of --texts labelled with the target's own distribution. Errors: GraftError, one line, for
-    bad options, paths or caches, all before the target's first pass."""
-    dev = a.device
-    torch.manual_seed(a.seed)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.ttt < 1:
-        raise GraftError("--ttt must be at least 1")
-    if (a.prompts is None) == (a.texts is None):
-        raise GraftError("pass either --prompts (self-distillation) or --texts (real texts)")
-    if a.seq_len < 2:
-        raise GraftError("--seq-len must be at least 2")
-    files = text_files(a.texts) if a.texts is not None else None
-    if a.init and not os.path.isdir(a.init):
-        raise GraftError(f"--init: head folder not found: {a.init}")
-    # no cache is needed to train; self-distillation sizes one per batch
-    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, max_seq_len=1)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    init = init_head(a.init, target, dev) if a.init else None     # before the views: it names the features
-    tok = load_tokenizer(target.path, target.args)
-    os.makedirs(a.out, exist_ok=True)
-    data_path = os.path.join(a.out, "train_data.safetensors")
-    state_path = os.path.join(a.out, "train_state.safetensors")
-    log = lambda s: print(s, file=sys.stderr)
-    source = data_source(a, files)
+def training_data(a, kind: str, files, target, tok, data_path: str, views_path: str, log) -> tuple:
+    """(sequences, views) of one kind of data: the target's continuations of --prompts, or windows of
+    --texts; read from data_path/views_path when they were made from the same inputs, else made and saved."""
+    source = data_source(a, files if kind == "texts" else None)
     cached = sequences_source(data_path) if os.path.isfile(data_path) else None
     if os.path.isfile(data_path) and cached not in (None, source):
         log(f"data: {data_path} was made from other inputs: made again")
-    if os.path.isfile(data_path) and (cached == source or (cached is None and files is None)):
+    if os.path.isfile(data_path) and (cached == source or (cached is None and kind == "prompts")):
         seqs = load_sequences(data_path)
         vocab = target.args.vocab_size
         if any(t < 0 or t >= vocab for s in seqs for t in s):
             raise GraftError(f"{data_path} holds token ids outside the target's vocabulary; delete it to regenerate")
         log(f"data: {len(seqs)} sequences from {data_path}")
-    elif files is not None:
+    elif kind == "texts":
         t0 = time.time()
         seqs = text_windows(tok, files, a.seq_len, a.max_windows, log)
         save_sequences(data_path, seqs, source)
@@ -449,12 +427,50 @@ def train_eagle3(a) -> str:
         seqs = self_distill(target, tok, prompts, a.new_tokens, a.gen_batch, s, log, chat=a.chat)
         save_sequences(data_path, seqs, source)
         log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {time.time() - t0:.0f}s")
-    views_path = os.path.join(a.out, "train_views.safetensors")
     key = views_key(seqs, target, a.top_k_targets)
     views = load_views(views_path, seqs, key) if os.path.isfile(views_path) else None
     if views is None:
         views = target_views(target, seqs, a.top_k_targets, a.view_tokens, log)
         save_views(views_path, views, key)
+    return seqs, views
+
+
+def train_eagle3(a) -> str:
+    """Train (or with --init fine-tune) a head; returns --out. Data: self-distillation of --prompts,
+    windows of --texts labelled with the target's own distribution, or both mixed (every window of
+    either kind equally likely in a batch). Errors: GraftError, one line, for
+    bad options, paths or caches, all before the target's first pass."""
+    dev = a.device
+    torch.manual_seed(a.seed)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.ttt < 1:
+        raise GraftError("--ttt must be at least 1")
+    if a.prompts is None and a.texts is None:
+        raise GraftError("pass --prompts (self-distillation), --texts (real texts) or both (mixed)")
+    if a.seq_len < 2:
+        raise GraftError("--seq-len must be at least 2")
+    files = text_files(a.texts) if a.texts is not None else None
+    if a.init and not os.path.isdir(a.init):
+        raise GraftError(f"--init: head folder not found: {a.init}")
+    # no cache is needed to train; self-distillation sizes one per batch
+    target = load_model(a.ckpt, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, max_seq_len=1)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    init = init_head(a.init, target, dev) if a.init else None     # before the views: it names the features
+    tok = load_tokenizer(target.path, target.args)
+    os.makedirs(a.out, exist_ok=True)
+    state_path = os.path.join(a.out, "train_state.safetensors")
+    log = lambda s: print(s, file=sys.stderr)
+    # 1. the data: each kind made once and cached in --out under its own name (a mixed run reuses both)
+    seqs, views = [], []
+    for kind in ("prompts", "texts"):
+        if getattr(a, kind) is None:
+            continue
+        name = "" if kind == "prompts" or a.prompts is None else "_texts"
+        s, v = training_data(a, kind, files, target, tok, os.path.join(a.out, f"train_data{name}.safetensors"),
+                             os.path.join(a.out, f"train_views{name}.safetensors"), log)
+        seqs, views = seqs + s, views + v
     if init is not None:        # its draft vocabulary, as it is
         head = init
         used = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device)).cpu()
@@ -893,8 +909,9 @@ def parse_args(argv=None):
     e.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
     e.add_argument("--prompts", default=None, help=PROMPT_FORMATS)
     e.add_argument("--texts", nargs="+", default=None, metavar="PATH",
-                   help="instead of --prompts: real texts (files, or folders: their .py files, sorted) cut into "
-                        "windows of --seq-len + 1 tokens; labels are still the target's own distribution")
+                   help="real texts (files, folders: their .py files, sorted, or `stdlib`: the standard library's "
+                        "training split) cut into windows of --seq-len + 1 tokens, labelled with the target's own "
+                        "distribution; with --prompts too, both kinds are mixed")
     e.add_argument("--max-windows", type=int, default=0, help="with --texts: keep at most this many windows, "
                                                               "evenly spaced (0 = all)")
     e.add_argument("--init", default=None, metavar="HEAD_DIR",
@@ -968,6 +985,11 @@ def parse_args(argv=None):
     sp.add_argument("--lines", type=int, default=24)
     sp.add_argument("--heldout", action="store_true")
     sp.add_argument("--seed", type=int, default=0)
+    kp = sub.add_parser("code-prompts", help="write HumanEval-shaped prompts (a def and its docstring) from the "
+                        "stdlib's training split")
+    kp.add_argument("--out", required=True, help="FILE.jsonl")
+    kp.add_argument("--n", type=int, default=400)
+    kp.add_argument("--seed", type=int, default=0)
     cp = sub.add_parser("chat-prompts", help="write chat prompts from ../shared/data (no benchmark set we report)")
     cp.add_argument("--out", required=True, help="FILE.jsonl")
     h = sub.add_parser("stories-head", help="train the stories260K-hf head (the recipe of the shipped one) into --out "
@@ -985,12 +1007,17 @@ def main(argv=None):
         return train_target(a)
     if a.cmd == "dflash":
         return train_dflash(a)
-    if a.cmd in ("stdlib-prompts", "chat-prompts") and not a.out.endswith(".jsonl"):
+    if a.cmd in ("stdlib-prompts", "chat-prompts", "code-prompts") and not a.out.endswith(".jsonl"):
         raise GraftError(f"{a.cmd} writes JSON lines: name --out FILE.jsonl (a prompts file's format is read "
                          f"from its name), not {a.out}")
     if a.cmd == "stdlib-prompts":
         with open(a.out, "w") as fh:
             for t in stdlib_snippets(a.heldout, a.n, a.lines, a.seed):
+                fh.write(json.dumps({"prompt": t}) + "\n")
+        return a.out
+    if a.cmd == "code-prompts":
+        with open(a.out, "w") as fh:
+            for t in code_prompts(a.n, a.seed):
                 fh.write(json.dumps({"prompt": t}) + "\n")
         return a.out
     if a.cmd == "chat-prompts":

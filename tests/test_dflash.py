@@ -211,6 +211,26 @@ def test_what_a_cut_would_have_accepted():
     assert CAL.tail_accepted(conf, 0, ret, parents, truth, 0.95) == 2         # K=0: 5, 6 under the root
 
 
+def test_the_cut_is_cached_per_drafter_and_matrix(stream, tmp_path, monkeypatch):
+    """calibrate_tail writes its cut to the cache and a second call reads it back without running a
+    block; a matrix warmed otherwise gets its own file; an unreadable file counts as absent."""
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
+    eng = CLI.build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=256)
+    logs, run = [], lambda: CAL.calibrate_tail(eng, None, stream[:2], rounds=2, max_new_tokens=40, log=logs.append)
+    tau = run()
+    path, = tmp_path.glob("tail-*.json")
+    assert "cached" not in logs[-1] and json.loads(path.read_text())["tau"] == tau
+    calls, real = [], CAL.run
+    monkeypatch.setattr(CAL, "run", lambda *a, **k: calls.append(a))
+    assert run() == tau and "cached" in logs[-1] and calls == []
+    monkeypatch.setattr(CAL, "run", real)
+    path.write_text("{not json")
+    assert run() == tau and "cached" not in logs[-1]                  # recomputed, and written again
+    eng.matrix.M[5, 0] += 1                                            # another warm-up's matrix
+    run()
+    assert len(list(tmp_path.glob("tail-*.json"))) == 2
+
+
 def test_the_cached_block_is_the_training_block(target, random_dflash):
     """The engine's block (the context written chunk by chunk into the drafter's cache, then the
     accepted path's rows, then the block at its positions) gives the logits training computes for a
