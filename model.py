@@ -216,8 +216,8 @@ class KVCache:
         """Layer i's new keys and values k, v (B', H_kv, T, D) at rows (B', T) of the requests `slots`
         (B',) (None: every request, B' = B). One indexed write, whatever B' and T are."""
         b = self.bi if slots is None else slots[:, None, None]                                # (B', 1, 1)
-        self.k[i].index_put_((b, self.hi, rows[:, None, :]), k)
-        self.v[i].index_put_((b, self.hi, rows[:, None, :]), v)
+        self.k[i].index_put_((b, self.hi, rows[:, None, :]), k.to(self.k[i].dtype))      # (no-op but under autocast)
+        self.v[i].index_put_((b, self.hi, rows[:, None, :]), v.to(self.v[i].dtype))
 
     def clear(self, b: int):
         """Zero request b's rows in every layer (Engine.seat, when a request takes the slot)."""

@@ -505,7 +505,8 @@ def train_eagle3(a) -> str:
         lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, accs = ttt_loss(head, feats, ids, tgt_idx, tgt_p, valid, a.ttt)
+        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16, enabled=a.bf16):
+            loss, accs = ttt_loss(head, feats, ids, tgt_idx, tgt_p, valid, a.ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -572,7 +573,7 @@ def dflash_loss(model: DFlash, feats, toks, anc, gamma: float):
     see_ctx = torch.arange(T, device=dev)[None, None] < anc.repeat_interleave(S, 1)[:, :, None]   # (B, A*S, T)
     see_blk = (block[:, None] == block[None, :]).expand(B, -1, -1)                        # (B, A*S, A*S)
     cache = KVCache(model.config.n_layers, B, model.config.layer.n_kv_heads, T + A * S, model.config.layer.head_dim,
-                    feats.dtype, dev)
+                    model.fc.weight.dtype, dev)       # the drafter's dtype (features may be the target's bf16)
     rows = (T + torch.arange(A * S, device=dev))[None].expand(B, -1)
     ctx_rows = torch.arange(T, device=dev)[None].expand(B, -1)
     h = model(feats, ctx_rows, torch.ones(B, T, dtype=torch.bool, device=dev), ids, rows, pos,
@@ -597,7 +598,9 @@ def train_dflash(a) -> str:
         torch.set_num_threads(a.threads)
     if a.block_size < 2 or a.layers < 1 or a.seq_len < a.block_size + 1 or a.anchors < 1:
         raise GraftError("--block-size >= 2, --layers >= 1, --anchors >= 1 and --seq-len > --block-size, please")
-    target = load_model(a.ckpt, device=dev, dtype=torch.float32, max_seq_len=1)
+    # --bf16: the target (features, embedding, lm_head) in bfloat16 as it runs in inference, the drafter's
+    # weights float32 under autocast
+    target = load_model(a.ckpt, device=dev, dtype=torch.bfloat16 if a.bf16 else torch.float32, max_seq_len=1)
     for p in target.parameters():
         p.requires_grad_(False)
     ta, tok = target.args, load_tokenizer(target.path, target.args)
@@ -653,7 +656,8 @@ def train_dflash(a) -> str:
         with torch.no_grad():
             _, feats = target(toks, torch.arange(toks.shape[1], device=dev), capture=True)
         lr = lr_at(a, step, max(step / a.steps, (time.time() - t0) / (a.minutes * 60) if a.minutes else 0.0))
-        loss, acc = dflash_loss(model, feats, toks, anc, a.gamma)
+        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16, enabled=a.bf16):
+            loss, acc = dflash_loss(model, feats, toks, anc, a.gamma)
         optimize(opt, model, loss, lr)
         step += 1
         if step % a.log_every == 0:
@@ -935,6 +939,8 @@ def parse_args(argv=None):
     e.add_argument("--ttt", type=int, default=7, help="unrolled training-time-test steps")
     loop_flags(e)
     e.add_argument("--restart", action="store_true", help="ignore a saved train_state.safetensors")
+    e.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="the head's step under bf16 autocast (its weights and optimizer float32)")
     f = sub.add_parser("dflash", help="train a DFlash block drafter for a target (the published recipe)")
     f.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
     f.add_argument("--prompts", required=True, help=PROMPT_FORMATS)
@@ -947,6 +953,8 @@ def parse_args(argv=None):
     f.add_argument("--init", default=None, metavar="DIR", help="go on training this drafter (its shape kept)")
     f.add_argument("--layers", type=int, default=2, help="draft layers (5 for an 8B target in the published ones)")
     f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="the target in bfloat16 and the drafter under bf16 autocast (its weights float32)")
     f.add_argument("--mask-token-id", type=int, default=None,
                    help="default: the token the data uses least (highest id on ties)")
     f.add_argument("--anchors", type=int, default=16, help="blocks per window")

@@ -150,6 +150,32 @@ def test_other_texts_do_not_reuse_the_data_cache(tiny_ckpt, tmp_path, capsys):
     assert all(len(s) == 9 for s in train.load_sequences(str(out / "train_data.safetensors")))
 
 
+def test_prompts_and_texts_mix(tiny_ckpt, tmp_path, capsys):
+    """--prompts and --texts together: each kind made and cached under its own name, both in the
+    batches; a second run reuses both caches; --bf16 trains under autocast (float32 weights saved)."""
+    target = tiny_ckpt("llama31")
+    code, p = code_dir(tmp_path), tmp_path / "p.txt"
+    p.write_text("Once upon a time\nThe ball was red\n")
+    out = tmp_path / "head"
+    seen = []
+    real = train.batches
+    train.batches = lambda seqs, *a, **k: (seen.append(len(seqs)), real(seqs, *a, **k))[1]
+    try:
+        train.main(argv(target, out, "--prompts", p, "--texts", code, "--bf16"))
+    finally:
+        train.batches = real
+    chat = train.load_sequences(str(out / "train_data.safetensors"))
+    texts = train.load_sequences(str(out / "train_data_texts.safetensors"))
+    assert len(chat) == 2 and texts == train.text_windows(
+        load_tokenizer(str(target), CK.load_model(str(target), max_seq_len=1).args), train.text_files([str(code)]), 16)
+    assert seen == [len(chat) + len(texts)] and (out / "train_views_texts.safetensors").is_file()
+    assert all(v.dtype == torch.float32 for v in load_file(str(out / "model.safetensors")).values() if v.is_floating_point())
+    capsys.readouterr()
+    train.main(argv(target, out, "--prompts", p, "--texts", code, "--restart"))
+    err = capsys.readouterr().err
+    assert err.count("sequences from") == 2 and "views" not in err.replace("train_views", "")
+
+
 def misfit_head(target, out):
     """A head for `target` whose MLP is wider than one of the target's layers (load_head takes it, a
     fine-tune of this target's head shape cannot)."""
@@ -182,8 +208,7 @@ def test_bad_paths_and_heads_are_one_line_errors_before_any_work(base_head, tiny
         "--texts": (["--texts", tmp_path / "missing"], "neither a file nor a folder"),
         "no .py": (["--texts", tmp_path / "empty"], "without .py files"),
         "no window": (["--texts", tmp_path / "short.py"], "no file holds 17 tokens"),
-        "both": (["--texts", code, "--prompts", p], "either --prompts"),
-        "neither": ([], "either --prompts"),
+        "neither": ([], "pass --prompts"),
         "--init": (["--texts", code, "--init", tmp_path / "nohead"], "head folder not found"),
         "misfit": (["--texts", code, "--init", tmp_path / "wide"], "does not fit this target"),
         "other target": (["--texts", code, "--init", base], "does not fit"),
