@@ -219,3 +219,18 @@ def test_bad_paths_and_heads_are_one_line_errors_before_any_work(base_head, tiny
         with pytest.raises(M.GraftError) as e:
             train.main(argv(tgt, tmp_path / f"out-{name}", *more))
         assert needle in one_line(e), name
+
+
+def test_code_prompts_are_a_def_and_its_docstring_from_the_training_split():
+    """code-prompts: deterministic, each a public function's signature and docstring and nothing of
+    its body, taken from the stdlib's training split (never a file the stdlib, lcc or repobench sets read)."""
+    import sysconfig
+    import data
+    got = data.code_prompts(60)
+    assert got == data.code_prompts(60) and len(got) == 60 == len(set(got))
+    for p in got:
+        body = p.rstrip("\n").split("\n")
+        assert p.startswith("def ") and body[-1].strip().endswith(('"""', "'''")), p
+    root = sysconfig.get_paths()["stdlib"]
+    train_split = set(data.stdlib_training_files(root))
+    assert train_split and all(not data.is_heldout(f, root) and not data.is_long_context_file(f, root) for f in train_split)
