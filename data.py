@@ -207,6 +207,68 @@ def chat_prompts(max_chars: int = 3000) -> list:
     return [p for p in dict.fromkeys(out) if len(p) < max_chars]
 
 
+# Instruction templates and fill-ins for instruction_prompts: the kinds of request a chat model gets
+# (writing, role-play, reasoning, arithmetic, code, extraction, science, humanities, advice), written
+# here; no benchmark question is among them.
+TOPICS = ("the ocean", "a small town", "winter", "friendship", "a lost key", "the moon", "coffee", "a library",
+          "a robot", "a garden", "trains", "a rainy day", "music", "a mountain", "the desert", "a market",
+          "an old photograph", "a bicycle", "the first day of school", "a lighthouse", "a bakery", "volcanoes",
+          "honey bees", "a museum", "a thunderstorm", "chess", "a river", "a city at night", "a cat", "kindness")
+FIELDS = ("photosynthesis", "gravity", "the water cycle", "vaccines", "black holes", "plate tectonics",
+          "electric circuits", "DNA", "climate change", "the immune system", "magnets", "rainbows", "sound waves",
+          "the stock market", "inflation", "democracy", "the printing press", "the Roman Empire", "the Renaissance",
+          "the industrial revolution", "supply and demand", "machine learning", "the internet", "recycling",
+          "sleep", "nutrition", "exercise", "time zones", "tides", "earthquakes")
+TASKS = ("reverse a string", "check whether a number is prime", "count the words in a sentence",
+         "find the largest element of a list", "merge two sorted lists", "compute the factorial of n",
+         "remove duplicates from a list", "check whether a string is a palindrome", "compute Fibonacci numbers",
+         "sort a list of dictionaries by a key", "read a CSV file and sum a column", "flatten a nested list",
+         "count how often each character occurs", "convert Celsius to Fahrenheit", "find the median of a list",
+         "validate an email address", "compute the greatest common divisor", "transpose a matrix",
+         "binary search a sorted list", "parse a date string")
+TEMPLATES = (
+    "Write a short poem about {topic}.", "Write a short story that begins with {topic}.",
+    "Write a persuasive paragraph about why people should care about {topic}.",
+    "Write a product description for something inspired by {topic}.",
+    "Pretend you are a tour guide. Describe {topic} to a group of visitors.",
+    "Imagine you are a detective. Explain how {topic} helped you solve a case.",
+    "Act as a friendly teacher and explain {field} to a ten-year-old.",
+    "Explain {field} in simple terms.", "What are the main causes and effects of {field}?",
+    "Give three interesting facts about {field}.", "What are common misconceptions about {field}?",
+    "Compare {field} and {field2}. How are they alike and how do they differ?",
+    "Write a Python function to {task}.", "Explain step by step how to {task} in Python, with code.",
+    "Write a JavaScript function to {task}.", "What is a good algorithm to {task}? Explain its complexity.",
+    "If a train travels {a} km in {b} hours, what is its average speed? Show your reasoning.",
+    "A shop sells pens at {a} dollars each. How much do {b} pens cost after a 10% discount?",
+    "What is {a} times {b}, plus {c}? Explain each step.",
+    "Tom has {a} apples and gives {b} to each of {c} friends. How many are left, if he can?",
+    "Summarize the key ideas of {field} in three bullet points.",
+    "List the main events of {field} in order, with one sentence each.",
+    "Give me five tips for writing about {topic}.", "How can I learn more about {field}? Suggest a plan.",
+    "Write an email to a colleague inviting them to a talk about {field}.",
+    "Write a dialogue between two friends talking about {topic}.",
+    "Extract the nouns from this sentence: \"The children walked to {topic} with their teacher.\"",
+    "Rewrite this sentence to sound more formal: \"We kinda liked {topic} a lot.\"",
+    "What would happen if {field} suddenly stopped working? Think it through.",
+    "Describe {topic} using all five senses.",
+)
+
+
+def instruction_prompts(n: int, seed: int = 0) -> list:
+    """n chat requests of many kinds (TEMPLATES filled from TOPICS, FIELDS, TASKS and small numbers),
+    deterministic and distinct: training prompts for a chat model's head beside chat_prompts."""
+    rng, out = random.Random(seed), []
+    for _ in range(50 * max(n, 1)):
+        if len(out) >= n:
+            break
+        f1, f2 = rng.sample(FIELDS, 2)
+        p = rng.choice(TEMPLATES).format(topic=rng.choice(TOPICS), field=f1, field2=f2, task=rng.choice(TASKS),
+                                         a=rng.randint(2, 90), b=rng.randint(2, 12), c=rng.randint(2, 30))
+        if p not in out:
+            out.append(p)
+    return out
+
+
 # ----------------------------------------------------------------------------- the stdlib corpus
 
 def stdlib_files(root: str | None = None) -> list:
@@ -689,6 +751,8 @@ KNOWN_HEADS["HuggingFaceTB/SmolLM2-135M-Instruct"] = DEMO_DRAFT
 
 # Any GGUF of the same model (another quantization) takes the same head.
 KNOWN_GGUF_HEADS = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DRAFT}
+DEMO_DFLASH = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-dflash")     # trained here (RESULTS.md)
+KNOWN_GGUF_DFLASH = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DFLASH}
 
 # The tiny pair the tests use (checkpoints/): a 4.3M-parameter Qwen3 pretrained on Python's standard
 # library, its EAGLE-3 head, and a code prompt.
@@ -731,7 +795,16 @@ def known_dflash(ckpt: str) -> str | None:
     """The published (or shipped) DFlash drafter for a well-known target, or None."""
     if os.path.isdir(ckpt) and os.path.realpath(ckpt) == os.path.realpath(STDLIB_CKPT):
         return STDLIB_DFLASH if os.path.isdir(STDLIB_DFLASH) else None
-    return KNOWN_DFLASH.get(ckpt)
+    found = gguf_match(ckpt, KNOWN_GGUF_DFLASH)
+    return found if found and os.path.isdir(found) else KNOWN_DFLASH.get(ckpt)
+
+
+def gguf_match(ckpt: str, table: dict) -> str | None:
+    """table's value for a GGUF file (or a folder holding exactly one) whose name matches a pattern."""
+    names = [os.path.basename(ckpt)]
+    if os.path.isdir(ckpt):
+        names = [f for f in os.listdir(ckpt) if f.lower().endswith(".gguf")]
+    return next((v for pattern, v in table.items() if len(names) == 1 and pattern.match(names[0])), None)
 
 
 def known_head(ckpt: str) -> str | None:
@@ -742,10 +815,4 @@ def known_head(ckpt: str) -> str | None:
         return KNOWN_HEADS[ckpt]
     if os.path.isdir(ckpt) and os.path.realpath(ckpt) == os.path.realpath(STORIES):
         return stories_head_dir()
-    names = [os.path.basename(ckpt)]
-    if os.path.isdir(ckpt):
-        names = [f for f in os.listdir(ckpt) if f.lower().endswith(".gguf")]
-    for pattern, head in KNOWN_GGUF_HEADS.items():
-        if len(names) == 1 and pattern.match(names[0]):
-            return head
-    return None
+    return gguf_match(ckpt, KNOWN_GGUF_HEADS)

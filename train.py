@@ -188,13 +188,13 @@ def text_windows(tok, files: list, seq_len: int, max_windows: int = 0, log=print
     return wins
 
 
-def data_source(a, files: list | None) -> dict:
+def data_source(a, files: list | None, prompts: str | None = None) -> dict:
     """What train_data.safetensors is made from: for --texts the files (path, size, mtime), --seq-len
     and --max-windows; for self-distillation the prompts file and the options that shape it."""
     if files is not None:
         return {"texts": [[f, os.path.getsize(f), int(os.path.getmtime(f))] for f in files],
                 "seq_len": a.seq_len, "max_windows": a.max_windows}
-    return {"prompts": os.path.abspath(a.prompts), "new_tokens": a.new_tokens, "chat": a.chat,
+    return {"prompts": os.path.abspath(prompts), "new_tokens": a.new_tokens, "chat": a.chat,
             "max_prompts": a.max_prompts, "data_temperature": a.data_temperature, "seed": a.seed}
 
 
@@ -400,10 +400,11 @@ def head_state(head) -> dict:
     return {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
 
 
-def training_data(a, kind: str, files, target, tok, data_path: str, views_path: str, log) -> tuple:
-    """(sequences, views) of one kind of data: the target's continuations of --prompts, or windows of
-    --texts; read from data_path/views_path when they were made from the same inputs, else made and saved."""
-    source = data_source(a, files if kind == "texts" else None)
+def training_data(a, kind: str, files, target, tok, data_path: str, views_path: str, log,
+                  prompts: str | None = None) -> tuple:
+    """(sequences, views) of one kind of data: the target's continuations of a prompts file, or windows
+    of --texts; read from data_path/views_path when they were made from the same inputs, else made and saved."""
+    source = data_source(a, files if kind == "texts" else None, prompts)
     cached = sequences_source(data_path) if os.path.isfile(data_path) else None
     if os.path.isfile(data_path) and cached not in (None, source):
         log(f"data: {data_path} was made from other inputs: made again")
@@ -419,7 +420,7 @@ def training_data(a, kind: str, files, target, tok, data_path: str, views_path: 
         save_sequences(data_path, seqs, source)
         log(f"data: {len(seqs)} windows of {a.seq_len + 1} tokens from {len(files)} files, {time.time() - t0:.0f}s")
     else:
-        prompts = read_prompts(a.prompts, "--prompts")
+        prompts = read_prompts(prompts, "--prompts")
         if a.max_prompts:
             prompts = prompts[:a.max_prompts]
         s = Sampling(a.data_temperature, 1.0, 0, a.seed)
@@ -464,12 +465,11 @@ def train_eagle3(a) -> str:
     log = lambda s: print(s, file=sys.stderr)
     # 1. the data: each kind made once and cached in --out under its own name (a mixed run reuses both)
     seqs, views = [], []
-    for kind in ("prompts", "texts"):
-        if getattr(a, kind) is None:
-            continue
-        name = "" if kind == "prompts" or a.prompts is None else "_texts"
+    parts = [("prompts", p, "" if i == 0 else f"_prompts{i + 1}") for i, p in enumerate(a.prompts or [])]
+    parts += [("texts", None, "_texts" if a.prompts else "")] if files is not None else []
+    for kind, prompts, name in parts:
         s, v = training_data(a, kind, files, target, tok, os.path.join(a.out, f"train_data{name}.safetensors"),
-                             os.path.join(a.out, f"train_views{name}.safetensors"), log)
+                             os.path.join(a.out, f"train_views{name}.safetensors"), log, prompts)
         seqs, views = seqs + s, views + v
     if init is not None:        # its draft vocabulary, as it is
         head = init
@@ -911,7 +911,8 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eagle3", help="train an EAGLE-3 head for a target by self-distillation")
     e.add_argument("--ckpt", required=True, help="target: local HF folder, .gguf file or hub id")
-    e.add_argument("--prompts", default=None, help=PROMPT_FORMATS)
+    e.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
+                   help=PROMPT_FORMATS + "; several files: each continued and cached on its own, all mixed")
     e.add_argument("--texts", nargs="+", default=None, metavar="PATH",
                    help="real texts (files, folders: their .py files, sorted, or `stdlib`: the standard library's "
                         "training split) cut into windows of --seq-len + 1 tokens, labelled with the target's own "
