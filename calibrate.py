@@ -524,9 +524,12 @@ def tail_path(engine: Engine, prompts, rounds: int, max_new_tokens: int, chat: b
     for v in engine.matrix.state_dict().values():
         d.update(v.detach().cpu().contiguous().numpy().tobytes())
     drafter = os.path.abspath(engine.block.model.path) if engine.block is not None else "-"
-    key = state_path_for(engine, "graft-tail", [drafter, content_stamp(drafter) if drafter != "-" else "-"],
+    key = state_path_for(engine, "graft-tail", TAIL_FORMAT, [drafter, content_stamp(drafter) if drafter != "-" else "-"],
                          d.hexdigest(), list(prompts or WARMUP_PROMPTS)[:rounds], rounds, max_new_tokens, chat)
     return os.path.join(os.path.dirname(key), "tail-" + os.path.basename(key).split("-", 1)[1].split(".")[0] + ".json")
+
+
+TAIL_FORMAT = 2        # bump when what calibrate_tail computes changes (2: the record's root fixed)
 
 
 def read_tail(path: str) -> float | None:

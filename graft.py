@@ -928,16 +928,17 @@ class BlockDraft(Method):
         eng.clock.mark("assemble")
         v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, True, eng.root)
         eng.clock.mark("verify")
-        rec = self.recorded(eng, d) if record else None                # before the matrix learns
+        rec = self.recorded(tree, d) if record else None               # before the matrix learns
         st.learn(self, tree, v, eng.active)
         eng.clock.mark("update")
         return Round(tree, v, [None] * eng.B, 1, 1, rec)
 
-    def recorded(self, eng, d) -> dict:
+    def recorded(self, tree, d) -> dict:
         """What the cut's calibration reads of a round (calibrate.calibrate_tail): each position's
         confidence and, for every cut K, the retrieval the template would hang under the K-th guess
-        (K = 0: the root), taken before the matrix learns this round."""
-        under = torch.cat([eng.root[:, None], d.tokens[:, :-1]], 1)                    # (B, n)
+        (K = 0: the round's root, the tree's first token; not eng.root, which verify has already
+        overwritten with the next round's), taken before the matrix learns this round."""
+        under = torch.cat([tree.tokens[:, :1], d.tokens[:, :-1]], 1)                   # (B, n)
         got = [retrieve(self.M, under[:, K], self.tpl) for K in range(under.shape[1])] if self.tpl is not None else []
         return {"conf": d.conf.clone(), "retrieved": torch.stack(got, 1) if got else None}
 

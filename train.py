@@ -48,7 +48,7 @@ from model import GraftError, KVCache, ModelArgs
 from draft import Eagle3, HeadConfig
 from tokenizer import load_tokenizer
 from verify import Sampling
-from data import PROMPT_FORMATS, STORIES, chat_prompts, code_prompts, continue_batch, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stdlib_training_files
+from data import PROMPT_FORMATS, STORIES, chat_prompts, code_prompts, continue_batch, instruction_prompts, is_heldout, read_prompts, sample_openings, stdlib_files, stdlib_snippets, stdlib_training_files
 from calibrate import cache_dir
 
 
@@ -999,6 +999,10 @@ def parse_args(argv=None):
     kp.add_argument("--out", required=True, help="FILE.jsonl")
     kp.add_argument("--n", type=int, default=400)
     kp.add_argument("--seed", type=int, default=0)
+    ip = sub.add_parser("instruction-prompts", help="write templated chat requests of many kinds (data.TEMPLATES)")
+    ip.add_argument("--out", required=True, help="FILE.jsonl")
+    ip.add_argument("--n", type=int, default=400)
+    ip.add_argument("--seed", type=int, default=0)
     cp = sub.add_parser("chat-prompts", help="write chat prompts from ../shared/data (no benchmark set we report)")
     cp.add_argument("--out", required=True, help="FILE.jsonl")
     h = sub.add_parser("stories-head", help="train the stories260K-hf head (the recipe of the shipped one) into --out "
@@ -1016,7 +1020,7 @@ def main(argv=None):
         return train_target(a)
     if a.cmd == "dflash":
         return train_dflash(a)
-    if a.cmd in ("stdlib-prompts", "chat-prompts", "code-prompts") and not a.out.endswith(".jsonl"):
+    if a.cmd in ("stdlib-prompts", "chat-prompts", "code-prompts", "instruction-prompts") and not a.out.endswith(".jsonl"):
         raise GraftError(f"{a.cmd} writes JSON lines: name --out FILE.jsonl (a prompts file's format is read "
                          f"from its name), not {a.out}")
     if a.cmd == "stdlib-prompts":
@@ -1024,9 +1028,9 @@ def main(argv=None):
             for t in stdlib_snippets(a.heldout, a.n, a.lines, a.seed):
                 fh.write(json.dumps({"prompt": t}) + "\n")
         return a.out
-    if a.cmd == "code-prompts":
+    if a.cmd in ("code-prompts", "instruction-prompts"):
         with open(a.out, "w") as fh:
-            for t in code_prompts(a.n, a.seed):
+            for t in (code_prompts if a.cmd == "code-prompts" else instruction_prompts)(a.n, a.seed):
                 fh.write(json.dumps({"prompt": t}) + "\n")
         return a.out
     if a.cmd == "chat-prompts":

@@ -211,6 +211,25 @@ def test_what_a_cut_would_have_accepted():
     assert CAL.tail_accepted(conf, 0, ret, parents, truth, 0.95) == 2         # K=0: 5, 6 under the root
 
 
+def test_the_recorded_retrieval_is_what_the_round_verified(stream):
+    """The calibration's record of a round (graft.BlockDraft.recorded): at a cut above every confidence
+    the whole tree is the retrieval under the root, so what tail_accepted scores from the record must
+    be what the round accepted, round by round (the record once read the next round's root)."""
+    eng = CLI.build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=256)
+    m = eng.make("graft-tail", GR.Config(tail_threshold=1.5))
+    recs = []
+    on_round = lambda rnd, got: recs.append((rnd.record["conf"][0].tolist(), rnd.record["retrieved"][0].tolist(),
+                                             len(got[0][0]), eng.slots[0].request, eng.slots[0].L - len(got[0][0]) - 1))
+    E.run(eng, m, [E.Request(eng.tokenizer.encode(t)) for t in stream[:3]], 24, on_round=on_round, record=True)
+    parents, n, scored = m.tpl.parents.tolist(), m.N - 1, 0
+    for conf, ret, A, r, L in recs:
+        truth = (r.ids + r.tokens)[L + 1:L + 1 + n]
+        if len(truth) == n:
+            assert CAL.tail_accepted(conf, 0, ret, parents, truth, 1.5) == A
+            scored += 1
+    assert scored > 10 and any(A > 0 for *_, A, _, _ in recs)
+
+
 def test_the_cut_is_cached_per_drafter_and_matrix(stream, tmp_path, monkeypatch):
     """calibrate_tail writes its cut to the cache and a second call reads it back without running a
     block; a matrix warmed otherwise gets its own file; an unreadable file counts as absent."""
