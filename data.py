@@ -313,8 +313,8 @@ def stdlib_snippets(heldout: bool, n: int, lines: int = 24, seed: int = 0, root:
     at a deterministic pseudo-random `def`/`class` line when the file has one. Files are cycled."""
     import sysconfig
     root = root or sysconfig.get_paths()["stdlib"]
-    files = [f for f in stdlib_files(root) if is_heldout(f, root) == heldout
-             and (heldout or not is_long_context_file(f, root))]      # training: never lcc/repobench's files
+    files = ([f for f in stdlib_files(root) if is_heldout(f, root)] if heldout
+             else stdlib_training_files(root))                       # training: never lcc/repobench's files
     rng = random.Random(seed)
     rng.shuffle(files)
     out, i = [], 0
@@ -750,9 +750,10 @@ DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 KNOWN_HEADS["HuggingFaceTB/SmolLM2-135M-Instruct"] = DEMO_DRAFT
 
 # Any GGUF of the same model (another quantization) takes the same head.
-KNOWN_GGUF_HEADS = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DRAFT}
+SMOLLM2_GGUF = re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I)
+KNOWN_GGUF_HEADS = {SMOLLM2_GGUF: DEMO_DRAFT}
 DEMO_DFLASH = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-dflash")     # trained here (RESULTS.md)
-KNOWN_GGUF_DFLASH = {re.compile(r"^smollm2-135m-instruct([.-].*)?\.gguf$", re.I): DEMO_DFLASH}
+KNOWN_GGUF_DFLASH = {SMOLLM2_GGUF: DEMO_DFLASH}
 
 # The tiny pair the tests use (checkpoints/): a 4.3M-parameter Qwen3 pretrained on Python's standard
 # library, its EAGLE-3 head, and a code prompt.
