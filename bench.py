@@ -388,6 +388,17 @@ def check_output(flag: str, path: str | None, suffixes=None):
         raise GraftError(f"{flag} {path}: not a format matplotlib writes (use one of {', '.join(sorted(suffixes))})")
 
 
+def check_not_input(outputs: dict, inputs: list):
+    """No output file (flag -> path) may be one of the inputs (a prompt file, a checkpoint file): the
+    benchmark would write over what it reads. GraftError, before anything runs."""
+    same = lambda a, b: os.path.realpath(a) == os.path.realpath(b) or (
+        os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+    for flag, path in outputs.items():
+        for given in inputs:
+            if path and given and os.path.isfile(given) and same(path, given):
+                raise GraftError(f"{flag} would write {path}, which is an input ({given}): choose another file name")
+
+
 def plot_formats() -> set:
     """The file formats --plot can write (matplotlib's); GraftError when matplotlib is missing."""
     try:
@@ -435,6 +446,8 @@ def main(argv=None) -> dict:
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     for d in datasets:
         check_dataset(d)
+    check_not_input({"--json-out": a.json_out, "--json-out's runs file": a.json_out and runs_path(a.json_out),
+                     "--plot": a.plot}, datasets + [a.ckpt, a.draft, a.dflash])
     contexts = parse_contexts(a.context, datasets)
     calibrations = [c.strip() for c in a.calibration.split(",") if c.strip()]
     if not calibrations or set(calibrations) - set(CAL.CALIBRATIONS) or len(set(calibrations)) < len(calibrations):

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 from tqdm import tqdm
 
-import kernels
+import cpu_kernels
 from draft import select
 from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MATCH, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_CONTEXT_RATES, PRIOR_HIT_RATES, Calibration,
@@ -874,7 +874,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     """Warm-up state is cached per (target, head) as their bytes say (content_stamp: a retrained or
     replaced model in the same folder is a different model), the cache length, everything that changes
     what the calibration measured (dtype, device and which one, torch's version and thread count, eager
-    or compiled and how, attention over a window or the whole cache, which CPU kernels (kernels.py's
+    or compiled and how, attention over a window or the whole cache, which CPU kernels (cpu_kernels.py's
     build, named by a hash of their source) and exact mode), and every setting that shaped the warm-up."""
     stamp = lambda path: [path, content_stamp(path)]
     m = engine.model
@@ -882,7 +882,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     dev = str(engine.device) + (f" {torch.cuda.get_device_name(engine.device)}" if engine.cuda else "")
     execution = (("compiled", engine.steps.backend, "cuda graphs" if engine.cuda else CPU_COMPILE) if engine.compiling
                  else "eager")
-    kern = f"graft kernels {kernels.build_dir().name}" if kernels.ON and engine.device.type == "cpu" else "torch kernels"
+    kern = f"graft kernels {cpu_kernels.build_dir().name}" if cpu_kernels.ON and engine.device.type == "cpu" else "torch kernels"
     timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
               "window" if engine.window else "full", kern, "exact" if engine.exact else "not exact"]
     key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, m.max_seq_len, timing, *settings],

@@ -16,7 +16,7 @@ from data import PROMPT_FORMATS, read_prompts
 from engine import CPU_BUDGET, DEFAULT_MAX_SEQ_LEN, GPU_BUDGET, PREFILL_CHUNK, Engine, Request, default_budget
 from engine import generate as generate_one
 from graft import METHODS, POLICIES, SOURCES, Config, ContinuationMatrix, Method
-import kernels
+import cpu_kernels
 from model import GraftError
 import tp
 from tokenizer import load_tokenizer
@@ -121,7 +121,7 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill pass")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype (eager, "
-                        "CPU). Default: on for an eager CPU run where graft's CPU kernels build (kernels.py: there it "
+                        "CPU). Default: on for an eager CPU run where graft's CPU kernels build (cpu_kernels.py: there it "
                         "costs nothing); --no-exact runs their linear with torch's attention")
 
 
@@ -160,8 +160,8 @@ def check_args(a, budgets=None):
     check_device(a.device)
     if a.compile is None:
         a.compile = str(a.device).startswith("cuda") and not a.exact
-    if a.exact is None:                   # the default: exact where kernels.py makes it free
-        a.exact = not a.compile and not str(a.device).startswith("cuda") and kernels.ready()
+    if a.exact is None:                   # the default: exact where cpu_kernels.py makes it free
+        a.exact = not a.compile and not str(a.device).startswith("cuda") and cpu_kernels.ready()
     need(not a.exact or (not a.compile and not str(a.device).startswith("cuda")),
          "--exact runs eager on the CPU (its kernels' row invariance is measured there; not compiled, not on CUDA yet)")
     a.auto_budget = a.budget in (None, "auto") and not budgets

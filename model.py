@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+import cpu_kernels
 
 
 class GraftError(Exception):
@@ -128,11 +128,11 @@ def mask_bias(mask, dtype):
 
 
 # ----------------------------------------------------------------------------- kernels and exact mode
-# On a CPU every linear goes through kernels.py's linear (when it could be built): each output row is
+# On a CPU every linear goes through cpu_kernels.py's linear (when it could be built): each output row is
 # one fixed sequence of float32 operations whatever the rows beside it, and a one-row pass streams the
 # weight once (torch's one-row bfloat16 path reads it at a third of that). Exact mode (a tree node's
-# logits equal plain decoding's bit for bit, every dtype) adds kernels.py's attention, which reads a
-# query's visible keys in position order, and, eager, runs each dense layer as one kernels.block call.
+# logits equal plain decoding's bit for bit, every dtype) adds cpu_kernels.py's attention, which reads a
+# query's visible keys in position order, and, eager, runs each dense layer as one cpu_kernels.block call.
 # Without the kernels (no compiler, a GPU), exact mode pads matmul rows to a multiple of EXACT_ROWS
 # (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 for M a multiple of 4 or >= 12;
 # scripts/exactness.py) and reduces keys in blocks of EXACT_BLOCK absolute positions
@@ -146,19 +146,19 @@ def pad_rows(x: torch.Tensor, m: int = EXACT_ROWS) -> torch.Tensor:
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether kernels.py computes this CPU step (built once, on first use; never while tracing)."""
-    return x.device.type == "cpu" and (kernels.ON if torch.compiler.is_compiling() else kernels.ready())
+    """Whether cpu_kernels.py computes this CPU step (built once, on first use; never while tracing)."""
+    return x.device.type == "cpu" and (cpu_kernels.ON if torch.compiler.is_compiling() else cpu_kernels.ready())
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.linear on a CPU (inference); else F.linear, with rows padded in exact
+    """nn.Linear through cpu_kernels.linear on a CPU (inference); else F.linear, with rows padded in exact
     mode so that one-row (GEMV) and few-row passes take the batched GEMM kernel."""
     exact = False
 
     def forward(self, x):
         if (use_kernels(x) and x.dtype == self.weight.dtype
                 and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))):
-            return kernels.linear(x, self.weight, self.bias)
+            return cpu_kernels.linear(x, self.weight, self.bias)
         if not self.exact:
             return F.linear(x, self.weight, self.bias)
         h = pad_rows(x.reshape(-1, x.shape[-1]))                                  # (n padded, K)
@@ -301,7 +301,7 @@ class Attention(nn.Module):
             steps_kv.append((k, v))
             k, v = torch.cat([kv[0] for kv in steps_kv], 2), torch.cat([kv[1] for kv in steps_kv], 2)
         if self.exact and kv is not None:
-            y = kernels.attention(q, k, v, mask, self.hd ** -0.5) if use_kernels(q) else exact_attention(q, k, v, mask, rows, pos)
+            y = cpu_kernels.attention(q, k, v, mask, self.hd ** -0.5) if use_kernels(q) else exact_attention(q, k, v, mask, rows, pos)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
@@ -453,7 +453,7 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     exact = False
-    fuse = True         # exact eager CPU steps run the whole layer as one kernels.block call
+    fuse = True         # exact eager CPU steps run the whole layer as one cpu_kernels.block call
 
     def __init__(self, a: ModelArgs, i: int = 0):
         super().__init__()
@@ -470,9 +470,9 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused(self, x, mask) -> bool:
-        """Whether kernels.block computes this step: exact mode, eager, CPU, no gradient, a dense MLP, a
+        """Whether cpu_kernels.block computes this step: exact mode, eager, CPU, no gradient, a dense MLP, a
         bool mask, and no hooks (tp.py's all-reduces) on the parts. The same arithmetic as the modules
-        (kernels.cpp), minus ~60 small torch ops a layer, which cost more than a token's weights take to read."""
+        (cpu_kernels.cpp), minus ~60 small torch ops a layer, which cost more than a token's weights take to read."""
         a, m = self.self_attn, self.mlp
         return (self.exact and self.fuse and isinstance(m, MLP) and mask is not None and mask.dtype == torch.bool
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and use_kernels(x)
@@ -481,7 +481,7 @@ class Block(nn.Module):
     def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
         a, m, (cache, i) = self.self_attn, self.mlp, kv
         qn, kn = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
-        return kernels.block(x, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+        return cpu_kernels.block(x, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
                              a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, qn, kn,
                              self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
                              m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
@@ -510,7 +510,7 @@ class Transformer(nn.Module):
         a step never needs a shape that depends on how full the cache is."""
         p, a = self.embed_tokens.weight, self.args
         if p.device.type == "cpu":
-            kernels.ready()             # built before any step is traced: compiled steps then call them too
+            cpu_kernels.ready()             # built before any step is traced: compiled steps then call them too
         self.max_seq_len = max_seq_len
         rows = cache_rows(max_seq_len + slack)
         self.rope = rope_table(a, rows).to(p.device)

@@ -1,7 +1,7 @@
 """What exact mode and graft's CPU kernels cost a target pass: CPU ms of one forward over N tree nodes
 after a context of L tokens, four variants interleaved in one process (one thread; CPU time, so a
 shared machine's load inflates all alike): torch's kernels plain and exact (padded rows, blocked
-attention), kernels.py plain (its linear, SDPA) and exact (its linear and attention).
+attention), cpu_kernels.py plain (its linear, SDPA) and exact (its linear and attention).
 
     python scripts/exact_cost.py [--ckpt ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--dtype bfloat16]
                                  [--context 256] [--nodes 1,9,17,61] [--repeats 5]
@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import kernels  # noqa: E402
+import cpu_kernels  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 
@@ -26,7 +26,7 @@ from checkpoint import load_model  # noqa: E402
 def pass_ms(m, L: int, N: int, variant: tuple) -> float:
     """CPU ms of one verify-shaped pass: a tree of N nodes (a root and N - 1 children, positions L and
     L + 1) at cache rows L..L+N-1, after L committed rows."""
-    kernels.ON, exact = variant
+    cpu_kernels.ON, exact = variant
     M.set_exact(m, exact)
     tree = torch.eye(N, dtype=torch.bool)
     tree[:, 0] = True
@@ -51,7 +51,7 @@ def main():
     m = load_model(a.ckpt, dtype=getattr(torch, a.dtype), max_seq_len=a.context + 64)
     m.setup_caches(a.context + 64, 1, 64)
     variants = {"torch plain": (False, False), "torch exact": (False, True)}
-    if kernels.ready():
+    if cpu_kernels.ready():
         variants.update({"kernels plain": (True, False), "kernels exact": (True, True)})
     for N in map(int, a.nodes.split(",")):
         for v in variants.values():                                            # first calls aside

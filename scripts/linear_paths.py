@@ -15,7 +15,7 @@ size. Candidates are interleaved sweep by sweep and the median sweep counts (the
 
 Candidates (the ones that do not apply to a dtype are skipped, with the reason printed once):
   linear      F.linear(x, W): oneDNN brgemm matmul (bf16, weights re-laid per call), MKL (fp32), torch's gemv (fp16)
-  graft       kernels.linear (kernels.cpp): the weight streamed once, row-invariant; what model.Linear runs on a CPU
+  graft       cpu_kernels.linear (cpu_kernels.cpp): the weight streamed once, row-invariant; what model.Linear runs on a CPU
   t_matmul    x @ Wt with Wt = W.t().contiguous() stored: the other gemv orientation
   onednn      torch.ops.mkldnn._linear_pointwise on weights reordered once by
               torch.ops.mkldnn._reorder_linear_weight: what inductor's freezing pass emits for bf16/fp16
@@ -26,7 +26,7 @@ Candidates (the ones that do not apply to a dtype are skipped, with the reason p
               (an earlier candidate for the compiled one-row path)
 
 --step times the whole model instead (SmolLM2-135M-Instruct's GGUF, or --ckpt), one token and a
-9-row pass at a context of 200, on torch's kernels and on kernels.py's, plain and exact, eager and
+9-row pass at a context of 200, on torch's kernels and on cpu_kernels.py's, plain and exact, eager and
 compiled (inductor, as the engine compiles its steps), interleaved: the one-token step's weight bytes
 per second and the 9-row pass's cost in one-token passes. --freezing adds
 inductor's own CPU linear paths over F.linear: freezing=True (weights prepacked for oneDNN at compile
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
+import cpu_kernels  # noqa: E402
 import model as M  # noqa: E402
 
 # SmolLM2-135M: dim 576, 9 heads and 3 KV heads of 64, MLP 1536, vocabulary 49152 (tied). (N, K): out, in.
@@ -66,8 +66,8 @@ def machine_bandwidth(mb: int = 512) -> dict:
 def candidates(ws, dtype, compiled: bool, skipped: dict):
     """name -> (callable(x) doing one sweep over the pool, compile seconds)."""
     out = {"linear": (lambda x: [F.linear(x, w) for w in ws], 0.0)}
-    if kernels.ready():
-        out["graft"] = (lambda x: [kernels.linear(x, w) for w in ws], 0.0)
+    if cpu_kernels.ready():
+        out["graft"] = (lambda x: [cpu_kernels.linear(x, w) for w in ws], 0.0)
     wts = [w.t().contiguous() for w in ws]
     out["t_matmul"] = (lambda x: [x @ w for w in wts], 0.0)
     if dtype in (torch.bfloat16, torch.float16):
@@ -98,13 +98,13 @@ def candidates(ws, dtype, compiled: bool, skipped: dict):
 def step_paths(a):
     """The whole model's one-token step and 9-row pass with each path (see --step)."""
     from checkpoint import load_model
-    kernels.ready()
-    # name: (kernels.py's kernels, exact mode, inductor options or None for eager)
+    cpu_kernels.ready()
+    # name: (cpu_kernels.py's kernels, exact mode, inductor options or None for eager)
     paths = {"eager torch": (False, False, None), "eager torch exact (padded)": (False, True, None)}
-    if kernels.ON:
+    if cpu_kernels.ON:
         paths.update({"eager kernels": (True, False, None), "eager kernels exact (default)": (True, True, None)})
     paths["compiled torch"] = (False, False, {})
-    if kernels.ON:
+    if cpu_kernels.ON:
         paths["compiled kernels"] = (True, False, {})
     if a.freezing:
         paths["compiled torch freezing"] = (False, False, {"freezing": True})
@@ -131,7 +131,7 @@ def step_paths(a):
                 f = torch.compile(f, dynamic=False, options=opts)
 
             def run(args, f=f, on=on, exact=exact):
-                kernels.ON = on
+                cpu_kernels.ON = on
                 M.set_exact(model, exact)
                 with torch.no_grad():
                     return f(*args)

@@ -9,7 +9,7 @@
 Greedy, the prompts bench.py would read (data.load_dataset, our tokenizer, so the ids are the same),
 stopping at the same EOS ids. Reports Spec-Bench's tokens/s (mean over prompts) of transformers and,
 in the same process, interleaved prompt by prompt, of our plain decoding (ar) eager as generate.py runs
-it (on a CPU: kernels.py's kernels, exact mode), eager on torch's own kernels (`torch_eager`; --no-torch-kernels
+it (on a CPU: cpu_kernels.py's kernels, exact mode), eager on torch's own kernels (`torch_eager`; --no-torch-kernels
 skips it) and compiled (inductor, not exact; --no-ours-compiled skips it), and whether every output equals ours. --static uses transformers' static KV cache
 with its forward compiled (its documented fast path). A .gguf checkpoint: transformers gets graft's
 own dequantized weights (the same weights, bit for bit, in a Llama or Qwen3 model of transformers';
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cli as CLI  # noqa: E402
-import kernels  # noqa: E402
+import cpu_kernels  # noqa: E402
 import engine as E  # noqa: E402
 import verify as V  # noqa: E402
 from data import load_dataset  # noqa: E402
@@ -86,7 +86,7 @@ def main(argv=None):
     p.add_argument("--ours-compiled", action=argparse.BooleanOptionalAction, default=True,
                    help="also time our compiled ar (default: on)")
     p.add_argument("--torch-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time our eager ar on torch's own kernels, not kernels.py's (default: on)")
+                   help="also time our eager ar on torch's own kernels, not cpu_kernels.py's (default: on)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--draft", default=None, help="also run graft with this head (budget 8, fixed thresholds)")
     p.add_argument("--hf-gguf", action="store_true", help="transformers reads the .gguf itself (needs accelerate)")
@@ -94,7 +94,7 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
-    exact = kernels.ready()                   # generate.py's default on a CPU (cli.check_args)
+    exact = cpu_kernels.ready()                   # generate.py's default on a CPU (cli.check_args)
     eng = CLI.build_engine(a.ckpt, a.draft, dtype=a.dtype, max_seq_len=2048, exact=exact)
     dtype = getattr(torch, a.dtype)
     if a.ckpt.endswith(".gguf") and not a.hf_gguf:
@@ -114,7 +114,7 @@ def main(argv=None):
     ours = {"eager": (eng, E.make_method(eng, "ar"))}
     if a.draft:
         ours["graft_eager"] = (eng, E.make_method(eng, "graft", graft_cfg))
-    if a.torch_kernels and kernels.ON:
+    if a.torch_kernels and cpu_kernels.ON:
         t = eng.variant(compile=False, exact=False)
         ours["torch_eager"] = (t, E.make_method(t, "ar"))
         if a.draft:
@@ -126,9 +126,9 @@ def main(argv=None):
             ours["graft_compiled"] = (c, E.make_method(c, "graft", graft_cfg))
         E.compile_warmup(c, [m for e, m in ours.values() if e is c])
     if "torch_eager" in ours:             # its first calls (torch's kernels) before the clock
-        kernels.ON = False
+        cpu_kernels.ON = False
         E.generate(ours["torch_eager"][0], ours["torch_eager"][1], [1, 2, 3], 4, V.Sampling(), ())
-        kernels.ON = True
+        cpu_kernels.ON = True
     rows, same, t_all = [], 0, time.time()
     for d in a.datasets.split(","):
         texts = load_dataset(d, a.limit, eng)
@@ -144,11 +144,11 @@ def main(argv=None):
             row = {"dataset": d, "tokens": len(out), "seconds": round(secs, 4), "tokens_per_s": len(out) / secs}
             ok = True
             for x, (e, m) in ours.items():
-                on, kernels.ON = kernels.ON, kernels.ON and "torch" not in x
+                on, cpu_kernels.ON = cpu_kernels.ON, cpu_kernels.ON and "torch" not in x
                 try:
                     res = E.generate(e, m, ids, a.max_new_tokens, V.Sampling(), eng.tokenizer.eos_ids)
                 finally:
-                    kernels.ON = on
+                    cpu_kernels.ON = on
                 row[f"ours_{x}_tokens_per_s"] = res.tokens_per_s
                 row[f"ours_{x}_same"] = res.tokens == out
                 ok &= res.tokens == out

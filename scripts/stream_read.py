@@ -12,7 +12,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import kernels  # noqa: E402
+import cpu_kernels  # noqa: E402
 
 SHAPES = ((49152, 576), (1536, 576), (576, 1536), (576, 576), (192, 576))     # SmolLM2-135M's linears (N, K)
 
@@ -23,7 +23,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
-    if not kernels.ready():
+    if not cpu_kernels.ready():
         raise SystemExit("graft's CPU kernels did not build here")
     dt = getattr(torch, a.dtype)
     for N, K in SHAPES:
@@ -35,7 +35,7 @@ def main(argv=None):
             for _ in range(a.repeats):
                 t = time.perf_counter()
                 for w in ws:
-                    kernels.linear(x, w)
+                    cpu_kernels.linear(x, w)
                 best = min(best, (time.perf_counter() - t) / len(ws))
             one = one or best
             print(f"{N:6d} x {K:4d}  M={M:3d}: {best * 1e6:8.1f} us  {N * K * dt.itemsize / best / 1e9:5.1f} GB/s"

@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
+import cpu_kernels  # noqa: E402
 
 # Build graft's CPU kernels once, before any test: the CLI runs in subprocesses then find them built
 # (a first build prints one line, which a test of one-line errors must not see).
-kernels.ready()
+cpu_kernels.ready()
 
 # ----------------------------------------------------------------------------- shared data
 

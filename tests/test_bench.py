@@ -8,7 +8,7 @@ import json
 import pytest
 
 import bench
-import kernels
+import cpu_kernels
 import data
 from conftest import SHARED, needs_shared
 from test_lossless import random_head
@@ -185,6 +185,21 @@ def test_output_into_a_missing_folder_fails_before_anything_runs(tiny, monkeypat
     assert err == [f"error: {flag} {d / 'no-such-folder' / name}: the folder {d / 'no-such-folder'} does not exist"]
 
 
+@pytest.mark.parametrize("flags", [["--json-out", "{stem}.json"], ["--json-out", "{stem}.jsonl"]])
+def test_an_output_never_writes_over_an_input(tiny, monkeypatch, capsys, flags):
+    """`--datasets chat.jsonl --json-out chat.json` once wrote its runs (chat.jsonl) over the prompts: now
+    a clash of any output with an input file is one line, before anything runs, and the prompts are kept."""
+    monkeypatch.setattr(bench.CLI, "build_engine", lambda *a, **k: pytest.fail("the benchmark ran"))
+    target, head, prompts, d = tiny
+    before = prompts.read_bytes()
+    flag, out = flags[0], flags[1].format(stem=prompts.with_suffix(""))
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--draft", str(head), "--datasets", str(prompts), flag, out])
+    assert e.value.code == 2 and prompts.read_bytes() == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"which is an input ({prompts})" in err[0], err
+
+
 def test_budget_sweep_runs_a_method_without_a_budget_once(tiny):
     """pld ignores the budget: one run and one row (one point on the plot), not one per budget."""
     _, saved = run_bench(tiny, "--methods", "ar,eagle3,pld", "--budgets", "4,8", "--max-new-tokens", "8")
@@ -320,7 +335,7 @@ def test_exact_mode_has_no_near_ties(tiny, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bench.cli(["--ckpt", str(target), "--methods", "pld", "--datasets", str(prompts), "--max-new-tokens", "8",
                    "--dtype", "bfloat16", "--limit", "1", "--json-out", str(d / "exact.json")])
-    assert e.value.code == 1 and kernels.ON
+    assert e.value.code == 1 and cpu_kernels.ON
 
 
 def test_help_names_every_method_and_dataset(capsys):

@@ -1,6 +1,6 @@
 """Exact mode (issue 29): in every dtype, a row's logits do not depend on the rows computed beside it,
 so every method emits exactly plain decoding's tokens in bfloat16 and float16 too. Two routes: graft's
-CPU kernels (kernels.py, the default) and, where they cannot be built, torch's kernels with padded rows
+CPU kernels (cpu_kernels.py, the default) and, where they cannot be built, torch's kernels with padded rows
 and blocked attention (the fallback, checked with the kernels switched off).
 
 Kernel level, per architecture (Llama with GQA, Qwen3 with q/k norms, Qwen3-MoE) and dtype: plain
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import engine as E
-import kernels
+import cpu_kernels
 import model as M
 from cli import build_engine, check_args, ArgumentParser, add_engine_flags
 from conftest import NO_BLOCK, ROOT
@@ -90,10 +90,10 @@ def rows_differ(m: M.Transformer, L0: int, Ms) -> list:
 
 @pytest.fixture
 def torch_kernels():
-    """kernels.py switched off for one test: model.py then takes torch's kernels (the fallback route)."""
-    on, kernels.ON = kernels.ON, False
+    """cpu_kernels.py switched off for one test: model.py then takes torch's kernels (the fallback route)."""
+    on, cpu_kernels.ON = cpu_kernels.ON, False
     yield
-    kernels.ON = on
+    cpu_kernels.ON = on
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -101,7 +101,7 @@ def torch_kernels():
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(arch, dtype):
     """graft's kernels. M = 1..61 in bfloat16 (every size a round verifies at), a spread of sizes in the
     other dtypes; prefixes of 5 and 60 tokens (a tree from 60 crosses exact_attention's block at 64)."""
-    assert kernels.ready(), "graft's CPU kernels did not build here"
+    assert cpu_kernels.ready(), "graft's CPU kernels did not build here"
     m = tiny(arch, dtype)
     M.set_exact(m, True)
     Ms = range(1, 62) if dtype == torch.bfloat16 else (1, 2, 3, 4, 5, 7, 9, 16, 17, 31, 61)
@@ -184,7 +184,7 @@ def test_exact_flag():
                                    (["--compile"], False, True)):
         a = p.parse_args(flags)
         check_args(a)
-        assert (a.exact, a.compile) == (exact and kernels.ON, compiled), flags
+        assert (a.exact, a.compile) == (exact and cpu_kernels.ON, compiled), flags
 
 
 def test_the_default_follows_the_kernels(torch_kernels):

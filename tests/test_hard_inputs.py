@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import bench
 import calibrate as CAL
-import kernels
+import cpu_kernels
 import checkpoint as CK
 import cli as CLI
 import data as DATA
@@ -485,7 +485,7 @@ def test_warmup_cache_key_includes_what_changes_the_costs(engine_with_head, monk
         elif change == "exact":
             eng.exact = not eng.exact
         elif change == "kernels":
-            monkeypatch.setattr(kernels, "ON", not kernels.ON)
+            monkeypatch.setattr(cpu_kernels, "ON", not cpu_kernels.ON)
         else:
             monkeypatch.setattr(eng.steps, "compiling", True)
         assert CAL.state_path_for(eng, "same") != before

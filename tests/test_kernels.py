@@ -1,4 +1,4 @@
-"""graft's CPU kernels (kernels.py, kernels.cpp): the numbers they compute, their row invariance, their
+"""graft's CPU kernels (cpu_kernels.py, cpu_kernels.cpp): the numbers they compute, their row invariance, their
 shapes under torch.compile, and what happens where they cannot be built."""
 import os
 import subprocess
@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import cpu_kernels
 import model as M
 from conftest import ROOT
 
-pytestmark = pytest.mark.skipif(not kernels.ready(), reason="graft's CPU kernels did not build here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.ready(), reason="graft's CPU kernels did not build here")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -25,14 +25,14 @@ def test_linear_is_the_linear_and_row_invariant(dtype):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
         xs = torch.randn(40, K, generator=g).to(dtype)
-        y = kernels.linear(xs, w, b)
+        y = cpu_kernels.linear(xs, w, b)
         ref = xs.double() @ w.double().T + b.double()
         tol = 2e-6 if dtype == torch.float32 else 1e-2
         assert (y.double() - ref).abs().max() <= tol * ref.abs().max(), (N, K)
         for m in range(1, 41):
-            assert torch.equal(kernels.linear(xs[:m], w, b), y[:m]), (N, K, m)
-            assert torch.equal(kernels.linear(xs[m - 1:m], w, b)[0], y[m - 1]), (N, K, m)
-        assert kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
+            assert torch.equal(cpu_kernels.linear(xs[:m], w, b), y[:m]), (N, K, m)
+            assert torch.equal(cpu_kernels.linear(xs[m - 1:m], w, b)[0], y[m - 1]), (N, K, m)
+        assert cpu_kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
 
 
 def test_threads_split_outputs_never_sums():
@@ -47,7 +47,7 @@ def test_threads_split_outputs_never_sums():
         got = []
         for t in (1, 2):
             torch.set_num_threads(t)
-            got.append((kernels.linear(x, w), kernels.attention(q, k, v, mask, 0.125)))
+            got.append((cpu_kernels.linear(x, w), cpu_kernels.attention(q, k, v, mask, 0.125)))
     finally:
         torch.set_num_threads(n)
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
@@ -63,14 +63,14 @@ def test_attention_is_masked_attention(dtype):
     mask = torch.rand(B, 1, T, S, generator=g) < 0.5
     mask[..., 0] = True
     mask[1, 0, 3] = False
-    y = kernels.attention(q, k, v, mask, D ** -0.5)
+    y = cpu_kernels.attention(q, k, v, mask, D ** -0.5)
     ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
                                          v.double().repeat_interleave(3, 1), attn_mask=mask)
     ref[1, :, 3] = 0
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (y.double() - ref).abs().max() < tol
-    one = kernels.attention(q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)
-    assert torch.equal(one[0, :, 0], y[0, :, 0]) and torch.equal(one[0, :, 5], kernels.attention(
+    one = cpu_kernels.attention(q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)
+    assert torch.equal(one[0, :, 0], y[0, :, 0]) and torch.equal(one[0, :, 5], cpu_kernels.attention(
         q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)[0, :, 5])
 
 
@@ -90,18 +90,18 @@ def test_a_query_reads_its_keys_in_row_order_wherever_they_sit():
         k2[:, :, row], v2[:, :, row] = k[:, :, L + j], v[:, :, L + j]
         tree[..., row] = True
     k2[:, :, L:40], v2[:, :, L:40] = 7.0, 7.0                 # rows nobody sees
-    assert torch.equal(kernels.attention(q, k, v, plain, D ** -0.5), kernels.attention(q, k2, v2, tree, D ** -0.5))
+    assert torch.equal(cpu_kernels.attention(q, k, v, plain, D ** -0.5), cpu_kernels.attention(q, k2, v2, tree, D ** -0.5))
 
 
 def test_compiled_graphs_call_them():
-    """Registered with shape functions: a compiled model's CPU linears run kernels.linear, with the same
+    """Registered with shape functions: a compiled model's CPU linears run cpu_kernels.linear, with the same
     bits as eager."""
     lin = M.Linear(48, 40).bfloat16()
     x = torch.randn(3, 48).bfloat16()
     with torch.no_grad():
         eager = lin(x)
         got = torch.compile(lin, backend="aot_eager", fullgraph=True)(x)
-    assert torch.equal(got, eager) and torch.equal(eager, kernels.linear(x, lin.weight, lin.bias))
+    assert torch.equal(got, eager) and torch.equal(eager, cpu_kernels.linear(x, lin.weight, lin.bias))
 
 
 def test_training_takes_torchs_linear():
@@ -115,16 +115,16 @@ def test_training_takes_torchs_linear():
 def test_without_a_compiler_one_line_and_torchs_kernels(tmp_path):
     """A build that fails (here: a source that does not compile) says so in one line and graft runs on
     torch's kernels; GRAFT_KERNELS=0 turns them off silently."""
-    bad = tmp_path / "kernels.cpp"
+    bad = tmp_path / "cpu_kernels.cpp"
     bad.write_text("this is not C++\n")
-    code = ("import kernels, pathlib, torch, model; kernels.SOURCE = pathlib.Path(%r); print(kernels.ready()); "
+    code = ("import cpu_kernels, pathlib, torch, model; cpu_kernels.SOURCE = pathlib.Path(%r); print(cpu_kernels.ready()); "
             "print(model.Linear(4, 2)(torch.ones(1, 4)).shape)" % str(bad))
     env = dict(os.environ, GRAFT_KERNELS_DIR=str(tmp_path / "build"))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["False", "torch.Size([1, 2])"], r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "building" not in ln]
     assert len(lines) == 1 and lines[0].startswith("graft: CPU kernels unavailable ("), r.stderr
-    r = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.ready())"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", "import cpu_kernels; print(cpu_kernels.ready())"], cwd=ROOT,
                        env=dict(env, GRAFT_KERNELS="0"), capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False" and r.stderr == ""
 
@@ -132,7 +132,7 @@ def test_without_a_compiler_one_line_and_torchs_kernels(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_fused_layer_is_the_modules(arch, dtype):
-    """kernels.block (model.Block.fused_forward) against the same layers as torch modules (Block.fuse off,
+    """cpu_kernels.block (model.Block.fused_forward) against the same layers as torch modules (Block.fuse off,
     exact mode): two requests in a 3-slot cache (slots), a padding row (keep), a tree mask, q/k/v biases
     (llama) or q/k norms (qwen3). The same logits within the dtype's rounding, the same cache rows, and
     a row outside the cache refused in one line before anything is written."""

@@ -1,6 +1,6 @@
 """The layout (README, "Reading the code"): imports go one way, and the algorithm stays small.
 
-    kernels                                                       a CPU's linear and attention (kernels.cpp), under model
+    cpu_kernels                                                    a CPU's linear and attention (cpu_kernels.cpp), under model
     model <- draft, dflash, verify <- graft <- engine <- calibrate   the algorithm, in reading order
     checkpoint, gguf_checkpoint, tokenizer                        loaders: the model (and the head) only
     tp                                                            tensor parallelism: shards the model (loaders
@@ -21,13 +21,13 @@ FACES = ["generate", "bench", "train", "serve"]
 # what each may import from the project (tp: tensor parallelism, which shards the model; cli, api and the
 # faces use it)
 ALLOWED = {
-    "kernels": set(), "model": {"kernels"}, "draft": {"model"}, "dflash": {"model"}, "verify": {"model"},
+    "cpu_kernels": set(), "model": {"cpu_kernels"}, "draft": {"model"}, "dflash": {"model"}, "verify": {"model"},
     "graft": {"model", "draft", "verify"},
     "engine": {"model", "draft", "dflash", "verify", "graft"},
-    "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine", "kernels"},   # kernels: in the cache key
+    "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine", "cpu_kernels"},   # cpu_kernels: in the cache key
     **{m: {"model", "draft", "dflash"} | set(LOADERS) - {m} for m in LOADERS},
     "tp": {"model"},
-    "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data", "tp", "kernels"},
+    "data": set(CORE) | set(LOADERS), "cli": set(CORE) | set(LOADERS) | {"data", "tp", "cpu_kernels"},
     "api": set(CORE) | set(LOADERS) | set(SERVING) | {"tp"},
     **{f: set(CORE) | set(LOADERS) | set(SERVING) | set(API) | {"tp"} for f in FACES},
 }
@@ -57,9 +57,9 @@ def test_imports_go_one_way():
 
 
 def test_the_model_file_is_the_model():
-    assert imports("model") == {"kernels"}        # how a CPU computes a linear, not what the model is
+    assert imports("model") == {"cpu_kernels"}        # how a CPU computes a linear, not what the model is
     # 450 + 80 for exact mode (the padded Linear, exact_attention), which lives beside what it replaces,
-    # + 25 for Block's fused route (when one kernels.block call computes the layer, and its arguments)
+    # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments)
     assert len((ROOT / "model.py").read_text().splitlines()) <= 555
 
 
@@ -72,11 +72,11 @@ def test_the_algorithm_fits_in_2545_lines():
     engine's mode: +120), retrieval drew from several sources (graft.py: the context match on the device,
     each request's context, the merge of both sources by one score, the shares by source: +85; the host's
     reference match and the warm-up's rates live in calibrate.py), model.py routed CPU linears and exact
-    attention to kernels.py (+10), and block drafting came (+255: dflash.py, the DFlash drafter and its
+    attention to cpu_kernels.py (+10), and block drafting came (+255: dflash.py, the DFlash drafter and its
     batched steps, ~150; the block methods dflash and graft-tail in graft.py and the engine's block steps,
-    ~100), and model.Block learned when one kernels.block call computes a layer (+20)."""
+    ~100), and model.Block learned when one cpu_kernels.block call computes a layer (+20)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
-                 - {"calibrate", "tp", "kernels"})
+                 - {"calibrate", "tp", "cpu_kernels"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
     assert lines <= 2545, lines
@@ -92,3 +92,19 @@ def test_no_batched_twins():
     src = (ROOT / "engine.py").read_text()
     for name in ("eagle3", "prune", "recycle", "pld", "graft-"):
         assert f'== "{name}' not in src and f"== '{name}" not in src, name
+
+
+def test_no_module_shadows_an_installed_one():
+    """A module of ours named like one an installed distribution provides (or the standard library's)
+    hides it from everything run from the repository root: graft's old `kernels.py` hid Hugging Face's
+    `kernels`, which transformers 5 imports, and a fresh install failed its tests. Every importable
+    name here (the top-level modules and packages, and the tests folder's helpers) is checked against
+    what this environment has installed."""
+    import importlib.metadata
+    import sys
+    installed = importlib.metadata.packages_distributions()
+    ours = {p.stem for p in ROOT.glob("*.py")} | {p.parent.name for p in ROOT.glob("*/__init__.py")} | {
+        p.stem for p in (ROOT / "tests").glob("*.py")}
+    clash = {m: installed.get(m, ["the standard library"]) for m in sorted(ours)
+             if m in installed or m in sys.stdlib_module_names}
+    assert clash == {}, f"rename these modules: each hides an installed one of the same name: {clash}"

@@ -181,7 +181,10 @@ def test_a_made_up_flag_is_caught():
 
 
 def test_quick_start_runs_what_ci_runs():
-    """The README's first code block holds .ci/run's commands, in its order, exactly."""
-    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip().startswith("python")]
+    """The README's first code block holds .ci/run's commands (the fresh environment, the install, the
+    tests), in its order, exactly."""
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()
+          if l.strip() and not l.strip().startswith(("#", "set ", "cd "))]
+    assert any(l.startswith("python -m venv") for l in ci) and ci[-1] == "python -m pytest -q", ci
     first = [l.strip() for l in code_blocks((ROOT / "README.md").read_text())[0][1].splitlines()]
     assert [l for l in first if l in ci] == ci, (first, ci)

@@ -1,5 +1,5 @@
 // graft's CPU kernels: a linear, an attention and a whole decoder layer whose result for a row is a
-// function of that row's inputs alone, bit for bit, whatever the rows beside it (kernels.py says why and
+// function of that row's inputs alone, bit for bit, whatever the rows beside it (cpu_kernels.py says why and
 // how they are built).
 //
 // Each is written so that every output element is reduced by one fixed sequence of float32 operations:

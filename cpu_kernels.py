@@ -1,4 +1,4 @@
-"""graft's CPU kernels (kernels.cpp): a linear, an attention and a decoder layer, row-invariant by construction.
+"""graft's CPU kernels (cpu_kernels.cpp): a linear, an attention and a decoder layer, row-invariant by construction.
 
 Why our own. On a CPU, torch's kernels pick their path by the number of rows: a one-row bfloat16
 `F.linear` takes oneDNN's matrix-vector route, which re-lays the weight on every call and reads it at
@@ -6,7 +6,7 @@ a quarter of what a core can read; a 9-row pass takes a GEMM that rounds a row d
 route, and SDPA with one query differs from the same query among sixteen. So plain decoding (one row)
 and a verify pass (a tree of rows) part at near-ties in bfloat16, and the one-token step is slow. Each
 output of these kernels is one fixed sequence of float32 operations whatever the rows beside it
-(kernels.cpp says how), which makes a verified node's logits plain decoding's, bit for bit, in every
+(cpu_kernels.cpp says how), which makes a verified node's logits plain decoding's, bit for bit, in every
 dtype; and the one-row linear streams its weight once, widened in registers.
 
     linear(x (..., K), W (N, K), b (N,) | None) -> (..., N)      x.dtype: float32, bfloat16 or float16
@@ -14,7 +14,7 @@ dtype; and the one-row linear streams its weight once, widened in registers.
     block(x (B, T, dim), the layer's weights, cos, sin (B|1, T, D), k/v caches (B_c, H_kv, R, D) written at
           rows (B, T) of requests slots (B,) | None, mask (B|1, 1, T, S) bool, keep (B, T) | None, ...) -> (B, T, dim)
 
-They are built from kernels.cpp by torch's C++ extension loader (the same compiler inductor uses on a
+They are built from cpu_kernels.cpp by torch's C++ extension loader (the same compiler inductor uses on a
 CPU) on first use, with -march=native, into ~/.cache/graft-kernels/<hash> (GRAFT_KERNELS_DIR; about
 15 s once, then a load). Registered as torch ops (torch.ops.graft.*) with shape functions, so compiled graphs call them
 too. Where they cannot be built (no compiler) or GRAFT_KERNELS=0 is set, `ready()` is False, one line
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "--param=sra-max-scalarization-size-Ospeed=4096"]     # every FMA is written out; none is inferred
 ON = False          # built and loaded: model.py routes CPU linears (and exact attention) here
 _tried = False
