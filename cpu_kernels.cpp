@@ -23,17 +23,20 @@
 #include <immintrin.h>
 #endif
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GRAFT_AVX512 1
 using vec = __m512;
 constexpr int64_t LANES = 16;
 inline vec vzero() { return _mm512_setzero_ps(); }
@@ -82,6 +85,90 @@ template <typename T> inline vec vround(vec a);
 template <> inline vec vround<float>(vec a) { return a; }
 template <> inline vec vround<at::BFloat16>(vec a) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(a)), 16)); }
 template <> inline vec vround<at::Half>(vec a) { return _mm512_cvtph_ps(_mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (Zen 2/3, Haswell to Skylake client): the same 16-lane vector as two 8-lane halves, every
+// operation lane-wise on each half; vsum is the same tree as AVX-512's (lanes l + 8, then + 4, + 2, + 1).
+#define GRAFT_AVX2 1
+struct vec { __m256 lo, hi; };
+constexpr int64_t LANES = 16;
+inline __m256i lanes_below(int64_t n) {                       // the first n of 8 lanes set
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vec vfma(vec a, vec b, vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vec vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline float hsum8(__m256 s) {                               // lanes l + 4, then + 2, + 1
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 u = _mm_add_ps(t, _mm_shuffle_ps(t, t, 0x4E));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 0xB1)));
+}
+inline float vsum(vec a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {                 // bf16 -> f32: the 16 bits on top
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+template <typename T> inline __m256 load8_tail(const T* p, int64_t n) {         // n < 8; the rest 0
+  T buf[8] = {};
+  std::memcpy((void*)buf, (const void*)p, std::max<int64_t>(n, 0) * sizeof(T));
+  return load8(buf);
+}
+template <> inline __m256 load8_tail<float>(const float* p, int64_t n) { return _mm256_maskload_ps(p, lanes_below(n)); }
+template <typename T> inline vec vload(const T* p) { return {load8(p), load8(p + 8)}; }
+template <typename T> inline vec vload_tail(const T* p, int64_t n) {
+  return n >= 8 ? vec{load8(p), load8_tail(p + 8, n - 8)} : vec{load8_tail(p, n), _mm256_setzero_ps()};
+}
+inline void store(float* p, vec a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vec vsub(vec a, vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vec vmax2(vec a, vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vec vmin2(vec a, vec b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline vec vmul(vec a, vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vec vdiv(vec a, vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vec vfirst(vec a, int64_t n) {                        // lanes >= n: 0
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lanes_below(n))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(lanes_below(n - 8)))};
+}
+inline vec vif_nonneg(vec c, vec a, vec b) {
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(c.lo, z, _CMP_GE_OQ)), _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(c.hi, z, _CMP_GE_OQ))};
+}
+// float32 -> bfloat16 rounded to nearest even (c10's rounding; NaN: c10's quiet NaN), kept in the top 16 bits
+inline __m256i bf16_round8(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF)));
+  const __m256i top = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+  return _mm256_blendv_epi8(top, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
+template <typename T> inline void vstore(T* p, vec a, int64_t n);
+template <> inline void vstore<float>(float* p, vec a, int64_t n) {
+  if (n >= 16) { store(p, a); return; }
+  _mm256_maskstore_ps(p, lanes_below(n), a.lo);
+  if (n > 8) _mm256_maskstore_ps(p + 8, lanes_below(n - 8), a.hi);
+}
+template <> inline void vstore<at::BFloat16>(at::BFloat16* p, vec a, int64_t n) {
+  const __m256i lo = _mm256_srli_epi32(bf16_round8(a.lo), 16), hi = _mm256_srli_epi32(bf16_round8(a.hi), 16);
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);      // 16 x u16, in order
+  if (n >= 16) { _mm256_storeu_si256((__m256i*)p, b); return; }
+  uint16_t buf[16];
+  _mm256_storeu_si256((__m256i*)buf, b);
+  std::memcpy((void*)p, buf, n * sizeof(uint16_t));
+}
+template <> inline void vstore<at::Half>(at::Half* p, vec a, int64_t n) {
+  const __m128i lo = _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i hi = _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  if (n >= 16) { _mm_storeu_si128((__m128i*)p, lo); _mm_storeu_si128((__m128i*)(p + 8), hi); return; }
+  uint16_t buf[16];
+  _mm_storeu_si128((__m128i*)buf, lo);
+  _mm_storeu_si128((__m128i*)(buf + 8), hi);
+  std::memcpy((void*)p, buf, n * sizeof(uint16_t));
+}
+template <typename T> inline vec vround(vec a);
+template <> inline vec vround<float>(vec a) { return a; }
+template <> inline vec vround<at::BFloat16>(vec a) { return {_mm256_castsi256_ps(bf16_round8(a.lo)), _mm256_castsi256_ps(bf16_round8(a.hi))}; }
+template <> inline vec vround<at::Half>(vec a) {
+  return {_mm256_cvtph_ps(_mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+          _mm256_cvtph_ps(_mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
 #else
 // Portable: the same arithmetic on a 16-float array (the compiler may vectorize it; each lane's sum
 // is still one fixed sequence).
@@ -112,22 +199,71 @@ template <typename T> inline vec vround(vec a) { for (int i = 0; i < 16; i++) a.
 #endif
 
 // ------------------------------------------------------------------------------------------ linear
+//
+// y[m, n] = sum_k x[m, k] W[n, k]: each output is one accumulator of Op::A lanes, fed over k in steps of
+// Op::STEP in order (a masked tail last), then summed across its lanes by one fixed tree (Op::sum). That
+// sequence is the same whatever else is computed beside it, so a row's outputs do not depend on how many
+// rows there are: a tile (mr rows of x against nr rows of W, mr x nr accumulators held in registers)
+// only decides which outputs are computed together, and which loads they share.
+//   one row (decoding): 1 x 4 tiles over four sequential streams of W (its rows in quarters, each walked
+//     in order; the next row of each is prefetched into L1): W read once, at the memory's pace.
+//   several rows (a tree, a prefill chunk): the rows in tiles of at most MR_MAX, as even as possible
+//     (9 = 5 + 4, 17 = 6 + 6 + 5), against NR_MULTI streams: each W vector loaded feeds mr products, each
+//     x vector nr, and the rows PF_AHEAD groups on are prefetched into L2 while these compute, so that
+//     W streams in from memory while the core multiplies near its peak (kernel_peak measures it).
 
-constexpr int64_t MR = 4, NR = 4;      // a tile: MR rows of x against NR rows of W
-
-// How a tile reads and multiplies, by dtype. Widen: x float32 (widened once per call) against W of
-// type T (float32, bfloat16 or float16, widened as it streams), 16 weights a step, one FMA per lane.
+// How one output's sum is formed, by ISA. Widen: x float32 against W of type T widened as it loads, one
+// FMA per lane (x of another type is widened once per call, in lin).
+#if defined(GRAFT_AVX512)
 template <typename T>
 struct Widen {
   using X = float;
+  using V = __m512;
+  using A = __m512;
+  static constexpr int64_t STEP = 16, MACS = 16;        // weights a step; multiply-adds an instruction
+  static A zero() { return _mm512_setzero_ps(); }
+  static V x(const float* p) { return _mm512_loadu_ps(p); }
+  static V x_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+  static V w(const T* p) { return vload(p); }
+  static V w_tail(const T* p, int64_t n) { return vload_tail(p, n); }
+  static A dot(V a, V b, A acc) { return _mm512_fmadd_ps(a, b, acc); }
+  static float sum(A a) { return _mm512_reduce_add_ps(a); }          // lanes l + 8, + 4, + 2, + 1
+};
+constexpr int64_t MR_MAX = 6, NR_MULTI = 4;     // 24 accumulators, 4 W vectors and an x: 29 of 32 registers
+#elif defined(GRAFT_AVX2)
+template <typename T>
+struct Widen {                                   // 8 lanes: AVX2 has 16 registers, not 32
+  using X = float;
+  using V = __m256;
+  using A = __m256;
+  static constexpr int64_t STEP = 8, MACS = 8;
+  static A zero() { return _mm256_setzero_ps(); }
+  static V x(const float* p) { return _mm256_loadu_ps(p); }
+  static V x_tail(const float* p, int64_t n) { return load8_tail(p, n); }
+  static V w(const T* p) { return load8(p); }
+  static V w_tail(const T* p, int64_t n) { return load8_tail(p, n); }
+  static A dot(V a, V b, A acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static float sum(A a) { return hsum8(a); }                          // lanes l + 4, + 2, + 1
+};
+constexpr int64_t MR_MAX = 4, NR_MULTI = 3;     // 12 accumulators, 3 W vectors and an x: 16 of 16 registers
+#else
+template <typename T>
+struct Widen {                                   // portable: the 16-float vector, one row at a time
+  using X = float;
   using V = vec;
-  static constexpr int64_t STEP = LANES;
+  using A = vec;
+  static constexpr int64_t STEP = LANES, MACS = LANES;
+  static A zero() { return vzero(); }
   static V x(const float* p) { return vload(p); }
   static V x_tail(const float* p, int64_t n) { return vload_tail(p, n); }
   static V w(const T* p) { return vload(p); }
   static V w_tail(const T* p, int64_t n) { return vload_tail(p, n); }
-  static vec dot(V a, V b, vec acc) { return vfma(a, b, acc); }
+  static A dot(V a, V b, A acc) { return vfma(a, b, acc); }
+  static float sum(A a) { return vsum(a); }
 };
+constexpr int64_t MR_MAX = 1, NR_MULTI = 4;
+#endif
+constexpr int64_t PF_AHEAD = 2;
 
 #if defined(__AVX512BF16__)
 // bfloat16 x and W with the CPU's bfloat16 dot product (VDPBF16PS): each of 16 lanes adds two exact
@@ -135,32 +271,38 @@ struct Widen {
 struct BF16Dot {
   using X = at::BFloat16;
   using V = __m512i;
-  static constexpr int64_t STEP = 32;
+  using A = __m512;
+  static constexpr int64_t STEP = 32, MACS = 32;
+  static A zero() { return _mm512_setzero_ps(); }
   static V x(const X* p) { return _mm512_loadu_si512((const void*)p); }
   static V x_tail(const X* p, int64_t n) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1u), p); }
   static V w(const X* p) { return x(p); }
   static V w_tail(const X* p, int64_t n) { return x_tail(p, n); }
-  static vec dot(V a, V b, vec acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static A dot(V a, V b, A acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static float sum(A a) { return _mm512_reduce_add_ps(a); }
 };
 #endif
 
 // y[m, n] for m in [m0, m0 + mr), n = n0, n0 + rs, .., n0 + (nr - 1) rs. Every (m, n) runs the same
-// sequence: the lanes' products over k in steps, in order, the masked tail, one vsum; mr, nr and rs only
-// decide which outputs run side by side. pf: the rows of W after these (one row on in each of the nr
-// streams), prefetched while these compute (or null).
-template <typename Op, typename T, int64_t mr, int64_t nr>
+// sequence: the lanes' products over k in steps, in order, the masked tail, one Op::sum; mr, nr and rs
+// only decide which outputs run side by side. pf: rows of W to come (at the same offsets from each of
+// the nr streams), prefetched while these compute (null: none), with locality hint HINT (3: into L1,
+// 2: into L2).
+template <typename Op, typename T, int64_t mr, int64_t nr, int HINT>
 inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0,
                  int64_t n0, int64_t rs, const T* pf) {
-  vec acc[mr][nr];
-  #pragma GCC unroll 16
-  for (int64_t i = 0; i < mr; i++) for (int64_t j = 0; j < nr; j++) acc[i][j] = vzero();
+  typename Op::A acc[mr][nr];
+  #pragma GCC unroll 32
+  for (int64_t i = 0; i < mr; i++)
+    #pragma GCC unroll 32
+    for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::zero();
   auto step = [&](int64_t k, int64_t n) {            // n < STEP: the masked tail
     typename Op::V wv[nr];
     #pragma GCC unroll 16
     for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j * rs) * K + k) : Op::w_tail(w + (n0 + j * rs) * K + k, n);
     if (pf)
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k);
+      #pragma GCC unroll 16
+      for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k, 0, HINT);
     #pragma GCC unroll 16
     for (int64_t i = 0; i < mr; i++) {
       const typename Op::V xv = n == Op::STEP ? Op::x(x + (m0 + i) * K + k) : Op::x_tail(x + (m0 + i) * K + k, n);
@@ -171,41 +313,56 @@ inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int6
   int64_t k = 0;
   for (; k + Op::STEP <= K; k += Op::STEP) step(k, Op::STEP);
   if (k < K) step(k, K - k);
-  #pragma GCC unroll 16
+  #pragma GCC unroll 32
   for (int64_t i = 0; i < mr; i++)
-    #pragma GCC unroll 16
+    #pragma GCC unroll 32
     for (int64_t j = 0; j < nr; j++) {
-      float s = vsum(acc[i][j]);
+      float s = Op::sum(acc[i][j]);
       if (b) s += b[n0 + j * rs];
       y[(m0 + i) * N + n0 + j * rs] = T(s);
     }
 }
 
-// every row of x against W's rows n0 + j rs (j < nr), the last (n0 + rs - 1: the stream's end) prefetching nothing
-template <typename X, typename T, int64_t nr>
-inline void rows(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rs,
-                 bool last) {
-  const T* pf = last ? nullptr : w + (n0 + 1) * K;
-  int64_t m = 0;
-#if defined(__AVX512BF16__)
-  using Op = std::conditional_t<std::is_same_v<X, at::BFloat16>, BF16Dot, Widen<T>>;
-#else
-  using Op = Widen<T>;
-#endif
-  for (; m + MR <= M; m += MR) tile<Op, T, MR, nr>(x, w, b, y, K, N, m, n0, rs, m ? nullptr : pf);
-  for (; m < M; m++) tile<Op, T, 1, nr>(x, w, b, y, K, N, m, n0, rs, m ? nullptr : pf);
+// All M rows against W's rows n0 + j rs (j < nr): tiles of rows as even as possible, each at most
+// MR_MAX; the first prefetches pf (the others read what it brought).
+template <typename Op, typename T, int64_t nr>
+inline void row_tiles(const typename Op::X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N,
+                      int64_t n0, int64_t rs, const T* pf) {
+  const int64_t tiles = (M + MR_MAX - 1) / MR_MAX, small = M / tiles, big = M % tiles;
+  for (int64_t t = 0, m = 0; t < tiles; t++) {
+    const int64_t r = small + (t < big);
+    const T* p = t ? nullptr : pf;
+    switch (r) {
+#define GRAFT_TILE(R) case R: if constexpr (R <= MR_MAX) tile<Op, T, R, nr, 2>(x, w, b, y, K, N, m, n0, rs, p); break;
+      GRAFT_TILE(1) GRAFT_TILE(2) GRAFT_TILE(3) GRAFT_TILE(4) GRAFT_TILE(5) GRAFT_TILE(6)
+#undef GRAFT_TILE
+      default: TORCH_CHECK(false, "graft::linear: tile rows");
+    }
+    m += r;
+  }
 }
 
-// W read as NR sequential streams (its rows in NR contiguous quarters, each walked row after row, which
-// the memory's prefetchers follow), the rows past the quarters one at a time. Threads split the
-// streams' rows: a thread never shares an output's sum with another.
-template <typename X, typename T>
-void linear_impl(const X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t Q = N / NR;
-  at::parallel_for(0, Q, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) rows<X, T, NR>(x, w, b, y, M, K, N, t, Q, t + 1 == t1);
+// W read as sequential streams (its rows in contiguous parts, each walked row after row, which the
+// memory's prefetchers follow), the rows past the parts one at a time. Threads split the streams'
+// rows: a thread never shares an output's sum with another.
+template <typename Op, typename T>
+void linear_impl(const typename Op::X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 1) {
+    constexpr int64_t nr = 4;
+    const int64_t Q = N / nr;
+    at::parallel_for(0, Q, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; t++)
+        tile<Op, T, 1, nr, 3>(x, w, b, y, K, N, 0, t, Q, t + 1 < t1 ? w + (t + 1) * K : nullptr);
+    });
+    for (int64_t n = nr * Q; n < N; n++) tile<Op, T, 1, 1, 3>(x, w, b, y, K, N, 0, n, 1, n + 1 < N ? w + (n + 1) * K : nullptr);
+    return;
+  }
+  const int64_t Q = N / NR_MULTI;
+  at::parallel_for(0, Q, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      row_tiles<Op, T, NR_MULTI>(x, w, b, y, M, K, N, t, Q, t + PF_AHEAD < t1 ? w + (t + PF_AHEAD) * K : nullptr);
   });
-  for (int64_t n = NR * Q; n < N; n++) rows<X, T, 1>(x, w, b, y, M, K, N, n, 1, n + 1 == N);
+  for (int64_t n = NR_MULTI * Q; n < N; n++) row_tiles<Op, T, 1>(x, w, b, y, M, K, N, n, 1, nullptr);
 }
 
 // y (M, N) = x (M, K) W^T (+ b), x and y of W's dtype T. bfloat16 runs the CPU's bfloat16 dot product
@@ -215,16 +372,71 @@ void lin(const T* x, int64_t M, const at::Tensor& w, const float* b, T* y, std::
   const int64_t K = w.size(1), N = w.size(0);
   const T* wp = w.data_ptr<T>();
 #if defined(__AVX512BF16__)
-  constexpr bool narrow = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
-#else
-  constexpr bool narrow = std::is_same_v<T, float>;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    linear_impl<BF16Dot, T>(x, wp, b, y, M, K, N);
+    return;
+  }
 #endif
-  if constexpr (narrow) {
-    linear_impl(x, wp, b, y, M, K, N);
+  if constexpr (std::is_same_v<T, float>) {
+    linear_impl<Widen<float>, T>(x, wp, b, y, M, K, N);
   } else {
     wide.resize(M * K);
     for (int64_t i = 0; i < M * K; i++) wide[i] = float(x[i]);
-    linear_impl(wide.data(), wp, b, y, M, K, N);
+    linear_impl<Widen<T>, T>(wide.data(), wp, b, y, M, K, N);
+  }
+}
+
+// The core's multiply-add peak for the linear's dtype: GMAC/s of the instruction lin's inner loop
+// runs (VDPBF16PS for bfloat16 where the CPU has it, else FMA on widened floats), 12 independent
+// accumulators in registers, for about `seconds`. What bench.py divides a pass's work by.
+template <typename Op>
+double op_peak(double seconds) {
+  using V = typename Op::V;
+  alignas(64) typename Op::X in[2 * Op::STEP];
+  for (int64_t i = 0; i < 2 * Op::STEP; i++) in[i] = typename Op::X(1.0f + 1e-3f * float(i % 7));
+  const V a = Op::x(in), c = Op::x(in + Op::STEP);
+  typename Op::A acc[12];
+  for (auto& r : acc) r = Op::zero();
+  int64_t steps = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double took = 0;
+  do {
+    for (int it = 0; it < 4096; it++) {
+      #pragma GCC unroll 12
+      for (int j = 0; j < 12; j++) acc[j] = Op::dot(a, c, acc[j]);
+    }
+    steps += 4096;
+    took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (took < seconds);
+  float sink = 0;
+  for (auto& r : acc) sink += Op::sum(r);
+  volatile float keep = sink;
+  (void)keep;
+  return double(steps) * 12 * Op::MACS / took / 1e9;
+}
+
+std::string isa() {
+#if defined(__AVX512BF16__) && defined(GRAFT_AVX512)
+  return "avx512_bf16";
+#elif defined(GRAFT_AVX512)
+  return "avx512";
+#elif defined(GRAFT_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+double kernel_peak(c10::ScalarType dtype, double seconds) {
+  switch (dtype) {
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return op_peak<BF16Dot>(seconds);
+#else
+    case at::kBFloat16: return op_peak<Widen<at::BFloat16>>(seconds);
+#endif
+    case at::kHalf: return op_peak<Widen<at::Half>>(seconds);
+    case at::kFloat: return op_peak<Widen<float>>(seconds);
+    default: TORCH_CHECK(false, "graft::peak: float32, bfloat16 or float16");
   }
 }
 
@@ -277,19 +489,31 @@ inline vec vexp_neg(vec x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.f), _CMP_GE_OQ), _mm512_scalef_ps(p, t));
 }
 
-// The 16 horizontal sums of x[0..15] in one vector (lane i holds the sum of x[PERM[i]]): every sum by
-// the same tree, lanes l + 8, then + 4, + 2, + 1, so a key's score does not depend on its neighbours.
-inline vec vsum16(vec* x) {
-  vec y[8], z[4], w[2];
-  for (int i = 0; i < 8; i++)
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++)
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88), _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++)
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44), _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-}
 inline float vmax(vec a) { return _mm512_reduce_max_ps(a); }
+#elif defined(GRAFT_AVX2)
+inline __m256 exp8_neg(__m256 x) {                           // vexp_neg's arithmetic, 8 lanes
+  const __m256 t = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(t, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(t, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3888889e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // p * 2^t (t >= -126 wherever x >= -87: 2^t is a normal float, and the product rounds once, as scalef)
+  const __m256 two_t = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(127)), 23));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_blendv_ps(_mm256_set1_ps(1.f), two_t, keep)), keep);
+}
+inline vec vexp_neg(vec x) { return {exp8_neg(x.lo), exp8_neg(x.hi)}; }
+inline float vmax(vec a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  const __m128 t = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  const __m128 u = _mm_max_ps(t, _mm_shuffle_ps(t, t, 0x4E));
+  return _mm_cvtss_f32(_mm_max_ss(u, _mm_shuffle_ps(u, u, 0xB1)));
+}
 #else
 inline vec vexp_neg(vec x) {
   vec o;
@@ -304,156 +528,8 @@ inline vec vexp_neg(vec x) {
   }
   return o;
 }
-inline vec vsum16(vec* x) { vec o; for (int l = 0; l < 16; l++) o.v[l] = vsum(x[l]); return o; }
 inline float vmax(vec a) { float m = a.v[0]; for (int l = 1; l < 16; l++) m = std::max(m, a.v[l]); return m; }
 #endif
-
-// which x[] each lane of vsum16 sums (found once by summing x[u] = u in lane 0)
-struct Perm {
-  int32_t lane_of[16];
-  Perm() {
-    vec x[16];
-    float buf[16];
-    for (int u = 0; u < 16; u++) {
-      for (int l = 0; l < 16; l++) buf[l] = l ? 0.f : float(u);
-      x[u] = vload(buf);
-    }
-    store(buf, vsum16(x));
-    for (int l = 0; l < 16; l++) lane_of[(int)buf[l]] = l;
-  }
-};
-const Perm PERM;
-
-// Attention of GN query heads that share a KV head, against the keys their query sees (rows seen[0..n-1],
-// in row order): out[g][0..D-1] = softmax(q_g.K) V, in three steps a caller may interleave with other
-// queries' (so that the queries of one request read each block of keys while it is in cache): scores
-// (chunks of 16 keys, their max), then sum (exp(score - max), summed in 16 lanes; sum p v key after key),
-// then finish. Each key row is loaded once for the GN heads; each head's arithmetic is its own and the
-// same whatever heads or queries run beside it and however the key range is split. NV: vectors per head
-// row (D <= 16 NV). qf: GN rows of 16 NV floats (scaled, zero-padded); s: GN rows of scores.
-template <int NV, int GN>
-struct Heads {
-  vec top[GN], mx[GN], l[GN], o[GN][NV];
-  Heads() {
-    for (int g = 0; g < GN; g++) {
-      top[g] = vset1(-std::numeric_limits<float>::infinity());
-      l[g] = vzero();
-      for (int e = 0; e < NV; e++) o[g][e] = vzero();
-    }
-  }
-};
-
-template <typename T, int NV>
-inline void key_row(const T* r, int64_t D, vec* x) {
-  const int64_t nv = (D + LANES - 1) / LANES;        // vectors in use (NV rounds up)
-  for (int e = 0; e < NV; e++) {
-    const int64_t d = e * LANES;
-    x[e] = e >= nv ? vzero() : d + LANES <= D ? vload(r + d) : vload_tail(r + d, D - d);
-  }
-}
-
-// scores of keys [c0, c1) (multiples of 16) and their running max
-template <typename T, int NV, int GN>
-inline void scores(Heads<NV, GN>& a, const float* qf, const T* kb, int64_t kstride, const int64_t* seen, int64_t n,
-                   int64_t c0, int64_t c1, int64_t D, float* s, int64_t sstride) {
-  const int64_t nv = (D + LANES - 1) / LANES;
-  for (int64_t c = c0; c < std::min(c1, n); c += 16) {
-    const int64_t m = std::min<int64_t>(16, n - c);
-    vec part[GN][16];
-    for (int64_t u = 0; u < 16; u++) {
-      vec kr[NV];
-      if (u < m) key_row<T, NV>(kb + seen[c + u] * kstride, D, kr);
-      for (int g = 0; g < GN; g++) {
-        vec acc = vzero();
-        if (u < m)
-          for (int e = 0; e < NV; e++) if (e < nv) acc = vfma(vload(qf + (g * NV + e) * LANES), kr[e], acc);
-        part[g][u] = acc;
-      }
-    }
-    for (int g = 0; g < GN; g++) {
-      float buf[16];
-      store(buf, vsum16(part[g]));
-      float* sg = s + g * sstride + c;
-      for (int64_t u = 0; u < 16; u++) sg[u] = u < m ? buf[PERM.lane_of[u]] : -std::numeric_limits<float>::infinity();
-      a.top[g] = vmax2(a.top[g], vload(sg));
-    }
-  }
-}
-
-// p = exp(score - max) of keys [c0, c1), summed in 16 lanes; p v summed key after key (scores: all done)
-template <typename T, int NV, int GN>
-inline void sum(Heads<NV, GN>& a, const T* vb, int64_t vstride, const int64_t* seen, int64_t n, int64_t c0, int64_t c1,
-                int64_t D, const float* s, int64_t sstride) {
-  const int64_t nv = (D + LANES - 1) / LANES;
-  vec o[GN][NV];                                       // in registers for the range
-  for (int g = 0; g < GN; g++) for (int e = 0; e < NV; e++) o[g][e] = a.o[g][e];
-  for (int64_t c = c0; c < std::min(c1, n); c += 16) {
-    const int64_t m = std::min<int64_t>(16, n - c);
-    float pb[GN][16];
-    for (int g = 0; g < GN; g++) {
-      const vec p = vfirst(vexp_neg(vsub(vload(s + g * sstride + c), a.mx[g])), m);
-      a.l[g] = vadd(a.l[g], p);
-      store(pb[g], p);
-    }
-    for (int64_t u = 0; u < m; u++) {
-      vec vr[NV];
-      key_row<T, NV>(vb + seen[c + u] * vstride, D, vr);
-      for (int g = 0; g < GN; g++) {
-        const vec pv = vset1(pb[g][u]);
-        for (int e = 0; e < NV; e++) if (e < nv) o[g][e] = vfma(pv, vr[e], o[g][e]);
-      }
-    }
-  }
-  for (int g = 0; g < GN; g++) for (int e = 0; e < NV; e++) a.o[g][e] = o[g][e];
-}
-
-template <typename T, int NV, int GN>
-inline void finish(Heads<NV, GN>& a, int64_t n, int64_t D, T* const* out) {
-  for (int g = 0; g < GN; g++) {
-    const float total = vsum(a.l[g]);
-    float buf[16 * NV];
-    for (int e = 0; e < NV; e++) store(buf + e * LANES, a.o[g][e]);
-    for (int64_t d = 0; d < D; d++) out[g][d] = T(n ? buf[d] / total : 0.f);     // sees nothing (padding): zeros
-  }
-}
-
-// One KV head of one request: its Tq queries' GN heads g0.. against their keys (query t: seen[t], n[t]),
-// the keys taken in blocks of KB, every query's work on a block before the next block: a tree's queries
-// share the committed rows, which are then read from memory once for all of them, not once per query.
-constexpr int64_t KB = 256;
-template <typename T, int NV, int GN>
-void kv_group(const float* qf, int64_t qstride, const T* kb, int64_t kstride, const T* vb, int64_t vstride,
-              const int64_t* const* seen, const int64_t* n, int64_t Tq, int64_t D, float* s, int64_t sstride,
-              T* const* out, int64_t ostride) {
-  std::vector<Heads<NV, GN>> a(Tq);
-  const int64_t most = *std::max_element(n, n + Tq);
-  for (int64_t c = 0; c < most; c += KB)
-    for (int64_t t = 0; t < Tq; t++) scores<T, NV, GN>(a[t], qf + t * qstride, kb, kstride, seen[t], n[t], c, c + KB, D, s + t * GN * sstride, sstride);
-  for (int64_t t = 0; t < Tq; t++)
-    for (int g = 0; g < GN; g++) a[t].mx[g] = vset1(vmax(a[t].top[g]));
-  for (int64_t c = 0; c < most; c += KB)
-    for (int64_t t = 0; t < Tq; t++) sum<T, NV, GN>(a[t], vb, vstride, seen[t], n[t], c, c + KB, D, s + t * GN * sstride, sstride);
-  for (int64_t t = 0; t < Tq; t++) finish<T, NV, GN>(a[t], n[t], D, out + t * ostride);
-}
-
-// every head of one KV head, GN at a time (GN from NV: the outputs must fit in registers)
-template <typename T, int NV, int GMAX>
-inline void kv_head(const float* qf, int64_t qstride, const T* kb, int64_t kstride, const T* vb, int64_t vstride,
-                    const int64_t* const* seen, const int64_t* n, int64_t Tq, int64_t D, float* s, int64_t sstride,
-                    T* const* out, int64_t G) {
-  for (int64_t g = 0; g < G; g += GMAX) {
-    const float* q = qf + g * NV * LANES;
-    T* const* o = out + g;
-#define GRAFT_GROUP(GN) kv_group<T, NV, GN>(q, qstride, kb, kstride, vb, vstride, seen, n, Tq, D, s, sstride, o, G)
-    switch (std::min<int64_t>(GMAX, G - g)) {
-      case 1: GRAFT_GROUP(1); break;
-      case 2: GRAFT_GROUP((GMAX >= 2 ? 2 : 1)); break;
-      case 3: GRAFT_GROUP((GMAX >= 3 ? 3 : 1)); break;
-      default: GRAFT_GROUP(GMAX);
-    }
-#undef GRAFT_GROUP
-  }
-}
 
 // Strided (b, h, t) rows of D elements: element d of row (b, h, t) is p[b * sb + h * sh + t * st + d].
 template <typename P>
@@ -463,53 +539,310 @@ struct Rows {
   P* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
 };
 
+// Attention, exact per query: a query's output is a function of its own q and of the keys and values
+// its mask lets it see, in row order (committed rows, then its tree ancestors: position order), whatever
+// queries run beside it. Plain decoding at the same position sees the same keys in the same order, so a
+// tree node's output is plain decoding's, bit for bit. For one request and one KV head:
+//   1. scores. Keys are taken 16 rows at a time and transposed into a block (keys in lanes), so that a
+//      score is one accumulator lane fed element by element of the head dimension, in order, with no
+//      horizontal sum; every query-head of the request reuses the block (SCORE_GROUP at a time, which
+//      hides the FMA's latency). score = scale * sum_d q_d k_d.
+//   2. softmax. A query-head's seen scores in row order, their max, p = exp(score - max) 16 at a time and
+//      their total in 16 lanes, both in seen order.
+//   3. p V. Each value row is read once for up to GR query-heads, each adding p v for the rows it sees,
+//      in row order; then the total divides.
+// Keys as float32 (element d of key u at [d * 16 + u]); for bfloat16 on a CPU with the bfloat16 dot
+// product, as pairs (key u's elements 2p and 2p + 1 in dword [p * 16 + u]), two products a lane a step.
+#if defined(GRAFT_AVX512)
+// 16 rows of 16 dwords -> 16 columns (out[c] holds element c of every row), in registers
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {             // 128-bit lanes: rows 4i..4i+3 of each quarter
+    t[i] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+#endif
+
+template <typename T>
+struct KeysF {
+  using E = float;
+  static constexpr int64_t PER = 1;                   // elements a block entry holds
+  static void block(const T* k, int64_t st, int64_t n, int64_t D, float* out) {
+#if defined(GRAFT_AVX512)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {        // 16 keys x 16 elements at a time, widened, transposed
+      const int64_t w = std::min<int64_t>(16, D - d0);
+      __m512i r[16];
+      for (int64_t u = 0; u < 16; u++)
+        r[u] = u < n ? _mm512_castps_si512(w == 16 ? vload(k + u * st + d0) : vload_tail(k + u * st + d0, w)) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t c = 0; c < w; c++) _mm512_storeu_si512((void*)(out + (d0 + c) * 16), r[c]);
+    }
+#else
+    for (int64_t u = 0; u < 16; u++)
+      for (int64_t d = 0; d < D; d++) out[d * 16 + u] = u < n ? float(k[u * st + d]) : 0.f;
+#endif
+  }
+  static void query(const T* q, int64_t D, float* out) { for (int64_t d = 0; d < D; d++) out[d] = float(q[d]); }
+  template <int R>                                    // R query-heads' 16 scores (unscaled)
+  static void dots(const float* const* q, const float* kt, int64_t D, vec* out) {
+    vec acc[R];                                       // (locals: vector types may alias, out would not stay in registers)
+    const float* qr[R];
+    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = q[r];
+    for (int64_t d = 0; d < D; d++) {
+      const vec kv = vload(kt + d * 16);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; r++) acc[r] = vfma(vset1(qr[r][d]), kv, acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+  }
+};
+#if defined(__AVX512BF16__)
+struct KeysBF16 {
+  using E = uint32_t;
+  static constexpr int64_t PER = 2;
+  static void block(const at::BFloat16* k, int64_t st, int64_t n, int64_t D, uint32_t* out) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {    // 16 keys x 16 pairs at a time
+      const int64_t w = std::min<int64_t>(16, D / 2 - p0);
+      const __mmask16 m = (__mmask16)((1u << w) - 1u);
+      __m512i r[16];
+      for (int64_t u = 0; u < 16; u++)
+        r[u] = u < n ? _mm512_maskz_loadu_epi32(m, (const void*)(k + u * st + 2 * p0)) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t c = 0; c < w; c++) _mm512_storeu_si512((void*)(out + (p0 + c) * 16), r[c]);
+    }
+  }
+  static void query(const at::BFloat16* q, int64_t D, uint32_t* out) { std::memcpy(out, q, D * sizeof(at::BFloat16)); }
+  template <int R>
+  static void dots(const uint32_t* const* q, const uint32_t* kt, int64_t D, vec* out) {
+    vec acc[R];
+    const float* qr[R];
+    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = reinterpret_cast<const float*>(q[r]);
+    for (int64_t p = 0; p < D / 2; p++) {
+      const __m512i kv = _mm512_loadu_si512((const void*)(kt + p * 16));
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; r++)           // q's pair broadcast straight from memory (a load, not a shuffle)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_ps(qr[r][p]), (__m512bh)kv);
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+  }
+};
+template <typename T> struct KeysOf { using type = KeysF<T>; };
+template <> struct KeysOf<at::BFloat16> { using type = KeysBF16; };
+#else
+template <typename T> struct KeysOf { using type = KeysF<T>; };
+#endif
+
+#if defined(GRAFT_AVX512)
+constexpr int SCORE_GROUP = 8;        // query-heads scored together (accumulators in registers)
+#elif defined(GRAFT_AVX2)
+constexpr int SCORE_GROUP = 4;        // (vec is two of AVX2's 16 registers)
+#else
+constexpr int SCORE_GROUP = 4;
+#endif
+constexpr int64_t KB = 256;                         // keys transposed at a time (a block set that stays in cache)
+
+// 3. p v, added in row order to NV accumulators per query-head (kept between calls in memory, o). vf: the
+// values widened to float32, DV = 16 NV floats a row (zero-padded). pv_shared: Q query-heads over rows
+// j0..j1-1, which each of them sees, every value row loaded once for the Q (Q NV independent FMA chains:
+// one chain's latency would bound a single query-head); pv_seen: one query-head over its seen-list
+// entries c0..c1-1 (the first `gap` of them are rows 0..gap-1).
+#if defined(GRAFT_AVX512)
+template <int NV> constexpr int PV_Q = NV <= 4 ? 6 : NV <= 8 ? 2 : 1;     // Q NV + NV + 1 <= 32 registers
+#elif defined(GRAFT_AVX2)
+template <int NV> constexpr int PV_Q = NV <= 1 ? 4 : NV <= 2 ? 2 : 1;     // (vec: two of 16 registers)
+#else
+template <int NV> constexpr int PV_Q = 1;
+#endif
+
+template <int NV, int Q>
+void pv_shared(const float* const* p, const float* vf, int64_t DV, int64_t j0, int64_t j1, float* const* o) {
+  vec acc[Q][NV];
+  const float* pr[Q];
+  #pragma GCC unroll 8
+  for (int q = 0; q < Q; q++) {
+    pr[q] = p[q];
+    #pragma GCC unroll 16
+    for (int e = 0; e < NV; e++) acc[q][e] = vload(o[q] + e * LANES);
+  }
+  for (int64_t j = j0; j < j1; j++) {
+    vec v[NV];
+    #pragma GCC unroll 16
+    for (int e = 0; e < NV; e++) v[e] = vload(vf + j * DV + e * LANES);
+    #pragma GCC unroll 8
+    for (int q = 0; q < Q; q++) {
+      const vec pv = vset1(pr[q][j]);
+      #pragma GCC unroll 16
+      for (int e = 0; e < NV; e++) acc[q][e] = vfma(pv, v[e], acc[q][e]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int q = 0; q < Q; q++)
+    #pragma GCC unroll 16
+    for (int e = 0; e < NV; e++) store(o[q] + e * LANES, acc[q][e]);
+}
+
+template <int NV>
+void pv_seen(const float* p, const float* vf, int64_t DV, const int64_t* sn, int64_t c0, int64_t c1, int64_t gap, float* o) {
+  vec acc[NV];
+  #pragma GCC unroll 16
+  for (int e = 0; e < NV; e++) acc[e] = vload(o + e * LANES);
+  for (int64_t c = c0; c < c1; c++) {
+    const int64_t j = c < gap ? c : sn[c];
+    const vec pv = vset1(p[j]);
+    #pragma GCC unroll 16
+    for (int e = 0; e < NV; e++) acc[e] = vfma(pv, vload(vf + j * DV + e * LANES), acc[e]);
+  }
+  #pragma GCC unroll 16
+  for (int e = 0; e < NV; e++) store(o + e * LANES, acc[e]);
+}
+
+// every query-head r of a (request, KV head): out[r] = (sum of p v over its seen rows, in row order) / l[r]
+template <int NV>
+void pv(const float* sc, int64_t sstride, const float* vf, int64_t DV, const int64_t* const* sn, const int64_t* n,
+        const int64_t* gap, int64_t R, float* acc) {
+  constexpr int Q = PV_Q<NV>;
+  const float* p[Q];
+  float* o[Q];
+  for (int64_t r0 = 0; r0 < R; r0 += Q) {
+    const int64_t k = std::min<int64_t>(Q, R - r0);
+    int64_t common = std::numeric_limits<int64_t>::max();
+    for (int64_t q = 0; q < k; q++) {
+      p[q] = sc + (r0 + q) * sstride;
+      o[q] = acc + (r0 + q) * DV;
+      common = std::min(common, std::min(gap[r0 + q], n[r0 + q]));
+    }
+    // the rows all k of them see (their committed prefix), shared; then each one's own rest
+    switch (k) {
+#define GRAFT_PVQ(K) case K: if constexpr (K <= Q) pv_shared<NV, K>(p, vf, DV, 0, common, o); break;
+      GRAFT_PVQ(1) GRAFT_PVQ(2) GRAFT_PVQ(3) GRAFT_PVQ(4) GRAFT_PVQ(5) GRAFT_PVQ(6)
+#undef GRAFT_PVQ
+    }
+    for (int64_t q = 0; q < k; q++) pv_seen<NV>(p[q], vf, DV, sn[r0 + q], common, n[r0 + q], gap[r0 + q], o[q]);
+  }
+}
+
 // q (B, H, Tq, D) against the keys and values of cache batch kbat[b] (b itself when kbat is null),
 // rows 0..S-1, under mask rows mask(b, t) (S bools, stride ms_s). Writes out (B, H, Tq, D).
 template <typename T>
 void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kbat, Rows<const bool> mask, int64_t ms_s,
             Rows<T> out, int64_t B, int64_t H, int64_t Tq, int64_t D, int64_t Hkv, int64_t S, float scale) {
-  const int64_t G = H / Hkv;
-  TORCH_CHECK(D <= 256, "graft::attention: head_dim <= 256");
-  const int64_t NV = (D + LANES - 1) / LANES;
-  const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16;     // the template's
-  // 1. the keys each query sees, in row order, found once
-  std::vector<int64_t> seen(B * Tq * S), n(B * Tq);
+  using Keys = typename KeysOf<T>::type;
+  using E = typename Keys::E;
+  const int64_t G = H / Hkv, R = Tq * G;              // query-heads of a (request, KV head): r = t G + g
+  TORCH_CHECK(D <= 256 && D % Keys::PER == 0, "graft::attention: head_dim <= 256 (even for bfloat16)");
+  const int64_t NV = (D + LANES - 1) / LANES, DE = D / Keys::PER, S16 = (S + 15) / 16 * 16;
+  // the keys each query sees, in row order, found once
+  // (gap[i]: the seen list begins with rows 0..gap - 1, every one of them: the committed rows, read in place)
+  std::vector<int64_t> seen(B * Tq * S), n(B * Tq), last(B * Tq), gap(B * Tq);
   at::parallel_for(0, B * Tq, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const bool* mrow = mask.at(i / Tq, 0, i % Tq);
       int64_t c = 0;
       for (int64_t j = 0; j < S; j++) if (mrow[j * ms_s]) seen[i * S + c++] = j;
       n[i] = c;
+      last[i] = c ? seen[i * S + c - 1] : -1;
+      int64_t g = 0;
+      while (g < c && seen[i * S + g] == g) g++;
+      gap[i] = g;
     }
   });
-  // 2. one task per (request, KV head): the heads that share it, all of the request's queries together
+  // one task per (request, KV head): every query-head of the request that reads it
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    const int64_t qstride = G * NVT * LANES;
-    std::vector<float> s(Tq * G * (S + 16)), qf(Tq * qstride, 0.f);
-    std::vector<T*> outs(Tq * G);
-    std::vector<const int64_t*> sn(Tq);
+    std::vector<E> qe(R * DE), kt(KB * DE);
+    std::vector<float> sc(R * S16), l(R), sbuf(S16), vf, acc;
+    std::vector<const int64_t*> snr(R);
+    std::vector<const E*> qp(R);
+    std::vector<int64_t> rl(R), rn(R), rg(R);
+    std::vector<T*> outs(R);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / Hkv, h = i % Hkv, kb_ = kbat ? kbat[b] : b;
-      for (int64_t t = 0; t < Tq; t++) {
-        sn[t] = seen.data() + (b * Tq + t) * S;
+      int64_t most = -1;
+      for (int64_t t = 0; t < Tq; t++)
         for (int64_t g = 0; g < G; g++) {
-          const T* qr = q.at(b, h * G + g, t);
-          for (int64_t d = 0; d < D; d++) qf[t * qstride + g * NVT * LANES + d] = float(qr[d]) * scale;
-          outs[t * G + g] = out.at(b, h * G + g, t);
+          const int64_t r = t * G + g;
+          Keys::query(q.at(b, h * G + g, t), D, qe.data() + r * DE);
+          qp[r] = qe.data() + r * DE;
+          rl[r] = last[b * Tq + t];
+          rn[r] = n[b * Tq + t];
+          rg[r] = gap[b * Tq + t];
+          outs[r] = out.at(b, h * G + g, t);
+          most = std::max(most, rl[r]);
+        }
+      const T* kb = k.at(kb_, h, 0);
+      // 1. scores of every query-head against the keys up to the last one it sees, KB keys at a time
+      for (int64_t c0 = 0; c0 <= most; c0 += KB) {
+        const int64_t c1 = std::min(most + 1, c0 + KB);
+        for (int64_t j = c0; j < c1; j += 16) Keys::block(kb + j * k.st, k.st, std::min<int64_t>(16, c1 - j), D, kt.data() + (j - c0) * DE);
+        for (int64_t j = c0; j < c1; j += 16) {
+          const E* blk = kt.data() + (j - c0) * DE;
+          for (int64_t r = 0; r < R; r += SCORE_GROUP) {
+            vec acc[SCORE_GROUP];
+            const int64_t m = std::min<int64_t>(SCORE_GROUP, R - r);
+            switch (m) {
+#define GRAFT_DOTS(M_) case M_: if constexpr (M_ <= SCORE_GROUP) Keys::template dots<M_>(qp.data() + r, blk, D, acc); break;
+              GRAFT_DOTS(1) GRAFT_DOTS(2) GRAFT_DOTS(3) GRAFT_DOTS(4) GRAFT_DOTS(5) GRAFT_DOTS(6) GRAFT_DOTS(7) GRAFT_DOTS(8)
+#undef GRAFT_DOTS
+            }
+            for (int64_t u = 0; u < m; u++) if (rl[r + u] >= j) store(sc.data() + (r + u) * S16 + j, vmul(acc[u], vset1(scale)));
+          }
         }
       }
-      const T* kb = k.at(kb_, h, 0);
-      const T* vb = v.at(kb_, h, 0);
-      const int64_t* nn = n.data() + b * Tq;
-#define GRAFT_KV(NV_, GMAX) kv_head<T, NV_, GMAX>(qf.data(), qstride, kb, k.st, vb, v.st, sn.data(), nn, Tq, D, s.data(), S + 16, outs.data(), G)
-      switch (NVT) {
-        case 1: GRAFT_KV(1, 4); break;
-        case 2: GRAFT_KV(2, 4); break;
-        case 4: GRAFT_KV(4, 4); break;
-        case 8: GRAFT_KV(8, 2); break;
-        default: GRAFT_KV(16, 1);
+      // 2. softmax over each query-head's seen keys, in seen order; p replaces the score in place
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t nr = rn[r], in_place = rg[r] / 16 * 16;        // whole chunks of the seen prefix
+        const int64_t* sn = seen.data() + (b * Tq + r / G) * S;
+        float* row = sc.data() + r * S16;
+        for (int64_t c = in_place; c < nr; c++) sbuf[c] = row[sn[c]];
+        for (int64_t c = nr; c < (nr + 15) / 16 * 16; c++) sbuf[c] = -std::numeric_limits<float>::infinity();
+        auto chunk = [&](int64_t c) { return c < in_place ? row + c : sbuf.data() + c; };
+        vec top = vset1(-std::numeric_limits<float>::infinity());     // the max: exact in any order
+        for (int64_t c = 0; c < nr; c += 16) top = vmax2(top, vload(chunk(c)));
+        const float mx = vmax(top);
+        vec tot = vzero();
+        for (int64_t c = 0; c < nr; c += 16) {
+          const int64_t m = std::min<int64_t>(16, nr - c);
+          const vec p = vfirst(vexp_neg(vsub(vload(chunk(c)), vset1(mx))), m);
+          tot = vadd(tot, p);
+          store(chunk(c), p);
+        }
+        l[r] = vsum(tot);
+        for (int64_t c = in_place; c < nr; c++) row[sn[c]] = sbuf[c];
       }
-#undef GRAFT_KV
+      // 3. p V: the values the request's queries see, widened once; then each query-head's sum
+      const T* vb = v.at(kb_, h, 0);
+      const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16, DV = NVT * LANES;
+      vf.resize((most + 1) * DV);
+      for (int64_t j = 0; j <= most; j++)
+        for (int64_t d = 0; d < DV; d += LANES)
+          store(vf.data() + j * DV + d, d + LANES <= D ? vload(vb + j * v.st + d) : d < D ? vload_tail(vb + j * v.st + d, D - d) : vzero());
+      acc.assign(R * DV, 0.f);
+      for (int64_t r = 0; r < R; r++) snr[r] = seen.data() + (b * Tq + r / G) * S;
+      switch (NVT) {
+#define GRAFT_PVN(NV_) case NV_: pv<NV_>(sc.data(), S16, vf.data(), DV, snr.data(), rn.data(), rg.data(), R, acc.data()); break;
+        GRAFT_PVN(1) GRAFT_PVN(2) GRAFT_PVN(4) GRAFT_PVN(8) GRAFT_PVN(16)
+#undef GRAFT_PVN
+      }
+      for (int64_t r = 0; r < R; r++)               // sees nothing (padding): zeros
+        for (int64_t d = 0; d < D; d++) outs[r][d] = T(rn[r] ? acc[r * DV + d] / l[r] : 0.f);
     }
   });
 }
@@ -742,6 +1075,8 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
 }  // namespace
 
 TORCH_LIBRARY(graft, lib) {
+  lib.def("peak(ScalarType dtype, float seconds) -> float", &kernel_peak);
+  lib.def("isa() -> str", &isa);
   lib.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "

@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "--param=sra-max-scalarization-size-Ospeed=4096"]     # every FMA is written out; none is inferred
+# The instruction set they are built for: this CPU's (native), or a lower one on demand, so that one
+# machine can run (and test) another's path: GRAFT_KERNELS_MARCH=x86-64-v3 builds the AVX2 path (Zen 2/3,
+# Haswell..) on an AVX-512 CPU (with ATEN_CPU_CAPABILITY=avx2, torch's own kernels follow).
+MARCH = os.environ.get("GRAFT_KERNELS_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-ffp-contract=off",
+         "--param=sra-max-scalarization-size-Ospeed=4096"]     # every FMA is written out; none is inferred
 ON = False          # built and loaded: model.py routes CPU linears (and exact attention) here
 _tried = False
 
@@ -82,6 +87,19 @@ def _register_shapes():
     @torch.library.register_fake("graft::attention")
     def _(q, k, v, mask, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def isa() -> str | None:
+    """The vector instructions the kernels were built with: "avx512_bf16" (VDPBF16PS), "avx512", "avx2"
+    or "portable" (plain loops); None when they are not built."""
+    return torch.ops.graft.isa() if ready() else None
+
+
+def peak(dtype: torch.dtype, seconds: float = 0.05) -> float:
+    """The core's multiply-add peak, GMAC/s, for a linear in `dtype`: the instruction the linear's
+    inner loop runs (VDPBF16PS for bfloat16 where the CPU has it, else FMA), in registers, measured now
+    for about `seconds` on the calling thread. What a pass's GMAC/s is a share of (bench.py)."""
+    return torch.ops.graft.peak(dtype, seconds)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
