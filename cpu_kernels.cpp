@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -954,16 +955,32 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
                       const c10::optional<at::Tensor>& qn, const c10::optional<at::Tensor>& kn, const at::Tensor& n2,
                       const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const int64_t* rows, const int64_t* slots,
-                      const at::Tensor& mask, const bool* keep, int64_t H, float eps) {
+                      const at::Tensor& mask, const bool* keep, int64_t H, float eps, const T* emb, const T* hn, bool nbr) {
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2), M = B * Tq;
   const int64_t Hkv = kc.size(1), D = kc.size(3), S = mask.size(3), I = wg.size(0);
-  const int64_t NQ = H * D, NK = Hkv * D;
+  const int64_t NQ = H * D, NK = Hkv * D, Din = wq.size(1);         // Din: 2 Dm for an EAGLE-3 head's layer
   std::vector<float> wide;
   const T* xp = x.data_ptr<T>();
-  auto h = scratch<T>(M * Dm), q = scratch<T>(M * NQ), k = scratch<T>(M * NK), v = scratch<T>(M * NK);
+  auto h = scratch<T>(M * Din), q = scratch<T>(M * NQ), k = scratch<T>(M * NK), v = scratch<T>(M * NK);
   auto att = scratch<T>(M * NQ), x1 = scratch<T>(M * Dm), g = scratch<T>(M * I), u = scratch<T>(M * I);
-  // 1. attention's input: norm, q/k/v, the q/k norms (Qwen3), RoPE at each row's position
-  rms_norm(xp, n1.data_ptr<T>(), h.get(), M, Dm, eps);
+  // 1. attention's input: norm, q/k/v, the q/k norms (Qwen3), RoPE at each row's position. An EAGLE-3
+  //    head's layer (draft.DraftLayer) reads [input_layernorm(emb), hidden_norm(x)] per row, and adds its
+  //    attention to x or, with nbr (norm_before_residual), to hidden_norm(x)
+  std::unique_ptr<T[]> xn;
+  const T* res = xp;                                                  // what the attention adds to
+  if (emb) {
+    xn = scratch<T>(M * Dm);
+    auto e = scratch<T>(M * Dm);
+    rms_norm(emb, n1.data_ptr<T>(), e.get(), M, Dm, eps);
+    rms_norm(xp, hn, xn.get(), M, Dm, eps);
+    for (int64_t m = 0; m < M; m++) {
+      std::memcpy(h.get() + m * Din, e.get() + m * Dm, Dm * sizeof(T));
+      std::memcpy(h.get() + m * Din + Dm, xn.get() + m * Dm, Dm * sizeof(T));
+    }
+    if (nbr) res = xn.get();
+  } else {
+    rms_norm(xp, n1.data_ptr<T>(), h.get(), M, Dm, eps);
+  }
   lin(h.get(), M, wq, bq, q.get(), wide);
   lin(h.get(), M, wk, bk, k.get(), wide);
   lin(h.get(), M, wv, bv, v.get(), wide);
@@ -996,7 +1013,7 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
             {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
             1.f / std::sqrt(float(D)));
   lin(att.get(), M, wo, nullptr, h.get(), wide);                     // h: o_proj's output
-  add(xp, h.get(), x1.get(), M * Dm);
+  add(res, h.get(), x1.get(), M * Dm);
   // 4. the MLP: norm, SwiGLU, down, the residual
   rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), M, Dm, eps);
   lin(h.get(), M, wg, nullptr, g.get(), wide);
@@ -1015,7 +1032,8 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
                  const c10::optional<at::Tensor>& kn, const at::Tensor& n2, const at::Tensor& wg, const at::Tensor& wu,
                  const at::Tensor& wd, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
                  const at::Tensor& rows, const c10::optional<at::Tensor>& slots, const at::Tensor& mask,
-                 const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps) {
+                 const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps, const c10::optional<at::Tensor>& emb,
+                 const c10::optional<at::Tensor>& hn, bool nbr) {
   // shapes, dtypes and every index are checked before anything is read or written
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "graft::block: x (B, T, dim), contiguous");
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2);
@@ -1027,8 +1045,15 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device().is_cpu(), "graft::block: one dtype, CPU");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &wq, &wk, &wv, &wo, &n2, &wg, &wu, &wd})
     TORCH_CHECK(t->is_contiguous(), "graft::block: contiguous weights");
-  TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && wq.sizes() == at::IntArrayRef({n_heads * D, Dm}) &&
-              wk.sizes() == at::IntArrayRef({Hkv * D, Dm}) && wv.sizes() == wk.sizes() &&
+  const bool draft = emb.has_value() && emb->defined();
+  TORCH_CHECK(draft == (hn.has_value() && hn->defined()), "graft::block: emb and hn (a head's layer) both or neither");
+  if (draft)
+    TORCH_CHECK(emb->sizes() == x.sizes() && emb->is_contiguous() && emb->scalar_type() == x.scalar_type() &&
+                hn->numel() == Dm && hn->is_contiguous() && hn->scalar_type() == x.scalar_type(),
+                "graft::block: emb (B, T, dim) and hn (dim,) of x's dtype, contiguous");
+  const int64_t Din = draft ? 2 * Dm : Dm;
+  TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && wq.sizes() == at::IntArrayRef({n_heads * D, Din}) &&
+              wk.sizes() == at::IntArrayRef({Hkv * D, Din}) && wv.sizes() == wk.sizes() &&
               wo.sizes() == at::IntArrayRef({Dm, n_heads * D}) && wu.sizes() == wg.sizes() && wg.size(1) == Dm &&
               wd.sizes() == at::IntArrayRef({Dm, I}), "graft::block: weight shapes");
   const bool qk = qn.has_value() && qn->defined();
@@ -1063,7 +1088,8 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
   TORCH_CHECK((!bq_ || fb[0].numel() == n_heads * D) && (!bk_ || fb[1].numel() == Hkv * D) && (!bv_ || fb[2].numel() == Hkv * D),
               "graft::block: bias shapes");
   switch (x.scalar_type()) {
-#define GRAFT_BLOCK(T) block_impl<T>(x, n1, wq, bq_, wk, bk_, wv, bv_, wo, qn, kn, n2, wg, wu, wd, cs, sn, kc, vc, rp, sp, m, keepp, n_heads, (float)eps)
+#define GRAFT_BLOCK(T) block_impl<T>(x, n1, wq, bq_, wk, bk_, wv, bv_, wo, qn, kn, n2, wg, wu, wd, cs, sn, kc, vc, rp, sp, m, keepp, n_heads, \
+                                     (float)eps, draft ? emb->data_ptr<T>() : nullptr, draft ? hn->data_ptr<T>() : nullptr, nbr)
     case at::kFloat: return GRAFT_BLOCK(float);
     case at::kBFloat16: return GRAFT_BLOCK(at::BFloat16);
     case at::kHalf: return GRAFT_BLOCK(at::Half);
@@ -1072,20 +1098,278 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
   }
 }
 
+// Every decoder layer of a target in one call (model.Transformer's fused route): block() layer after
+// layer, weights as per-layer lists, each layer's KV cache written at `rows`. capture: layer indices
+// (0..L) whose input, x before that layer (L: after the last), is returned too, in the list's order (the
+// EAGLE-3 features). Returns (x after the last layer, the captured tensors).
+std::tuple<at::Tensor, std::vector<at::Tensor>> layers(
+    const at::Tensor& x, at::TensorList n1, at::TensorList wq, const c10::List<std::optional<at::Tensor>>& bq,
+    at::TensorList wk, const c10::List<std::optional<at::Tensor>>& bk, at::TensorList wv,
+    const c10::List<std::optional<at::Tensor>>& bv, at::TensorList wo, const c10::List<std::optional<at::Tensor>>& qn,
+    const c10::List<std::optional<at::Tensor>>& kn, at::TensorList n2, at::TensorList wg, at::TensorList wu,
+    at::TensorList wd, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kc, at::TensorList vc,
+    const at::Tensor& rows, const std::optional<at::Tensor>& slots, const at::Tensor& mask,
+    const std::optional<at::Tensor>& keep, int64_t n_heads, double eps, at::IntArrayRef capture) {
+  const int64_t L = (int64_t)n1.size();
+  for (size_t i : {wq.size(), bq.size(), wk.size(), bk.size(), wv.size(), bv.size(), wo.size(), qn.size(), kn.size(),
+                   n2.size(), wg.size(), wu.size(), wd.size(), kc.size(), vc.size()})
+    TORCH_CHECK((int64_t)i == L, "graft::layers: one entry a layer in every list");
+  for (int64_t c : capture) TORCH_CHECK(c >= 0 && c <= L, "graft::layers: capture points in [0, layers]");
+  std::vector<at::Tensor> got(capture.size());
+  at::Tensor h = x.contiguous();
+  for (int64_t i = 0; i <= L; i++) {
+    for (size_t c = 0; c < capture.size(); c++) if (capture[c] == i) got[c] = h;
+    if (i == L) break;
+    at::Tensor kci = kc[i], vci = vc[i];
+    h = block(h, n1[i], wq[i], bq.get(i), wk[i], bk.get(i), wv[i], bv.get(i), wo[i], qn.get(i), kn.get(i), n2[i], wg[i],
+              wu[i], wd[i], cos, sin, kci, vci, rows, slots, mask, keep, n_heads, eps, std::nullopt, std::nullopt, false);
+  }
+  return {h, got};
+}
+
+// ------------------------------------------------------------------------------------------ a head's top k
+
+// The k most likely tokens of each row of logits (rows, V) and their log-probabilities: indices (rows, k)
+// in descending order of the logit (ties: the lower index first), values float32 logit - logsumexp.
+// What draft.Eagle3.top_logprobs computes as log_softmax then topk, in one pass over each row (V floats,
+// a running top k) plus one for the sum, without writing the V log-probabilities out.
+template <typename T>
+void top_rows(const T* x, int64_t rows, int64_t V, int64_t k, float* val, int64_t* idx) {
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> tv(k);
+    std::vector<int64_t> ti(k);
+    float buf[16];
+    for (int64_t r = r0; r < r1; r++) {
+      const T* row = x + r * V;
+      int64_t n = 0;                                        // the running top k, best first
+      float thr = -std::numeric_limits<float>::infinity();  // what a value must beat to enter (once k are in)
+      for (int64_t j0 = 0; j0 < V; j0 += 16) {              // 16 at a time; a chunk is looked into only
+        const int64_t m = std::min<int64_t>(16, V - j0);     // when its largest value could enter
+        const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
+        if (n == k && m == 16 && !(vmax(v) > thr)) continue;
+        store(buf, v);
+        for (int64_t u = 0; u < m; u++) {
+          const float f = buf[u];
+          if (n == k && !(f > thr)) continue;               // (NaN never enters)
+          int64_t at = n < k ? n++ : k - 1;
+          while (at > 0 && f > tv[at - 1]) { tv[at] = tv[at - 1]; ti[at] = ti[at - 1]; at--; }
+          tv[at] = f;
+          ti[at] = j0 + u;
+          if (n == k) thr = tv[k - 1];
+        }
+      }
+      float mx = -std::numeric_limits<float>::infinity();  // the row's max, for exp(x - max) <= 1
+      for (int64_t i = 0; i < n; i++) mx = std::max(mx, tv[i]);
+      vec tot = vzero();
+      for (int64_t j0 = 0; j0 < V; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, V - j0);
+        const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
+        tot = vadd(tot, vfirst(vexp_neg(vsub(v, vset1(mx))), m));
+      }
+      const float lse = mx + std::log(vsum(tot));
+      for (int64_t i = 0; i < k; i++) {
+        val[r * k + i] = i < n ? tv[i] - lse : -std::numeric_limits<float>::infinity();
+        idx[r * k + i] = i < n ? ti[i] : 0;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() >= 1 && k >= 1 && k <= logits.size(-1),
+              "graft::top_logprobs: CPU logits (..., V), 1 <= k <= V");
+  auto x = logits.contiguous();
+  const int64_t V = x.size(-1), rows = x.numel() / std::max<int64_t>(V, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = k;
+  auto val = at::empty(sizes, x.options().dtype(at::kFloat));
+  auto idx = at::empty(sizes, x.options().dtype(at::kLong));
+  switch (x.scalar_type()) {
+    case at::kFloat: top_rows(x.data_ptr<float>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
+    case at::kBFloat16: top_rows(x.data_ptr<at::BFloat16>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
+    case at::kHalf: top_rows(x.data_ptr<at::Half>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
+    default: TORCH_CHECK(false, "graft::top_logprobs: float32, bfloat16 or float16");
+  }
+  return {val, idx};
+}
+
+// ------------------------------------------------------------------------------------------ hybrid trees
+
+// graft.graft_trees with a retrieval tree, one request at a time, in plain loops (the Python version is
+// ~20 small torch ops per template level, which on a CPU cost far more than the merge itself): the same
+// result, element for element (tests/test_graft.py checks both). Inputs as graft_trees documents: d_tok,
+// d_par, kept (B, n); r_tok, r_score (B, R); the template's parents and depths (R,) (nodes in best-first
+// order, parents first; parent -1: the anchor, -2: the root) and ranks (< 0: a context node); anchor,
+// free (B,). Returns tokens, parents, valid, retrieved (B, n).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> graft_trees(
+    const at::Tensor& d_tok_, const at::Tensor& d_par_, const at::Tensor& kept_, const at::Tensor& r_tok_,
+    const at::Tensor& r_score_, const at::Tensor& t_par_, const at::Tensor& t_depth_, const at::Tensor& t_rank_,
+    const at::Tensor& anchor_, const at::Tensor& free_) {
+  const int64_t B = d_tok_.size(0), n = d_tok_.size(1), R = r_tok_.size(1);
+  TORCH_CHECK(d_tok_.dim() == 2 && d_par_.sizes() == d_tok_.sizes() && kept_.sizes() == d_tok_.sizes() &&
+              r_tok_.dim() == 2 && r_tok_.size(0) == B && r_score_.sizes() == r_tok_.sizes() && t_par_.numel() == R &&
+              t_depth_.numel() == R && t_rank_.numel() == R && anchor_.numel() == B && free_.numel() == B,
+              "graft::graft_trees: shapes");
+  auto L = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+  const auto d_tok = L(d_tok_), d_par = L(d_par_), r_tok = L(r_tok_), t_par = L(t_par_), t_depth = L(t_depth_),
+             t_rank = L(t_rank_), anchor = L(anchor_), freec = L(free_);
+  const auto kept = kept_.to(at::kBool).contiguous();
+  const auto r_score = r_score_.to(at::kFloat).contiguous();
+  const int64_t* tp = t_par.data_ptr<int64_t>();
+  const int64_t* td = t_depth.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; j++) TORCH_CHECK(tp[j] < j && tp[j] >= -2 && td[j] >= 1, "graft::graft_trees: a template's parents come first");
+  auto o_tok = at::zeros({B, n}, d_tok.options()), o_par = at::full({B, n}, -1, d_tok.options());
+  auto o_val = at::zeros({B, n}, kept.options()), o_src = at::zeros({B, n}, d_tok.options());
+  const float NEG = -std::numeric_limits<float>::infinity(), POS = std::numeric_limits<float>::infinity();
+  int64_t depth_max = 0;
+  for (int64_t j = 0; j < R; j++) depth_max = std::max(depth_max, td[j]);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> kpos(n), hid(R), ph(R), into(R), order(R), slot(R);
+    std::vector<float> eff(R), lifted(R);
+    std::vector<char> merged(R), hit(R), take(R), isnew(R);
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t* dt = d_tok.data_ptr<int64_t>() + b * n;
+      const int64_t* dp = d_par.data_ptr<int64_t>() + b * n;
+      const bool* kp = kept.data_ptr<bool>() + b * n;
+      const int64_t* rt = r_tok.data_ptr<int64_t>() + b * R;
+      const float* sc = r_score.data_ptr<float>() + b * R;
+      const int64_t an = anchor.data_ptr<int64_t>()[b], fr = freec.data_ptr<int64_t>()[b];
+      int64_t nk = 0;
+      for (int64_t i = 0; i < n; i++) kpos[i] = kp[i] ? nk++ : nk - 1;    // kept.cumsum(1) - 1
+      std::fill(hid.begin(), hid.end(), 0);
+      std::fill(merged.begin(), merged.end(), 0);
+      std::fill(eff.begin(), eff.end(), NEG);
+      auto up = [&](int64_t par) { return par == -1 ? an : par < -1 ? -1 : hid[par]; };
+      for (int64_t d = 1; d <= depth_max; d++) {         // level by level: parents are resolved
+        for (int64_t j = 0; j < R; j++) if (td[j] == d) ph[j] = up(tp[j]);
+        for (int64_t j = 0; j < R; j++) {
+          if (td[j] != d) continue;
+          const bool off = sc[j] > NEG;
+          int64_t first_draft = -1;                     // the first kept draft node with its parent and token
+          for (int64_t i = 0; i < n && first_draft < 0; i++) if (kp[i] && dp[i] == ph[j] && dt[i] == rt[j]) first_draft = i;
+          hit[j] = first_draft >= 0 && off;
+          into[j] = j;
+          hid[j] = hit[j] ? first_draft : 0;
+        }
+        for (int64_t j = 0; j < R; j++) {                // an earlier sibling of this level with its token
+          if (td[j] != d) continue;
+          const bool off = sc[j] > NEG;
+          int64_t twin = -1;
+          for (int64_t u = 0; u < j && twin < 0; u++)
+            if (td[u] == d && ph[u] == ph[j] && rt[u] == rt[j] && sc[u] > NEG && !hit[u]) twin = u;
+          const bool dup = twin >= 0 && off && !hit[j];
+          merged[j] = hit[j] || dup;
+          if (dup) into[j] = twin;
+          if (!hit[j]) hid[j] = n + into[j];
+          lifted[j] = sc[j];
+        }
+        for (int64_t j = 0; j < R; j++)                  // the node kept takes the better score
+          if (td[j] == d && into[j] != j) lifted[into[j]] = std::max(lifted[into[j]], sc[j]);
+        for (int64_t j = 0; j < R; j++) {                // capped by the parent's
+          if (td[j] != d) continue;
+          const float cap = ph[j] >= n ? eff[ph[j] - n] : POS;
+          eff[j] = std::min(lifted[j], cap);
+        }
+      }
+      // the free best unmerged nodes by score (ties: template order) take the slots after the kept ones
+      for (int64_t j = 0; j < R; j++) { isnew[j] = !merged[j] && eff[j] > NEG; order[j] = j; }
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+        const float ka = isnew[a] ? eff[a] : NEG, kc = isnew[c] ? eff[c] : NEG;
+        return ka > kc;
+      });
+      int64_t seen_new = 0;
+      for (int64_t x = 0; x < R; x++) {
+        const int64_t j = order[x];
+        seen_new += isnew[j];
+        take[j] = isnew[j] && seen_new <= fr;
+        slot[j] = nk + seen_new - 1;
+      }
+      int64_t* ot = o_tok.data_ptr<int64_t>() + b * n;
+      int64_t* op = o_par.data_ptr<int64_t>() + b * n;
+      bool* ov = o_val.data_ptr<bool>() + b * n;
+      int64_t* os = o_src.data_ptr<int64_t>() + b * n;
+      for (int64_t i = 0; i < n; i++)                    // the kept draft nodes, compacted in order
+        if (kp[i]) {
+          ot[kpos[i]] = dt[i];
+          op[kpos[i]] = dp[i] >= 0 ? kpos[dp[i]] : -1;
+          ov[kpos[i]] = true;
+          os[kpos[i]] = 0;
+        }
+      for (int64_t j = 0; j < R; j++) {                  // then the retrieved ones taken
+        if (!take[j] || slot[j] >= n) continue;
+        const int64_t p = up(tp[j]);
+        ot[slot[j]] = rt[j];
+        op[slot[j]] = p >= n ? slot[p - n] : p >= 0 ? kpos[std::min(p, n - 1)] : -1;
+        ov[slot[j]] = true;
+        os[slot[j]] = t_rank.data_ptr<int64_t>()[j] < 0 ? 2 : 1;
+      }
+    }
+  });
+  return {o_tok, o_par, o_val, o_src};
+}
+
+// ------------------------------------------------------------------------------------------ KV compaction
+
+// Every cache t (B, H_kv, R, D): request b's rows src[b, i] become its rows dst[b, i] (src, dst (B, n)),
+// all of a request's rows read before any is written (a source may be another's destination). One call
+// for every layer's keys and values, where the torch version is two indexed ops a tensor.
+void move_rows(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(src.dim() == 2 && src.sizes() == dst.sizes(), "graft::move_rows: src and dst (B, n)");
+  auto s = src.to(at::kLong).contiguous(), d = dst.to(at::kLong).contiguous();
+  const int64_t B = s.size(0), n = s.size(1);
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* dp = d.data_ptr<int64_t>();
+  for (const auto& t : caches) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) == B && t.stride(3) == 1, "graft::move_rows: caches (B, H_kv, R, D), CPU");
+    const int64_t R = t.size(2);
+    for (int64_t i = 0; i < B * n; i++)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < R && dp[i] >= 0 && dp[i] < R, "graft::move_rows: a row outside the cache");
+  }
+  at::parallel_for(0, (int64_t)caches.size(), 1, [&](int64_t c0, int64_t c1) {
+    std::vector<char> buf;
+    for (int64_t c = c0; c < c1; c++) {
+      const at::Tensor& t = caches[c];
+      const int64_t H = t.size(1), row = t.size(3) * t.element_size();
+      char* base = (char*)t.data_ptr();
+      const int64_t sb = t.stride(0) * t.element_size(), sh = t.stride(1) * t.element_size(), sr = t.stride(2) * t.element_size();
+      buf.resize(n * row);
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+          char* p = base + b * sb + h * sh;
+          for (int64_t i = 0; i < n; i++) std::memcpy(buf.data() + i * row, p + sp[b * n + i] * sr, row);
+          for (int64_t i = 0; i < n; i++) std::memcpy(p + dp[b * n + i] * sr, buf.data() + i * row, row);
+        }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graft, lib) {
   lib.def("peak(ScalarType dtype, float seconds) -> float", &kernel_peak);
   lib.def("isa() -> str", &isa);
+  lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
+  lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
+  lib.def("layers(Tensor x, Tensor[] n1, Tensor[] wq, Tensor?[] bq, Tensor[] wk, Tensor?[] bk, Tensor[] wv, Tensor?[] bv, "
+          "Tensor[] wo, Tensor?[] qn, Tensor?[] kn, Tensor[] n2, Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor cos, "
+          "Tensor sin, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, "
+          "int n_heads, float eps, int[] capture) -> (Tensor, Tensor[])");
+  lib.def("graft_trees(Tensor d_tok, Tensor d_par, Tensor kept, Tensor r_tok, Tensor r_score, Tensor t_par, "
+          "Tensor t_depth, Tensor t_rank, Tensor anchor, Tensor free) -> (Tensor, Tensor, Tensor, Tensor)");
   lib.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "
           "Tensor? qn, Tensor? kn, Tensor n2, Tensor wg, Tensor wu, Tensor wd, Tensor cos, Tensor sin, Tensor(a!) kc, "
-          "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps) -> Tensor");
+          "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps, Tensor? emb=None, "
+          "Tensor? hn=None, bool nbr=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("linear", &linear);
   lib.impl("attention", &attention);
   lib.impl("block", &block);
+  lib.impl("move_rows", &move_rows);
+  lib.impl("top_logprobs", &top_logprobs);
+  lib.impl("layers", &layers);
+  lib.impl("graft_trees", &graft_trees);
 }

@@ -84,6 +84,23 @@ def _register_shapes():
     def _(x, *rest):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("graft::move_rows")
+    def _(caches, src, dst):
+        return None
+
+    @torch.library.register_fake("graft::top_logprobs")
+    def _(logits, k):
+        shape = (*logits.shape[:-1], k)
+        return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
+
+    @torch.library.register_fake("graft::graft_trees")
+    def _(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free):
+        return d_tok.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape), kept.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape)
+
+    @torch.library.register_fake("graft::layers")
+    def _(x, *rest):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), [x.new_empty(x.shape) for _ in rest[-1]]
+
     @torch.library.register_fake("graft::attention")
     def _(q, k, v, mask, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -106,11 +123,39 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return torch.ops.graft.linear(x, w, b)
 
 
+def move_rows(caches: list, src: torch.Tensor, dst: torch.Tensor):
+    """KV compaction for every cache (B, H_kv, R, D) in one call: request b's rows src[b] become its rows
+    dst[b] (src, dst (B, n)), all read before any is written (model.KVCache.move_rows)."""
+    torch.ops.graft.move_rows(caches, src, dst)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple:
+    """The k best tokens of each row of logits (..., V): (log-probabilities float32 (..., k), indices
+    (..., k)), best first (ties: the lower index): log_softmax then topk in one pass over each row."""
+    return torch.ops.graft.top_logprobs(logits, k)
+
+
+def graft_trees(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free) -> tuple:
+    """graft.graft_trees with a retrieval tree (its template's parents, depths and ranks), in C++ loops:
+    (tokens, parents, valid, retrieved), each (B, n), the same as the torch version's."""
+    return torch.ops.graft.graft_trees(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free)
+
+
 def attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return torch.ops.graft.attention(q, k, v, mask, scale)
 
 
-def block(x, *weights_and_step) -> torch.Tensor:
+def layers(x, *weights_and_step) -> tuple:
+    """Every decoder layer of a target in one call (model.Transformer.fused_layers): block() layer after
+    layer, each weight a list with one entry a layer, then the RoPE rows, the caches (lists), rows, slots,
+    mask, keep, the head count, eps, and the layers whose input to return (capture). Returns (x,
+    [captured])."""
+    return torch.ops.graft.layers(x, *weights_and_step)
+
+
+def block(x, *weights_and_step, emb=None, hn=None, nbr=False) -> torch.Tensor:
     """One decoder layer (model.Block with a dense MLP), exact, in one call: model.Block.fused_forward
-    passes its weights, the RoPE rows, the KV cache (written at `rows`), the mask and the head count."""
-    return torch.ops.graft.block(x, *weights_and_step)
+    passes its weights, the RoPE rows, the KV cache (written at `rows`), the mask and the head count. An
+    EAGLE-3 head's layer (draft.DraftLayer.fused_forward) adds emb (B, T, dim), the token embeddings its
+    attention reads beside hidden_norm(x), that norm's weight hn (dim,), and nbr (norm_before_residual)."""
+    return torch.ops.graft.block(x, *weights_and_step, emb, hn, nbr)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import Attention, KVCache, Linear, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows, rope_at, rope_table
+import cpu_kernels
+from model import (Attention, Block, KVCache, Linear, MLP, ModelArgs, RMSNorm, attention_mask, cache_rows, rope_at, rope_table,
+                   use_kernels)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -45,11 +47,31 @@ class DraftLayer(nn.Module):
         self.norm_before_residual = norm_before_residual
 
     def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None):
+        if kv is not None and steps_kv is None and self.fused(hidden, mask):
+            return self.fused_forward(emb, hidden, rope, rows, mask, kv, keep, slots)
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
         hidden = residual + self.self_attn(x, rope, rows, mask, kv, steps_kv, keep, slots)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def fused(self, x, mask) -> bool:
+        """Whether one cpu_kernels.block call computes this layer: the target's fused route (Block.fused)
+        without its exact mode, which a head does not need (what it drafts is verified anyway)."""
+        a, m = self.self_attn, self.mlp
+        return (Block.fuse and mask is not None and mask.dtype == torch.bool and not torch.compiler.is_compiling()
+                and not torch.is_grad_enabled() and use_kernels(x) and x.dtype == a.q_proj.weight.dtype
+                and not (a._forward_hooks or m._forward_hooks))
+
+    def fused_forward(self, emb, hidden, rope, rows, mask, kv, keep, slots):
+        a, m, (cache, i) = self.self_attn, self.mlp, kv
+        mask = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])           # (B|1, 1, T, n_keys)
+        return cpu_kernels.block(hidden, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                                 a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, None, None,
+                                 self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                                 m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
+                                 mask, keep, a.n_heads, self.input_layernorm.eps, emb=emb.contiguous(),
+                                 hn=self.hidden_norm.weight, nbr=self.norm_before_residual)
 
 
 class Eagle3(nn.Module):
@@ -101,6 +123,15 @@ class Eagle3(nn.Module):
     def logprobs(self, out_hidden):
         """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""
         return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1)
+
+    def top_logprobs(self, out_hidden, k: int) -> tuple:
+        """The k best draft tokens after each hidden state: (log-probabilities float32 (..., k), draft ids
+        (..., k)), best first: logprobs(out_hidden).topk(k), which a CPU's kernels compute in one pass
+        over each row (no Vd log-probabilities written out)."""
+        logits = self.lm_head(self.norm(out_hidden))
+        if use_kernels(logits) and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            return cpu_kernels.top_logprobs(logits, k)
+        return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
     def to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -166,7 +197,7 @@ class Drafter:
         out = head(feats, ids, rows, rows, mask, fused=True, cache=self.cache, keep=keep)       # (B, P, H)
         h_root = out.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # (B, H)
         self.Ld.add_(n)
-        s, t = head.logprobs(h_root).topk(k, dim=-1)                               # (B, k)
+        s, t = head.top_logprobs(h_root, k)                                        # (B, k)
         tok = head.to_target(t)
         self.scores.fill_(float("-inf"))
         self.scores[:, :k] = s
@@ -193,7 +224,7 @@ class Drafter:
         mask = attention_mask(seen, self.Ld, cols)                                 # (B, k, n_keys)
         out = head(self.beam_h, self.beam_tok, (self.Ld + i)[:, None].expand(B, k), rows, mask, fused=False,
                    cache=self.cache)                                               # (B, k, H)
-        ps, pt = head.logprobs(out).topk(k, dim=-1)                                # (B, k, k)
+        ps, pt = head.top_logprobs(out, k)                                         # (B, k, k)
         cu = (self.beam_s[:, :, None] + ps).reshape(B, k * k)                      # cumulative path log-probs
         tok = head.to_target(pt).reshape(B, k * k)
         at = k + i * k * k + torch.arange(k * k, device=dev)                       # this level's slots

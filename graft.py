@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+import cpu_kernels
 from draft import level_of, select
+from model import use_kernels
 from verify import Tree, tree_mask
 
 CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test runs
@@ -31,6 +33,10 @@ CHECKPOINTS = (0, 1, 5)          # draft depths at which the confidence test run
 KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpoints (budget 60)
 
 MAX_TEMPLATE_DEPTH = 9
+
+# On a CPU with graft's kernels, graft_trees runs as one C++ call (cpu_kernels.graft_trees, the same
+# result); False keeps the torch version below (the tests run both).
+FUSED = True
 
 # Retrieval sources (--sources), by the id a tree's `retrieved` holds for their nodes (0: not retrieved):
 # the continuation matrix, and exact matches of the request's recent context in its prompt and its own
@@ -292,6 +298,9 @@ def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free, r
     drafted). Static shapes throughout."""
     B, n = d_tok.shape
     dev = d_tok.device
+    if r_tok is not None and FUSED and use_kernels(d_tok) and not torch.compiler.is_compiling():
+        return cpu_kernels.graft_trees(d_tok, d_par, kept, r_tok, tpl.score[None].expand(B, -1) if r_score is None else r_score,
+                                       tpl.parents, tpl.depth, tpl.ranks, anchor, free)     # the same, in C++ loops
     kpos = kept.cumsum(1) - 1                                             # a kept node's index in the result
     d_parc = torch.where(d_par >= 0, kpos.gather(1, d_par.clamp(min=0)), -1)
     d_dst = torch.where(kept, kpos, n)                                    # the dropped write a spare slot

@@ -235,6 +235,8 @@ class KVCache:
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor):
         """KV compaction: request b's rows src[b] become its rows dst[b] in every layer; src, dst (B, n).
         Gathered first, so overlapping source and destination rows are safe."""
+        if use_kernels(src) and not torch.compiler.is_compiling():
+            return cpu_kernels.move_rows(self.k + self.v, src, dst)     # every layer in one call
         s, d = src[:, None, :], dst[:, None, :]                                                # (B, 1, n)
         for t in self.k + self.v:
             t.index_put_((self.bi, self.hi, d), t[self.bi, self.hi, s])
@@ -478,14 +480,17 @@ class Block(nn.Module):
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and use_kernels(x)
                 and x.dtype == m.gate_proj.weight.dtype and not (a._forward_hooks or m._forward_hooks))
 
-    def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
-        a, m, (cache, i) = self.self_attn, self.mlp, kv
+    def fused_weights(self) -> tuple:
+        a, m = self.self_attn, self.mlp
         qn, kn = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
-        return cpu_kernels.block(x, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-                             a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, qn, kn,
-                             self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-                             m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
-                             mask, keep, a.n_heads, self.input_layernorm.eps)
+        return (self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, qn, kn, self.post_attention_layernorm.weight,
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+
+    def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
+        cache, i = kv
+        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows,
+                                 slots, mask, keep, self.self_attn.n_heads, self.input_layernorm.eps)
 
 
 class Transformer(nn.Module):
@@ -516,6 +521,13 @@ class Transformer(nn.Module):
         self.rope = rope_table(a, rows).to(p.device)
         self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, rows, a.head_dim, p.dtype, p.device)
 
+    def fused_layers(self, x, rope, rows, mask, cache, keep, slots, points) -> tuple:
+        """Every layer as Block.fused_forward runs it, in one cpu_kernels.layers call (no Python between
+        layers), with the inputs of the layers `points` (capture). Returns (x, [captured])."""
+        per = zip(*(b.fused_weights() for b in self.layers))                  # each weight: a list, a layer each
+        return cpu_kernels.layers(x, *map(list, per), rope[0][:, 0], rope[1][:, 0], cache.k, cache.v, rows, slots, mask,
+                                  keep, self.args.n_heads, self.args.norm_eps, list(points))
+
     def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None, slots=None):
         """tokens (B, T); positions (B, T) absolute positions for RoPE ((T,): the same for every row).
 
@@ -541,12 +553,15 @@ class Transformer(nn.Module):
         # exact attention gathers a tree's keys into position order; rows that are their positions need not
         pos = None if positions is rows or tokens.shape[1] == 1 else positions.expand(*tokens.shape)
         feats, points = [], self.capture_layers
-        for i, layer in enumerate(self.layers):
-            if capture:
-                feats += [x] * points.count(i)
-            x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots, pos)
-        if capture:                          # "the input of layer L": the last layer's output, before the norm
-            feats += [x] * points.count(len(self.layers))
+        if rows is not None and all(layer.fused(x, mask) for layer in self.layers):    # one kernel call, every layer
+            x, feats = self.fused_layers(x, rope, rows, mask, cache, keep, slots, points if capture else ())
+        else:
+            for i, layer in enumerate(self.layers):
+                if capture:
+                    feats += [x] * points.count(i)
+                x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots, pos)
+            if capture:                      # "the input of layer L": the last layer's output, before the norm
+                feats += [x] * points.count(len(self.layers))
         logits = self.lm_head(self.norm(x))                           # (B, T, V)
         if capture:
             return logits, torch.cat(feats, dim=-1)                   # (B, T, n*dim)

@@ -589,6 +589,44 @@ def test_graft_random_invariants(seed):
         assert int(t[i]) in cm.M[par_tok].tolist()
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_graft_trees_in_cpp_equals_the_torch_version(seed, monkeypatch):
+    """On a CPU graft_trees runs as one C++ call (cpu_kernels.graft_trees, graft.FUSED); the torch
+    version is the reference (GPUs, compiled steps). Random batches with frequent merges (a small
+    vocabulary), a context chain (parents -2, ranks -1), scores that offer nothing (-inf), anchors under
+    kept draft nodes, and more or fewer free slots than the retrieval has: element for element alike."""
+    if not GR.use_kernels(torch.zeros(1)):
+        pytest.skip("graft's CPU kernels did not build here")
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    vocab, k, B = rng.choice((12, 40)), 4, rng.randrange(1, 4)
+    n = rng.randrange(2, 30)
+    cm = ContinuationMatrix(vocab, k)
+    upd(cm, torch.arange(vocab), torch.randn(vocab, vocab, generator=g))
+    tpl = build_template((0.6, 0.3, 0.2, 0.1), rng.randrange(1, n + 1))
+    if seed % 2:
+        tpl = GR.with_chain(tpl, rng.randrange(1, 6))
+    R = tpl.size
+    rows = []
+    for b in range(B):
+        K = rng.randrange(1, min(n, 10) + 1)              # (at most 10 children of a node: vocab >= 12)
+        d_tok, d_par = random_draft_tree(rng, K, vocab)
+        sel_tok, sel_par, kept, at = random_selection(rng, d_tok, d_par, n, vocab)
+        anchor = at[rng.randrange(K)] if rng.random() < 0.4 else -1
+        r_tok = torch.randint(0, vocab, (R,), generator=g)
+        score = tpl.score.clone() + 0.01 * torch.randn(R, generator=g)
+        score[torch.rand(R, generator=g) < 0.2] = float("-inf")
+        rows.append((sel_tok, sel_par, kept, r_tok, score, anchor, rng.randrange(0, n - K + 3)))
+    st = lambda i: torch.stack([r[i] for r in rows])
+    args = (st(0), st(1), st(2), st(3), tpl, T([r[5] for r in rows]), T([r[6] for r in rows]), st(4))
+    monkeypatch.setattr(GR, "FUSED", True)
+    fused = graft_trees(*args)
+    monkeypatch.setattr(GR, "FUSED", False)
+    ref = graft_trees(*args)
+    for x, y in zip(fused, ref):
+        assert x.dtype == y.dtype and torch.equal(x, y), (seed, x, y)
+
+
 def test_graft_merges_free_slots_for_later_template_nodes():
     # both of the template's root nodes repeat draft children of the root and merge: the template has
     # a node per slot, so the next template nodes (under the merged 10) take the 2 free slots

@@ -21,8 +21,8 @@ FACES = ["generate", "bench", "train", "serve"]
 # what each may import from the project (tp: tensor parallelism, which shards the model; cli, api and the
 # faces use it)
 ALLOWED = {
-    "cpu_kernels": set(), "model": {"cpu_kernels"}, "draft": {"model"}, "dflash": {"model"}, "verify": {"model"},
-    "graft": {"model", "draft", "verify"},
+    "cpu_kernels": set(), "model": {"cpu_kernels"}, "draft": {"model", "cpu_kernels"}, "dflash": {"model"}, "verify": {"model"},
+    "graft": {"model", "draft", "verify", "cpu_kernels"},
     "engine": {"model", "draft", "dflash", "verify", "graft"},
     "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine", "cpu_kernels"},   # cpu_kernels: in the cache key
     **{m: {"model", "draft", "dflash"} | set(LOADERS) - {m} for m in LOADERS},
