@@ -1133,40 +1133,51 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layers(
 // in descending order of the logit (ties: the lower index first), values float32 logit - logsumexp.
 // What draft.Eagle3.top_logprobs computes as log_softmax then topk, in one pass over each row (V floats,
 // a running top k) plus one for the sum, without writing the V log-probabilities out.
+// The k largest of a row of V values, best first (ties: the lower index first, as argmax; NaN never
+// enters): 16 at a time, a chunk looked into only when its largest value could enter. Returns how many
+// (min(k, the values that are not NaN)).
 template <typename T>
-void top_rows(const T* x, int64_t rows, int64_t V, int64_t k, float* val, int64_t* idx) {
+int64_t row_topk(const T* row, int64_t V, int64_t k, float* tv, int64_t* ti) {
+  int64_t n = 0;
+  float thr = -std::numeric_limits<float>::infinity();    // what a value must beat to enter (once k are in)
+  float buf[16];
+  for (int64_t j0 = 0; j0 < V; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, V - j0);
+    const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
+    if (n == k && m == 16 && !(vmax(v) > thr)) continue;
+    store(buf, v);
+    for (int64_t u = 0; u < m; u++) {
+      const float f = buf[u];
+      if (!(f == f) || (n == k && !(f > thr))) continue;
+      int64_t at = n < k ? n++ : k - 1;
+      while (at > 0 && f > tv[at - 1]) { tv[at] = tv[at - 1]; ti[at] = ti[at - 1]; at--; }
+      tv[at] = f;
+      ti[at] = j0 + u;
+      if (n == k) thr = tv[k - 1];
+    }
+  }
+  return n;
+}
+
+template <typename T>
+void top_rows(const T* x, int64_t rows, int64_t V, int64_t k, float* val, int64_t* idx, bool logprobs) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> tv(k);
     std::vector<int64_t> ti(k);
-    float buf[16];
     for (int64_t r = r0; r < r1; r++) {
       const T* row = x + r * V;
-      int64_t n = 0;                                        // the running top k, best first
-      float thr = -std::numeric_limits<float>::infinity();  // what a value must beat to enter (once k are in)
-      for (int64_t j0 = 0; j0 < V; j0 += 16) {              // 16 at a time; a chunk is looked into only
-        const int64_t m = std::min<int64_t>(16, V - j0);     // when its largest value could enter
-        const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
-        if (n == k && m == 16 && !(vmax(v) > thr)) continue;
-        store(buf, v);
-        for (int64_t u = 0; u < m; u++) {
-          const float f = buf[u];
-          if (n == k && !(f > thr)) continue;               // (NaN never enters)
-          int64_t at = n < k ? n++ : k - 1;
-          while (at > 0 && f > tv[at - 1]) { tv[at] = tv[at - 1]; ti[at] = ti[at - 1]; at--; }
-          tv[at] = f;
-          ti[at] = j0 + u;
-          if (n == k) thr = tv[k - 1];
+      const int64_t n = row_topk(row, V, k, tv.data(), ti.data());
+      float lse = 0.f;
+      if (logprobs && n) {                                  // log-probabilities: minus logsumexp
+        const float mx = tv[0];                             // (exp(x - max) <= 1)
+        vec tot = vzero();
+        for (int64_t j0 = 0; j0 < V; j0 += 16) {
+          const int64_t m = std::min<int64_t>(16, V - j0);
+          const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
+          tot = vadd(tot, vfirst(vexp_neg(vsub(v, vset1(mx))), m));
         }
+        lse = mx + std::log(vsum(tot));
       }
-      float mx = -std::numeric_limits<float>::infinity();  // the row's max, for exp(x - max) <= 1
-      for (int64_t i = 0; i < n; i++) mx = std::max(mx, tv[i]);
-      vec tot = vzero();
-      for (int64_t j0 = 0; j0 < V; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, V - j0);
-        const vec v = m == 16 ? vload(row + j0) : vload_tail(row + j0, m);
-        tot = vadd(tot, vfirst(vexp_neg(vsub(v, vset1(mx))), m));
-      }
-      const float lse = mx + std::log(vsum(tot));
       for (int64_t i = 0; i < k; i++) {
         val[r * k + i] = i < n ? tv[i] - lse : -std::numeric_limits<float>::infinity();
         idx[r * k + i] = i < n ? ti[i] : 0;
@@ -1175,9 +1186,9 @@ void top_rows(const T* x, int64_t rows, int64_t V, int64_t k, float* val, int64_
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_t k) {
+std::tuple<at::Tensor, at::Tensor> top_impl(const at::Tensor& logits, int64_t k, bool logprobs) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() >= 1 && k >= 1 && k <= logits.size(-1),
-              "graft::top_logprobs: CPU logits (..., V), 1 <= k <= V");
+              "graft::top: CPU values (..., V), 1 <= k <= V");
   auto x = logits.contiguous();
   const int64_t V = x.size(-1), rows = x.numel() / std::max<int64_t>(V, 1);
   auto sizes = x.sizes().vec();
@@ -1185,13 +1196,19 @@ std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_
   auto val = at::empty(sizes, x.options().dtype(at::kFloat));
   auto idx = at::empty(sizes, x.options().dtype(at::kLong));
   switch (x.scalar_type()) {
-    case at::kFloat: top_rows(x.data_ptr<float>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
-    case at::kBFloat16: top_rows(x.data_ptr<at::BFloat16>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
-    case at::kHalf: top_rows(x.data_ptr<at::Half>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>()); break;
-    default: TORCH_CHECK(false, "graft::top_logprobs: float32, bfloat16 or float16");
+    case at::kFloat: top_rows(x.data_ptr<float>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>(), logprobs); break;
+    case at::kBFloat16: top_rows(x.data_ptr<at::BFloat16>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>(), logprobs); break;
+    case at::kHalf: top_rows(x.data_ptr<at::Half>(), rows, V, k, val.data_ptr<float>(), idx.data_ptr<int64_t>(), logprobs); break;
+    default: TORCH_CHECK(false, "graft::top: float32, bfloat16 or float16");
   }
   return {val, idx};
 }
+
+std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_t k) { return top_impl(logits, k, true); }
+
+// The k largest of each row (..., V) and their indices, best first (ties: the lower index: k = 1 is argmax);
+// values float32. What the continuation matrix learns (graft.update) and greedy decoding chooses.
+std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { return top_impl(x, k, false); }
 
 // ------------------------------------------------------------------------------------------ hybrid trees
 
@@ -1350,6 +1367,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("isa() -> str", &isa);
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
+  lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   lib.def("layers(Tensor x, Tensor[] n1, Tensor[] wq, Tensor?[] bq, Tensor[] wk, Tensor?[] bk, Tensor[] wv, Tensor?[] bv, "
           "Tensor[] wo, Tensor?[] qn, Tensor?[] kn, Tensor[] n2, Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor cos, "
           "Tensor sin, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, "
@@ -1370,6 +1388,7 @@ TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("block", &block);
   lib.impl("move_rows", &move_rows);
   lib.impl("top_logprobs", &top_logprobs);
+  lib.impl("topk_rows", &topk_rows);
   lib.impl("layers", &layers);
   lib.impl("graft_trees", &graft_trees);
 }

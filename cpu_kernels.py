@@ -93,6 +93,11 @@ def _register_shapes():
         shape = (*logits.shape[:-1], k)
         return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
 
+    @torch.library.register_fake("graft::topk_rows")
+    def _(x, k):
+        shape = (*x.shape[:-1], k)
+        return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.long)
+
     @torch.library.register_fake("graft::graft_trees")
     def _(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free):
         return d_tok.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape), kept.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape)
@@ -133,6 +138,13 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple:
     """The k best tokens of each row of logits (..., V): (log-probabilities float32 (..., k), indices
     (..., k)), best first (ties: the lower index): log_softmax then topk in one pass over each row."""
     return torch.ops.graft.top_logprobs(logits, k)
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple:
+    """The k largest values of each row of x (..., V) and their indices, best first, ties to the lower
+    index (k = 1: argmax, first max): (values float32 (..., k), indices (..., k)). One pass a row, 16
+    values at a time, no sort."""
+    return torch.ops.graft.topk_rows(x, k)
 
 
 def graft_trees(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free) -> tuple:

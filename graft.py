@@ -154,7 +154,9 @@ def update(M: torch.Tensor, written: torch.Tensor, tokens: torch.Tensor, logits:
     t_sorted = tok.gather(1, order)
     last = torch.cat([t_sorted[:, 1:] != t_sorted[:, :-1], torch.ones_like(t_sorted[:, :1], dtype=torch.bool)], 1)
     rows = torch.where(last, t_sorted, V)
-    top = logits.topk(k, dim=-1).indices.int().gather(1, order[:, :, None].expand(-1, -1, k))
+    fast = use_kernels(logits) and not torch.compiler.is_compiling()          # one pass a row, no sort
+    top = (cpu_kernels.topk_rows(logits, k)[1] if fast else logits.topk(k, dim=-1).indices).int()
+    top = top.gather(1, order[:, :, None].expand(-1, -1, k))
     bi = (torch.arange(B, device=dev) if slots is None else slots)[:, None]
     M[bi, rows] = top
     written[bi, rows] = True

@@ -21,7 +21,7 @@ FACES = ["generate", "bench", "train", "serve"]
 # what each may import from the project (tp: tensor parallelism, which shards the model; cli, api and the
 # faces use it)
 ALLOWED = {
-    "cpu_kernels": set(), "model": {"cpu_kernels"}, "draft": {"model", "cpu_kernels"}, "dflash": {"model"}, "verify": {"model"},
+    "cpu_kernels": set(), "model": {"cpu_kernels"}, "draft": {"model", "cpu_kernels"}, "dflash": {"model"}, "verify": {"model", "cpu_kernels"},
     "graft": {"model", "draft", "verify", "cpu_kernels"},
     "engine": {"model", "draft", "dflash", "verify", "graft"},
     "calibrate": {"model", "draft", "dflash", "verify", "graft", "engine", "cpu_kernels"},   # cpu_kernels: in the cache key
