@@ -245,7 +245,9 @@ WARMUP_PROMPTS = [
 CALIBRATIONS = ("throughput", "youden")
 
 # What --budget auto chooses from (verification budgets: candidate nodes per round).
-AUTO_BUDGETS = (8, 12, 16, 24, 32, 48, 60)
+# On a CPU the cheap ones win (a pass over a few nodes costs about a token, a large one grows with the
+# nodes; a tree of n nodes also needs a beam of only n and n levels: graft.Method.configure).
+AUTO_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 
 
 def needs_warmup(method: str, auto_budget: bool) -> bool:
@@ -632,9 +634,27 @@ def measure_costs(eng: Engine, cfg: Config, budgets, rates, phases: dict) -> dic
     lists of floats: what a test replays (a real run's timings, saved) to show the choice holds."""
     stats = {}
     pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, timer=cost_timer(eng), stats=stats)
+    d = eng.drafter
+    widths = sorted({min(d.top_k, b) for b in budgets}) if d is not None else []
     return {"draft": list(phases["draft"]), "update": list(phases["update"]),
             "assemble": {max(budgets): assembly_samples(eng, dataclasses.replace(cfg, budget=max(budgets)), rates)},
-            "verify": {n: list(xs) for n, xs in stats["samples"].items()}}
+            "verify": {n: list(xs) for n, xs in stats["samples"].items()},
+            "level": {k: list(xs) for k, xs in level_samples(eng, widths).items()}}
+
+
+def level_samples(eng: Engine, widths: list, repeats: int = 5) -> dict:
+    """Seconds of one draft level (Drafter.level: a head forward over B x k beam nodes and its top k)
+    at each beam width k: a budget of n nodes drafts with a beam of min(top_k, n) (graft.Method.configure),
+    and a narrow level costs less than the warm-up's full-width one. {k: samples}, interleaved, each
+    after an untimed call, on the drafter's state the warm-up left (its scratch rows only are written)."""
+    if not widths:
+        return {}
+    d, cols = eng.drafter, eng.cols((eng.drafter.depth - 1) * eng.drafter.top_k, head=True)
+
+    def one(k):
+        eng.steps.mark()
+        eng.steps.level(eng.fills.level[0], cols, k)
+    return time_passes(one, widths, repeats, cost_timer(eng), lambda: sync(eng.device))
 
 
 def robust_round_costs(timings: dict) -> tuple:
@@ -683,12 +703,15 @@ def stage_costs(eng: Engine, cfg: Config, timings: dict, budgets) -> tuple:
     update, robust statistics of `timings` (robust_round_costs)."""
     d = eng.drafter
     t_fwd, t_upd, t_asm, t_ver, spread = robust_round_costs(timings)
+    # a draft forward at a budget's beam width: measured (level_samples), else the warm-up's full-width one
+    t_lvl = {k: min(xs) for k, xs in timings.get("level", {}).items() if xs}
     out = {}
     for method in ("eagle3", "prune", "graft"):
         for b in budgets:
-            stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d).stages()
-            out.setdefault(method, {})[b] = {s: (d.depth if s is None else s + 1) * t_fwd + t_asm + t_ver[b + 1] + t_upd
-                                             for s in stages}
+            c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d)
+            fwd = t_lvl.get(c.top_k, t_fwd)
+            out.setdefault(method, {})[b] = {s: (c.depth if s is None else s + 1) * fwd + t_asm + t_ver[b + 1] + t_upd
+                                             for s in c.stages()}
     return out, spread
 
 
@@ -890,7 +913,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 6        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 7        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 # ----------------------------------------------------------------------------- the cache

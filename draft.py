@@ -66,7 +66,7 @@ class DraftLayer(nn.Module):
     def fused_forward(self, emb, hidden, rope, rows, mask, kv, keep, slots):
         a, m, (cache, i) = self.self_attn, self.mlp, kv
         mask = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])           # (B|1, 1, T, n_keys)
-        return cpu_kernels.block(hidden, self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+        return cpu_kernels.block(hidden.contiguous(), self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
                                  a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, None, None,
                                  self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
                                  m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
@@ -183,12 +183,15 @@ class Drafter:
                   keep=(torch.arange(c, device=dev) < n)[None], slots=slot)
         self.Ld.index_add_(0, slot, n.view(1))
 
-    def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor,
+               k: int | None = None) -> torch.Tensor:
         """Read each request's accepted path, then draft level 1. feats (B, P, 3*Ht) of the root and the
         accepted nodes, ids (B, P) the token after each (the last real one is the new root); the first
-        n[b] of row b are real (0: an empty slot). The hidden state at row n-1 drafts the root's top_k
-        children. Returns conf_0 (B,)."""
-        head, k = self.head, self.top_k
+        n[b] of row b are real (0: an empty slot). The hidden state at row n-1 drafts the root's top k
+        children; k <= top_k (default top_k): a round whose tree has at most k nodes needs no more, since
+        a node's ancestors always rank above it (its candidates' slots then follow k's layout, the
+        slots past it unused). Returns conf_0 (B,)."""
+        head, k = self.head, k or self.top_k
         B, P = ids.shape
         dev = ids.device
         rows = self.Ld[:, None] + torch.arange(P, device=dev)                      # (B, P)
@@ -200,43 +203,44 @@ class Drafter:
         s, t = head.top_logprobs(h_root, k)                                        # (B, k)
         tok = head.to_target(t)
         self.scores.fill_(float("-inf"))
+        self.parents.fill_(-1)            # slots not drafted this round (another k's layout) hang at the root
         self.scores[:, :k] = s
         self.tokens[:, :k] = tok
-        self.parents[:, :k] = -1
-        self.beam_s.copy_(s)
-        self.beam_tok.copy_(tok)
-        self.beam_h.copy_(h_root[:, None].expand(-1, k, -1))
-        self.beam_at.copy_(torch.arange(k, device=dev).expand(B, k))
+        self.beam_s[:, :k].copy_(s)
+        self.beam_tok[:, :k].copy_(tok)
+        self.beam_h[:, :k].copy_(h_root[:, None].expand(-1, k, -1))
+        self.beam_at[:, :k].copy_(torch.arange(k, device=dev).expand(B, k))
         self.seen.zero_()
         return s[:, 0].exp()
 
-    def level(self, i: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def level(self, i: torch.Tensor, cols: torch.Tensor, k: int | None = None) -> torch.Tensor:
         """Draft level i+2 of every request from its beam at level i+1 (i: 0-d, 0..D-2): one head
-        forward over the B x k beam nodes (rows Ld + i*k.., position Ld + i), top_k children each, scored
-        by their cumulative log-prob; the best k of each request become its next beam. Returns
-        conf_{i+1} (B,)."""
-        head, k = self.head, self.top_k
+        forward over the B x k beam nodes (rows Ld + i*k.., position Ld + i), k children each (k as
+        extend's), scored by their cumulative log-prob; the best k of each request become its next beam.
+        Returns conf_{i+1} (B,)."""
+        head, k = self.head, k or self.top_k
         B, _, W = self.seen.shape
         dev = i.device
         ar, cw = torch.arange(k, device=dev), torch.arange(W, device=dev)
-        seen = self.seen | ((cw // k == i)[None, :] & (cw % k == ar[:, None]))[None]   # (B, k, W): + own row
+        beam_s, beam_tok, beam_h, beam_at = self.beam_s[:, :k], self.beam_tok[:, :k], self.beam_h[:, :k], self.beam_at[:, :k]
+        seen = self.seen[:, :k] | ((cw // k == i)[None, :] & (cw % k == ar[:, None]))[None]   # (B, k, W): + own row
         rows = self.Ld[:, None] + i * k + ar[None]                                 # (B, k)
         mask = attention_mask(seen, self.Ld, cols)                                 # (B, k, n_keys)
-        out = head(self.beam_h, self.beam_tok, (self.Ld + i)[:, None].expand(B, k), rows, mask, fused=False,
+        out = head(beam_h, beam_tok, (self.Ld + i)[:, None].expand(B, k), rows, mask, fused=False,
                    cache=self.cache)                                               # (B, k, H)
         ps, pt = head.top_logprobs(out, k)                                         # (B, k, k)
-        cu = (self.beam_s[:, :, None] + ps).reshape(B, k * k)                      # cumulative path log-probs
+        cu = (beam_s[:, :, None] + ps).reshape(B, k * k)                           # cumulative path log-probs
         tok = head.to_target(pt).reshape(B, k * k)
         at = k + i * k * k + torch.arange(k * k, device=dev)                       # this level's slots
         self.scores.index_copy_(1, at, cu)
         self.tokens.index_copy_(1, at, tok)
-        self.parents.index_copy_(1, at, self.beam_at.repeat_interleave(k, dim=1))
+        self.parents.index_copy_(1, at, beam_at.repeat_interleave(k, dim=1))
         best, sel = cu.topk(k, dim=1)                                              # next beam
-        self.beam_s.copy_(best)
-        self.beam_tok.copy_(tok.gather(1, sel))
-        self.beam_h.copy_(out.gather(1, (sel // k)[:, :, None].expand(-1, -1, out.shape[-1])))
-        self.beam_at.copy_(at[sel])
-        self.seen.copy_(seen.gather(1, (sel // k)[:, :, None].expand(-1, -1, W)))
+        beam_s.copy_(best)
+        beam_tok.copy_(tok.gather(1, sel))
+        beam_h.copy_(out.gather(1, (sel // k)[:, :, None].expand(-1, -1, out.shape[-1])))
+        beam_at.copy_(at[sel])
+        self.seen[:, :k].copy_(seen.gather(1, (sel // k)[:, :, None].expand(-1, -1, W)))
         return best[:, 0].exp()
 
 

@@ -488,8 +488,8 @@ class Method:
     def configure(cls, cfg: Config, drafter=None, batch: int = 1) -> Config:
         """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B."""
         cfg = replace(cfg, **cls.settings)
-        if drafter is not None and cls.needs_head:
-            cfg = replace(cfg, top_k=drafter.top_k, depth=drafter.depth)
+        if drafter is not None and cls.needs_head:      # a tree of n nodes needs no wider beam, no deeper level:
+            cfg = replace(cfg, top_k=min(drafter.top_k, cfg.budget), depth=min(drafter.depth, cfg.budget))
         if cfg.prune:
             cfg = replace(cfg, policy=cfg.policy or ("stop" if batch == 1 else "replace"))
         return cfg
@@ -775,7 +775,7 @@ class Eagle3Tree(Method):
         D, k = self.cfg.depth, self.cfg.top_k
         going = [r is not None for r in eng.requests()]
         stages, seen, syncs = [None] * B, {}, 0
-        conf = st.extend(self.pend_feats, self.pend_ids, self.pend_n, eng.cols(self.P, head=True))
+        conf = st.extend(self.pend_feats, self.pend_ids, self.pend_n, eng.cols(self.P, head=True), k)
         eng.advance_head()
         forwards = 1
         cps = {c: i for i, c in enumerate(self.checkpoints)} if self.policy == "stop" else {}
@@ -796,7 +796,7 @@ class Eagle3Tree(Method):
                     return stages, forwards, syncs, seen
             if c == D - 1:
                 break
-            conf = st.level(eng.fills.level[c], eng.cols((D - 1) * k, head=True))   # level c+2
+            conf = st.level(eng.fills.level[c], eng.cols((D - 1) * k, head=True), k)   # level c+2
             forwards += 1
         return stages, forwards, syncs, seen
 

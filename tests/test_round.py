@@ -81,13 +81,15 @@ class MockHead:
             self.tokens[b, at], self.parents[b, at] = T(toks), par
         return self.scores[:, at].max(1).values.exp()
 
-    def extend(self, feats, ids, n, cols):
+    def extend(self, feats, ids, n, cols, k=None):
+        assert k in (None, self.top_k)                                     # these rounds' budgets leave the beam whole
         self.calls.append("extend")
         self.read.append([ids[b, :int(n[b])].tolist() for b in range(len(self.requests))])
         self.scores.fill_(float("-inf"))
         return self._draft(0)                                              # conf_0: the best path
 
-    def level(self, i, cols):
+    def level(self, i, cols, k=None):
+        assert k in (None, self.top_k)
         self.calls.append(f"level {int(i)}")
         return self._draft(int(i) + 1)                                     # conf_{i+1}
 
