@@ -100,6 +100,10 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--checkpoints", default="0,1,5", help="checkpoint depths")
     p.add_argument("--keep", default=None, help="draft nodes kept per checkpoint, e.g. 8,24,40")
     p.add_argument("--thresholds", default=None, help="override calibrated taus, e.g. 0.4,0.3,0.2")
+    p.add_argument("--pace", action=argparse.BooleanOptionalAction, default=None,
+                   help="cost-aware rounds (the default): a request whose trees do not pay for their cost, as this "
+                        "machine measures it while running, takes plain decoding steps for a while, then drafts again "
+                        "to see; --no-pace drafts every round")
     p.add_argument("--policy", choices=tuple(POLICIES), default=None,
                    help="how prune and graft prune: stop (drafting stops at a checkpoint below its threshold; "
                         "reads --calibration) or replace (the full tree, nodes below their checkpoint's threshold "
@@ -239,6 +243,7 @@ def config_from_args(a) -> Config:
     if a.thresholds:
         cfg.thresholds = dict(zip(cps, numbers("--thresholds", a.thresholds, float)))
     cfg.tail_threshold = getattr(a, "tail_threshold", None)
+    cfg.pace = getattr(a, "pace", None)
     return cfg
 
 

@@ -27,8 +27,8 @@ import torch
 
 from dflash import BlockDrafter
 from draft import Drafter
-from graft import (METHODS, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree, learn,
-                   recycle_tree, update)
+from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree,
+                   learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
                     token_hash, verify)
@@ -244,6 +244,7 @@ class Request:
     verified: int = 0                    # real candidate nodes verified (root and padding excluded)
     padded: int = 0                      # candidate slots the passes ran at (N - 1, padding included)
     syncs: int = 0                       # host syncs in its decode rounds
+    plain: int = 0                       # rounds in which it drafted nothing: plain steps (Pacer)
     stages: dict = field(default_factory=dict)
     admitted_s: float = 0.0              # seconds after the run's start: prefill began
     first_s: float = 0.0                 # first token
@@ -263,17 +264,23 @@ class Request:
         return self.committed / max(self.rounds, 1)
 
     @property
+    def mat_drafting(self) -> float:
+        """Tokens a round that drafted committed (its plain rounds left out: what the drafting achieves)."""
+        return (self.committed - self.plain) / max(self.rounds - self.plain, 1)
+
+    @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / max(self.seconds, 1e-9)
 
     def stats(self) -> dict:
         r = max(self.rounds, 1)
-        return {"mat": round(self.mat, 4), "rounds": self.rounds, "draft_forwards": self.draft_forwards,
+        return {"mat": round(self.mat, 4), "mat_drafting": round(self.mat_drafting, 4), "rounds": self.rounds,
+                "draft_forwards": self.draft_forwards,
                 "draft_forwards_per_round": round(self.draft_forwards / r, 4),
                 "verified_per_round": round(self.verified / r, 4), "padded_per_round": round(self.padded / r, 4),
                 "retrieval_share": round(self.from_retrieval / max(self.accepted, 1), 4),
                 "retrieval_shares": {s: round(self.from_source.get(s, 0) / max(self.accepted, 1), 4) for s in SOURCES},
-                "syncs_per_round": round(self.syncs / r, 4),
+                "syncs_per_round": round(self.syncs / r, 4), "plain_share": round(self.plain / r, 4),
                 "round_ms": {k: round(v / r * 1000, 4) for k, v in self.times.items() if k != "prefill"},
                 "prefill_ms": round(self.times.get("prefill", 0.0) * 1000, 3),
                 "stages": {str(k): v for k, v in sorted(self.stages.items(), key=lambda kv: str(kv[0]))}}
@@ -284,11 +291,15 @@ Result = Request          # what generate() returns: the one request, timed
 
 @dataclass
 class Slot:
-    """A slot's request and the host's mirrors of its device state, kept in step by the engine alone."""
+    """A slot's request and the host's mirrors of its device state, kept in step by the engine alone,
+    and its pacing (Pacer): the tokens its drafting rounds commit (an average), the plain rounds left."""
     request: Request | None = None
     L: int = 0               # committed rows of the target's cache (Engine.L[b])
     Ld: int = 0              # committed rows of the head's cache (Drafter.Ld[b])
     pend: int = 0            # rows the head's next extend reads (the method's pend_n[b])
+    mat: float | None = None  # tokens a drafting round of this request commits (an exponential average)
+    plain: int = 0           # plain rounds left before it drafts again
+    backoff: int = 0         # the next plain run's length (Pacer.MIN_RUN, doubling to PLAIN_RUN while none pays)
 
 
 @dataclass
@@ -315,6 +326,9 @@ class Run:
                 "tokens_per_cpu_s": round(self.tokens / max(self.cpu_seconds, 1e-9), 3),
                 "latency_median_s": round(statistics.median(lat), 4) if lat else 0.0, "latency_p90_s": round(p90, 4),
                 "mat": round(sum(r.committed for r in self.requests) / max(rr, 1), 4),
+                "mat_drafting": round(sum(r.committed - r.plain for r in self.requests) /
+                                      max(rr - sum(r.plain for r in self.requests), 1), 4),
+                "plain_share": round(sum(r.plain for r in self.requests) / max(rr, 1), 4),
                 "rounds": self.rounds, "draft_forwards_per_round": round(self.draft_forwards / max(self.rounds, 1), 4),
                 "prefill_s": round(self.prefill_seconds, 4)}
 
@@ -355,6 +369,10 @@ class Engine:
         self.slots = [Slot() for _ in range(batch)]
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=p.device)
         self.L, self.root, self.active = z(batch), z(batch), z(batch)   # committed rows, next roots, live slots
+        # which slots draft this round (Pacer.plan; the others keep their roots alone), filled by the host
+        self.grow = torch.ones(batch, dtype=torch.bool, device=p.device)
+        self.grow_host = torch.ones(batch, dtype=torch.bool)
+        self.drafts = [True] * batch            # the same, as the host reads it
         self.smp, self.mode = SlotSampling(batch, p.device), sampling_mode([])
         self.clock = Clock(p.device)
         # what the host fills (never copies) before a step: prefill's real length and slot, the level
@@ -363,7 +381,7 @@ class Engine:
                                                                        for i in range(depth)],
                                            cols=torch.arange(rows, device=p.device),
                                            head_cols=torch.arange(self.drafter.cache.rows, device=p.device) if head else None)
-        self.steps.static(*self.cache.tensors(), self.cache.bi, self.cache.hi, model.rope, self.L, self.root, self.active,
+        self.steps.static(*self.cache.tensors(), self.cache.bi, self.cache.hi, model.rope, self.L, self.root, self.active, self.grow,
                           *self.smp.tensors(),
                           self.fills.n, self.fills.slot, *self.fills.level, self.fills.cols,
                           token_hash(a.vocab_size, p.device),  # sampling's table: read, never built, in a graph
@@ -386,6 +404,7 @@ class Engine:
             s.block_tree = s.compile(block_tree, "block_tree", self.block)                   # chain, or cut + retrieval
         s.recycle_tree = s.compile(recycle_tree, "recycle_tree")                # Token Recycling's tree
         s.learn = s.compile(learn, "learn")                                     # matrices, the head's next input
+        s.plain_learn = s.compile(plain_learn, "plain_learn")                   # the same after a plain round
         s.matrix_update = s.compile(update, "matrix_update")                    # a prompt chunk into a matrix
 
     @property
@@ -454,6 +473,8 @@ class Engine:
             raise GraftError(f"--method {name}: its tree ({m.N} nodes, paths of {m.P}) does not fit the room this "
                              f"engine was built with ({self.room[0]}, {self.room[1]}): build it with cli.room()")
         m.name = name
+        pace = m.cfg.pace if m.cfg.pace is not None else PACE
+        m.pacer = Pacer() if cls.paced and pace else None
         self.steps.static(*m.tensors())
         return m
 
@@ -531,11 +552,20 @@ class Engine:
     # -- one round for every slot
     def step(self, method: Method, record: bool = False, full: bool = False) -> tuple:
         """One round: the method proposes, the verifier checks every tree in one pass, the method
-        learns (graft.Method.round); then the round's one host transfer (verify.commit). Returns
-        (the Round, per slot (accepted tokens, bonus, the accepted's sources (graft.SOURCES, 0: none), real nodes) or
-        None for an empty slot)."""
+        learns (graft.Method.round); then the round's one host transfer (verify.commit). Which slots
+        draft is the method's pacer's call (Pacer.plan): none, and the round is a plain step
+        (Method.plain_round). Returns (the Round, per slot (accepted tokens, bonus, the accepted's
+        sources (graft.SOURCES, 0: none), real nodes) or None for an empty slot)."""
         self.steps.mark()                     # the last round's step outputs are dead from here on
-        rnd = method.round(self, record, full)
+        t0 = time.perf_counter()
+        grow = method.pacer.plan(self, method) if method.pacer is not None and not (record or full) else None
+        if grow is not None and not any(grow):
+            rnd = method.plain_round(self)
+        else:
+            self.drafts = grow if grow is not None else [True] * self.B
+            self.grow.copy_(self.grow_host.copy_(torch.tensor(self.drafts)))
+            rnd = method.round(self, record, full)
+        rnd.grow = grow
         out = []
         for b, (acc, bonus, ret, nodes, finite) in enumerate(commit(rnd.v, rnd.tree)):
             s = self.slots[b]
@@ -545,10 +575,75 @@ class Engine:
             if not finite:
                 raise GraftError(NOT_FINITE)
             s.L += len(acc) + 1
-            s.pend = len(acc) + 1
+            s.pend = s.pend + 1 if rnd.plain else len(acc) + 1
             out.append((acc, bonus, ret, nodes))
         self.clock.mark("update")
+        if grow is not None:
+            method.pacer.seen(self, method, grow, out, time.perf_counter() - t0, rnd.plain)
         return rnd, out
+
+    def pending_rows(self, method: Method) -> int:
+        """The rows of a method's pending buffers its drafter's next step reads: eager, as many as any
+        slot has (a narrower step: padding rows cost compute); compiled, all (a static shape)."""
+        if self.compiling:
+            return method.pend_feats.shape[1]
+        return max([1] + [s.pend for s in self.slots if s.request is not None])
+
+
+# ----------------------------------------------------------------------------- cost-aware rounds
+
+# Whether a method's rounds are paced (Pacer) unless its Config says (--pace, --no-pace): on.
+PACE = True
+
+class Pacer:
+    """Cost-aware rounds [ours]: each round, which requests draft a tree and which take a plain step.
+
+    A tree pays when the tokens a round commits outweigh what the round costs more than a plain step:
+    mat * t_plain > t_tree, mat the tokens this request's drafting rounds commit (an exponential
+    average, AVERAGE the newest round's weight) and t_tree, t_plain this method's rounds on this engine
+    as it runs (the lower quartile of the last WINDOW of each kind: interference on a shared machine
+    only adds time). Where it does not pay (MARGIN: by a clear margin), the request takes plain steps
+    (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once to see whether it pays
+    again (a probe), the plain run doubling each time it does not, up to graft.PLAIN_RUN (what a drafter's
+    pending rows hold). When no request drafts, the round is a plain step (Method.plain_round); at B > 1 the
+    others keep their roots alone (Engine.grow). Costs are measured, never assumed: until a plain step's
+    is known, the first rounds draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES = 16, 0.03, 4, 0.3, 2
+
+    def __init__(self):
+        self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}    # plain? -> seconds
+
+    def cost(self, plain: bool) -> float | None:
+        """Seconds of a plain round (plain) or a drafting one: the lower quartile of the window; None before
+        two of them."""
+        xs = sorted(self.times[plain])
+        return xs[len(xs) // 4] if len(xs) >= 2 else None
+
+    def plan(self, eng, method) -> list:
+        """Per slot, whether it drafts this round (an empty slot: False)."""
+        live = [s.request is not None for s in eng.slots]
+        if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
+            return [False] * eng.B                         # measure a plain step's cost (what ar's is)
+        return [x and s.plain == 0 for x, s in zip(live, eng.slots)]
+
+    def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool):
+        """After a round: its cost, and per request what its drafting committed; a request whose trees
+        do not pay goes plain for a while."""
+        self.times[plain].append(seconds)
+        t_plain, t_tree = self.cost(True), self.cost(False)
+        for s, g, o in zip(eng.slots, grow, out):
+            if o is None:
+                continue
+            if plain or not g:
+                s.plain = max(s.plain - 1, 0)
+                continue
+            n = len(o[0]) + 1
+            s.mat = n if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * n
+            if t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
+                s.backoff = min(PLAIN_RUN, 2 * s.backoff if s.backoff else self.MIN_RUN)
+                s.plain = s.backoff
+            else:
+                s.backoff = 0
 
 
 # What the faces ask of a method name, read off the classes (graft.METHODS): nothing to keep in step.
@@ -651,6 +746,7 @@ class Scheduler:
             r.verified += nodes
             r.padded += method.N - 1
             r.syncs += rnd.syncs
+            r.plain += rnd.plain or (rnd.grow is not None and not rnd.grow[b])
             r.stages[rnd.stages[b]] = r.stages.get(rnd.stages[b], 0) + 1
             r.tokens += new
             if self.on_tokens:

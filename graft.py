@@ -34,6 +34,10 @@ KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpo
 
 MAX_TEMPLATE_DEPTH = 9
 
+# The most plain rounds in a row (engine.Pacer) before a drafting method's next round: its drafter's
+# pending rows (the accepted path, then one row a plain round) have room for that many.
+PLAIN_RUN = 32
+
 # On a CPU with graft's kernels, graft_trees runs as one C++ call (cpu_kernels.graft_trees, the same
 # result); False keeps the torch version below (the tests run both).
 FUSED = True
@@ -350,13 +354,16 @@ def graft_trees(d_tok, d_par, kept, r_tok, tpl: Template | None, anchor, free, r
     return tuple(out)
 
 
-def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, active: torch.Tensor) -> Tree:
+def with_root(root: torch.Tensor, tokens, parents, valid, retrieved, active: torch.Tensor,
+              grow: torch.Tensor | None = None) -> Tree:
     """Prepend the roots (B,) to root-less trees (B, n) (parents -1 = the root). An empty slot
-    (active (B,) False) gets a tree that is all padding."""
+    (active (B,) False) gets a tree that is all padding; a slot that drafts nothing this round (grow
+    (B,) False: engine.Pacer) keeps its root alone, its candidates padding."""
     col = lambda x: x[:, None]
+    keep = col(active) if grow is None else col(active & grow)
     return Tree(torch.cat([col(root), tokens], 1),
                 torch.cat([torch.full_like(col(root), -1), torch.where(parents < 0, 0, parents + 1)], 1),
-                torch.cat([col(active), valid & col(active)], 1),
+                torch.cat([col(active), valid & keep], 1),
                 torch.cat([torch.zeros_like(col(active)), retrieved], 1))
 
 
@@ -384,6 +391,7 @@ class Config:
     pld_tokens: int = 10
     block: int = 16                    # a DFlash block: the root + block - 1 guesses (set from the drafter)
     tail_threshold: float | None = None   # graft-tail's cut (default: calibrated in the warm-up)
+    pace: bool | None = None           # cost-aware rounds: plain steps where no tree pays (engine.Pacer; None: engine.PACE)
 
     def keep_sizes(self) -> tuple:
         """Draft nodes kept when pruned at each checkpoint: --keep, else the paper's 8/24/40 scaled to
@@ -451,6 +459,8 @@ class Round:
     forwards: int = 0
     syncs: int = 1
     record: dict | None = None
+    plain: bool = False               # a plain round (Method.plain_round): no tree anywhere
+    grow: list | None = None          # per slot, whether it drafted (Engine.step; None: every slot did)
 
 
 class Method:
@@ -466,6 +476,8 @@ class Method:
     calibrated = None         # whose warm-up calibration it reads (calibrate.py); None: none
     source = "draft"          # what proposes the nodes the matrix does not (--show-tree)
     settings: dict = {}       # what it sets in the round's Config
+    paced = True              # its rounds may be plain steps where no tree pays (engine.Pacer)
+    pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
         self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B), cal or Calibration()
@@ -535,13 +547,31 @@ class Method:
 
     def round(self, eng, record: bool = False, full: bool = False) -> Round:
         """Propose, verify, learn, for every slot (device work; the engine commits). record: return what
-        the warm-up reads; full: draft to full depth whatever the confidences (compile warm-up)."""
+        the warm-up reads; full: draft to full depth whatever the confidences (compile warm-up). A slot
+        whose eng.grow is False this round (engine.Pacer) keeps its root alone."""
         raise NotImplementedError
+
+    def plain_round(self, eng) -> Round:
+        """A round without trees, when none pays (engine.Pacer): plain decoding's step for every slot
+        (no draft, no head), and what the method keeps in step learns from it (plain_learn), so that its
+        next drafting round starts where decoding is."""
+        tree = Tree(eng.root[:, None].clone(), torch.full_like(eng.root[:, None], -1), eng.active[:, None] > 0)
+        v = eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode, self.pending)
+        eng.clock.mark("verify")
+        eng.steps.plain_learn(self, tree, v, eng.active)
+        eng.clock.mark("update")
+        return Round(tree, v, [None] * eng.B, 0, 1, plain=True)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a drafter reads each round's verified features (an EAGLE-3 head, a DFlash drafter)."""
+        return self.needs_head or self.needs_block
 
 
 class Plain(Method):
     """ar: the root alone, one token a round through the decode step."""
     source = None
+    paced = False
 
     def round(self, eng, record=False, full=False) -> Round:
         tree = Tree(eng.root[:, None].clone(), torch.full_like(eng.root[:, None], -1), eng.active[:, None] > 0)
@@ -584,8 +614,9 @@ class PromptLookup(Method):
     def round(self, eng, record=False, full=False) -> Round:
         self.host.zero_()            # free to write: the last round's commit waited for its copy
         for b, r in enumerate(eng.requests()):
-            if r is not None:
-                ids = [r.tokens[-1]] + lookup(r.ids + r.tokens, self.cfg.pld_ngram, self.cfg.pld_tokens)
+            if r is not None:             # (a slot that drafts nothing this round: its root alone)
+                ids = [r.tokens[-1]] + (lookup(r.ids + r.tokens, self.cfg.pld_ngram, self.cfg.pld_tokens)
+                                        if eng.drafts[b] else [])
                 self.host[0, b, :len(ids)] = torch.tensor(ids)
                 self.host[1, b, :len(ids)] = 1
         self.chains.copy_(self.host, non_blocking=True)
@@ -617,7 +648,7 @@ class Recycle(Method):
 
     def round(self, eng, record=False, full=False) -> Round:
         st = eng.steps
-        tree = st.recycle_tree(self, eng.root, eng.active)
+        tree = st.recycle_tree(self, eng.root, eng.active, eng.grow)
         eng.clock.mark("assemble")
         v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, False, eng.root)
         eng.clock.mark("verify")
@@ -627,14 +658,14 @@ class Recycle(Method):
         return Round(tree, v, [None] * eng.B, record=rec)
 
 
-def recycle_tree(m: Recycle, root: torch.Tensor, active: torch.Tensor) -> Tree:
+def recycle_tree(m: Recycle, root: torch.Tensor, active: torch.Tensor, grow: torch.Tensor | None = None) -> Tree:
     """Recycle's step: every request's retrieval tree (its matrix's template, its context chain) under
     its root, the best `recycle_size` nodes of it (graft_trees with no draft node kept)."""
     r_tok, r_score = retrieval(m, root)
     B, n = root.shape[0], m.tpl.size
     none = torch.zeros(B, n, dtype=torch.long, device=root.device)
     return with_root(root, *graft_trees(none, none - 1, none > 0, r_tok, m.rtpl, torch.full_like(root, -1),
-                                        torch.full_like(root, n), r_score), active > 0)
+                                        torch.full_like(root, n), r_score), active > 0, grow)
 
 
 def retrieval(m: Method, under: torch.Tensor) -> tuple:
@@ -687,9 +718,9 @@ class Eagle3Tree(Method):
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
         self.record_tpl = None           # the warm-up's: a retrieval under the root to record
         # the head's next input, per request: the accepted path's features and the token after each
-        F = len(eng.model.capture_layers) * eng.model.args.dim
-        self.pend_feats = torch.zeros(eng.B, self.P, F, dtype=eng.dtype, device=dev)
-        self.pend_ids = torch.zeros(eng.B, self.P, dtype=torch.long, device=dev)
+        F = len(eng.model.capture_layers) * eng.model.args.dim                  # (room for PLAIN_RUN plain rounds)
+        self.pend_feats = torch.zeros(eng.B, self.P + PLAIN_RUN, F, dtype=eng.dtype, device=dev)
+        self.pend_ids = torch.zeros(eng.B, self.P + PLAIN_RUN, dtype=torch.long, device=dev)
         self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
 
     @classmethod
@@ -753,7 +784,7 @@ class Eagle3Tree(Method):
         stages, forwards, syncs, conf = self.draft(eng, record or full, full)
         eng.clock.mark("draft")
         # 2-4. keep the best draft nodes, retrieve from each request's matrix, graft: one tree each
-        tree = st.assemble(self, eng.root, eng.active)
+        tree = st.assemble(self, eng.root, eng.active, eng.grow)
         eng.clock.mark("assemble")
         # 5. verify: one target pass over every tree, exact acceptance, KV compaction (the one verifier)
         v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, True, eng.root)
@@ -775,7 +806,8 @@ class Eagle3Tree(Method):
         D, k = self.cfg.depth, self.cfg.top_k
         going = [r is not None for r in eng.requests()]
         stages, seen, syncs = [None] * B, {}, 0
-        conf = st.extend(self.pend_feats, self.pend_ids, self.pend_n, eng.cols(self.P, head=True), k)
+        w = eng.pending_rows(self)
+        conf = st.extend(self.pend_feats[:, :w], self.pend_ids[:, :w], self.pend_n, eng.cols(w, head=True), k)
         eng.advance_head()
         forwards = 1
         cps = {c: i for i, c in enumerate(self.checkpoints)} if self.policy == "stop" else {}
@@ -812,7 +844,7 @@ class Eagle3Tree(Method):
         return out
 
 
-def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree:
+def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor, grow: torch.Tensor | None = None) -> Tree:
     """Steps 2-4 of a round, for every request: keep, retrieve, graft (one graph per method).
 
     keep: the best n candidates (select); a request keeps, under the stop policy, the best K of its
@@ -851,7 +883,7 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor) -> Tree
         under = torch.where(anchor >= 0, d_tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
         r_tok, r_score = retrieval(m, under)
         free = n - kept.sum(1)
-    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.rtpl, anchor, free, r_score), active > 0)
+    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, m.rtpl, anchor, free, r_score), active > 0, grow)
 
 
 def learn(m: Method, tree: Tree, v, active: torch.Tensor):
@@ -864,11 +896,28 @@ def learn(m: Method, tree: Tree, v, active: torch.Tensor):
     nxt = torch.where(torch.arange(m.P, device=nxt.device)[None] == v.A[:, None], v.bonus[:, None], nxt)
     if m.ctx is not None:                # the context grows by the accepted tokens and the bonus
         context_append(m.ctx, m.clen, nxt, (v.A + 1) * active)
-    if m.needs_head or m.needs_block:
-        m.pend_feats.copy_(v.feats)
+    if m.pending:
+        m.pend_feats[:, :m.P].copy_(v.feats)
         m.pend_n.copy_((v.A + 1) * active)
     if m.needs_head:
-        m.pend_ids.copy_(nxt)
+        m.pend_ids[:, :m.P].copy_(nxt)
+
+
+def plain_learn(m: Method, tree: Tree, v, active: torch.Tensor):
+    """A plain round's step 6 (Method.plain_round): each request's matrix learns its root's top-k, its
+    context grows by the new token, and a drafter's pending rows by the root's features and the token
+    after it (its next extend reads them all: PLAIN_RUN rounds fit)."""
+    if m.matrix is not None:
+        update(m.M, m.written, tree.tokens, v.logits, tree.valid)
+    nxt = v.bonus[:, None]                                                               # (B, 1)
+    if m.ctx is not None:
+        context_append(m.ctx, m.clen, nxt, active)
+    if m.pending:
+        at = m.pend_n[:, None]                                                           # (B, 1) the next free row
+        m.pend_feats.scatter_(1, at[:, :, None].expand(-1, 1, v.feats.shape[-1]), v.feats)
+        if m.needs_head:
+            m.pend_ids.scatter_(1, at, nxt)
+        m.pend_n.add_(active)
 
 
 class Prune(Eagle3Tree):
@@ -905,7 +954,7 @@ class BlockDraft(Method):
         super().__init__(eng, replace(cfg, block=eng.block.block), cal, matrix)
         B, dev, n = eng.B, eng.device, self.N - 1
         F = len(eng.model.capture_layers) * eng.model.args.dim
-        self.pend_feats = torch.zeros(B, self.P, F, dtype=eng.dtype, device=dev)
+        self.pend_feats = torch.zeros(B, self.P + PLAIN_RUN, F, dtype=eng.dtype, device=dev)
         self.pend_n = torch.zeros(B, dtype=torch.long, device=dev)
         self.chain = (torch.arange(n, device=dev) - 1).expand(B, n).contiguous()     # parents: a chain
         tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
@@ -933,9 +982,9 @@ class BlockDraft(Method):
 
     def round(self, eng, record=False, full=False) -> Round:
         st, d = eng.steps, eng.block
-        st.block_draft(self.pend_feats, self.pend_n, eng.root, eng.cols(d.block))       # one forward
+        st.block_draft(self.pend_feats[:, :eng.pending_rows(self)], self.pend_n, eng.root, eng.cols(d.block))   # one forward
         eng.clock.mark("draft")
-        tree = st.block_tree(self, eng.root, eng.active)
+        tree = st.block_tree(self, eng.root, eng.active, eng.grow)
         eng.clock.mark("assemble")
         v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, True, eng.root)
         eng.clock.mark("verify")
@@ -963,7 +1012,7 @@ class GraftTail(BlockDraft):
     cut = True
 
 
-def block_tree(d, m: BlockDraft, root: torch.Tensor, active: torch.Tensor) -> Tree:
+def block_tree(d, m: BlockDraft, root: torch.Tensor, active: torch.Tensor, grow: torch.Tensor | None = None) -> Tree:
     """The block methods' step: every request's block as a chain under its root (dflash), or its
     confident prefix and a retrieval subtree under the last kept guess (graft-tail), n = block - 1
     candidates either way. d: the BlockDrafter (tokens, conf (B, n))."""
@@ -971,14 +1020,14 @@ def block_tree(d, m: BlockDraft, root: torch.Tensor, active: torch.Tensor) -> Tr
     B, n = tok.shape
     if m.tpl is None:
         yes = torch.ones_like(tok, dtype=torch.bool)
-        return with_root(root, tok, m.chain, yes, ~yes, active > 0)
+        return with_root(root, tok, m.chain, yes, ~yes, active > 0, grow)
     low = d.conf < m.tau                                                               # (B, n)
     K = torch.where(low.any(1), low.int().argmax(1), n)                               # the confident prefix
     kept = torch.arange(n, device=tok.device)[None] < K[:, None]
     anchor = K - 1                                                                     # -1: the root
     under = torch.where(anchor >= 0, tok.gather(1, anchor.clamp(min=0)[:, None])[:, 0], root)
     r_tok = retrieve(m.M, under, m.tpl)
-    return with_root(root, *graft_trees(tok, m.chain, kept, r_tok, m.tpl, anchor, n - K), active > 0)
+    return with_root(root, *graft_trees(tok, m.chain, kept, r_tok, m.tpl, anchor, n - K), active > 0, grow)
 
 
 # name -> method; every method runs at every batch size, and nothing looks at a name after setup

@@ -257,21 +257,23 @@ def verify(model, cache, tree: Tree, L: torch.Tensor, active: torch.Tensor, cols
 
 
 def decode(model, cache, root: torch.Tensor, L: torch.Tensor, active: torch.Tensor, cols: torch.Tensor,
-           smp: SlotSampling, mode: tuple) -> Verified:
+           smp: SlotSampling, mode: tuple, capture: bool = False) -> Verified:
     """Plain decoding's step for every request: its root at row L[b], then the target's next token,
     written into root (B,). L advances where the slot is active (an empty slot stays at row 0).
-    Shaped like verify's result (A = 0, the path is the root), so a round reads both alike."""
+    Shaped like verify's result (A = 0, the path is the root), so a round reads both alike; capture:
+    the root's EAGLE-3 features too (a drafting method's plain round: its drafter catches up later)."""
     B = root.shape[0]
     keep = active[:, None] > 0                                                # (B, 1)
     one = torch.ones(1, 1, dtype=torch.bool, device=L.device)
     # no padding rows here: an empty slot writes its junk token at its own row 0, which no other request
     # reads and its next prefill overwrites, so the rows need no zeroing (it saves a select per layer)
-    logits = model(root[:, None], L[:, None], L[:, None], attention_mask(one, L, cols), False, cache)
+    out = model(root[:, None], L[:, None], L[:, None], attention_mask(one, L, cols), capture, cache)
+    logits, feats = out if capture else (out, None)
     nxt = choose(logits, L[:, None] + 1, smp, mode)                           # (B, 1)
     L.add_(active)
     root.copy_(nxt[:, 0])
     zero = torch.zeros(B, 1, dtype=torch.long, device=L.device)
-    return Verified(zero[:, 0], nxt[:, 0], zero, logits, nxt, None, rows_finite(logits) | ~keep[:, 0])
+    return Verified(zero[:, 0], nxt[:, 0], zero, logits, nxt, feats, rows_finite(logits) | ~keep[:, 0])
 
 
 NOT_FINITE = ("the target's logits are not finite (NaN or inf) in this pass: the model overflows in this dtype "

@@ -173,6 +173,15 @@ class OneDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class EveryOtherRound(E.Pacer):
+    """A pacer that makes every other round plain (Method.plain_round), whatever the costs, and at B > 1
+    lets only some slots draft in the others: every kind of round runs."""
+
+    def plan(self, eng, method) -> list:
+        self.n = getattr(self, "n", 0) + 1
+        return [s.request is not None and self.n % 2 == 0 and (b + self.n) % 3 != 0 for b, s in enumerate(eng.slots)]
+
+
 def placement_check(batch: int, window: bool, device: str = "meta", methods=E.METHODS, strict: bool = True,
                     tiny: dict = TINY) -> dict:
     """Every compiled step of every method (of `methods`), in whole rounds (batch + 1 requests through
@@ -213,8 +222,10 @@ def placement_check(batch: int, window: bool, device: str = "meta", methods=E.ME
             for s in (Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=3)):
                 tag[0] = f"{name}/{'sampled' if s.temperature else 'greedy'}"
                 m = eng.make(name, cfg)
+                if m.paced:                                     # plain rounds, and rounds where some slots draft
+                    m.pacer = EveryOtherRound()
                 try:
-                    E.run(eng, m, [E.Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 3)
+                    E.run(eng, m, [E.Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 4)
                     out[tag[0]] = "ok"
                 except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
                     out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

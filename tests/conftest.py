@@ -47,6 +47,17 @@ import cpu_kernels  # noqa: E402
 # (a first build prints one line, which a test of one-line errors must not see).
 cpu_kernels.ready()
 
+
+@pytest.fixture(autouse=True)
+def unpaced(monkeypatch):
+    """Every round drafts (engine.PACE off) unless a test asks for pacing (Config(pace=True), --pace): on
+    these tiny models no tree pays for its cost, so the pacer would take plain steps almost always and
+    the drafting machinery, which most tests examine, would hardly run. tests/test_pacing.py tests the pacer.
+    (Subprocesses run the faces as a user would: paced.)"""
+    import engine
+    monkeypatch.setattr(engine, "PACE", False)
+
+
 # ----------------------------------------------------------------------------- shared data
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

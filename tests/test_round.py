@@ -101,12 +101,15 @@ class MockEngine:
     device, dtype = torch.device("cpu"), torch.float32
     step = E.Engine.step
     advance_head = E.Engine.advance_head
+    pending_rows = E.Engine.pending_rows
+    compiling = False
 
     def __init__(self, head, matrix, prompts, roots, L, samplings=None):
         B = len(prompts)
         self.drafter, self.B, self.matrix = head, B, matrix
         self.model = types.SimpleNamespace(args=types.SimpleNamespace(dim=4), capture_layers=(0, 1, 2), max_seq_len=64)
         self.L, self.root, self.active = T(L), T(roots), torch.ones(B, dtype=torch.long)
+        self.grow, self.grow_host, self.drafts = torch.ones(B, dtype=torch.bool), torch.ones(B, dtype=torch.bool), [True] * B
         samplings = samplings or [Sampling()] * B
         self.smp, self.mode = SlotSampling(B, "cpu"), sampling_mode(samplings)
         for b, s in enumerate(samplings):

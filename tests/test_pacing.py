@@ -1,0 +1,210 @@
+"""Cost-aware rounds (engine.Pacer): where no tree pays for its cost, plain steps, and drafting again later.
+
+The decision, on a synthetic cost table: a request goes plain exactly when the tokens its drafting rounds
+commit, times a plain step's seconds, fall short of a drafting round's seconds (by the margin); its plain
+runs double while drafting keeps failing to pay, up to what a drafter's pending rows hold, and reset when
+it pays; a plain step's cost is measured before it is compared. The rounds themselves, on the demo pair
+(checkpoints/stdlib-qwen3 and its head): every method, with rounds forced plain, some slots drafting and
+others not, and runs of plain steps as long as PLAIN_RUN (a drafter's pending rows then full), emits
+exactly what plain decoding emits, greedy and sampled, at B = 1 and B = 3; the head catches up on every
+row it missed; and the default, paced, runs every method losslessly with what the costs decide.
+"""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine as E
+from cli import build_engine
+from data import STDLIB_CKPT, STDLIB_DFLASH, STDLIB_DRAFT, STDLIB_PROMPT
+from engine import Pacer, Request, Slot, generate
+from graft import PLAIN_RUN, Config
+from verify import Sampling
+
+pytestmark = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file(), reason="no demo pair")
+
+TEXTS = [STDLIB_PROMPT, "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
+         "for i in range(10):\n    print(i)\n" * 3]
+N_NEW = 36
+
+
+# ----------------------------------------------------------------------------- the decision
+
+def fake_engine(B: int):
+    eng = type("Eng", (), {})()
+    eng.B, eng.slots = B, [Slot(Request([1])) for _ in range(B)]
+    return eng
+
+
+def feed(p: Pacer, eng, seconds: float, plain: bool, accepted: list):
+    """One round's outcome: its cost and, per slot, the tokens it accepted (the bonus comes on top)."""
+    grow = p.plan(eng, None)
+    out = [([0] * a, 0, [], 0) for a in accepted]
+    p.seen(eng, None, [not plain and g for g in grow], out, seconds, plain)
+    return grow
+
+
+def test_a_plain_steps_cost_is_measured_before_anything_is_compared():
+    p, eng = Pacer(), fake_engine(1)
+    plans = [feed(p, eng, 0.020, False, [0]) for _ in range(2 * Pacer.PLAIN_SAMPLES)]
+    assert all(g == [True] for g in plans)                 # drafting rounds first: nothing to compare yet
+    assert p.plan(eng, None) == [False]                    # then a plain step, to measure one
+    for _ in range(Pacer.PLAIN_SAMPLES):
+        feed(p, eng, 0.010, True, [0])
+    assert p.cost(True) == pytest.approx(0.010) and p.cost(False) == pytest.approx(0.020)
+
+
+@pytest.mark.parametrize("tokens, goes_plain", [(1, True), (2, True), (3, False), (4, False)])
+def test_a_request_goes_plain_exactly_when_its_trees_do_not_pay(tokens, goes_plain):
+    """A drafting round costs 2.5 plain steps: it pays when it commits 3 tokens or more."""
+    p, eng = Pacer(), fake_engine(1)
+    for _ in range(8):
+        p.times[True].append(0.010)
+        p.times[False].append(0.025)
+    p.seen(eng, None, [True], [([0] * (tokens - 1), 0, [], 0)], 0.025, False)
+    s = eng.slots[0]
+    assert s.mat == tokens and (s.plain > 0) == goes_plain
+    assert p.plan(eng, None) == [not goes_plain]
+
+
+def test_plain_runs_double_up_to_plain_run_and_reset_when_drafting_pays():
+    p, eng = Pacer(), fake_engine(1)
+    for _ in range(8):
+        p.times[True].append(0.010)
+        p.times[False].append(0.030)
+    s, runs = eng.slots[0], []
+    for _ in range(7):                                     # every probe commits 1 token: never pays
+        assert p.plan(eng, None) == [True]                 # (the probe drafts)
+        p.seen(eng, None, [True], [([], 0, [], 0)], 0.030, False)
+        runs.append(s.plain)
+        while s.plain:                                     # the plain run: no drafting
+            assert p.plan(eng, None) == [False]
+            p.seen(eng, None, [False], [([], 0, [], 0)], 0.010, True)
+    assert runs == [4, 8, 16, 32, 32, 32, 32] and max(runs) == PLAIN_RUN
+    s.mat = None                                           # then drafting pays again: 5 tokens a round
+    for _ in range(3):
+        p.seen(eng, None, [True], [([0] * 4, 0, [], 0)], 0.030, False)
+    assert s.plain == 0 and s.backoff == 0
+
+
+def test_each_request_of_a_batch_is_paced_on_its_own():
+    p, eng = Pacer(), fake_engine(3)
+    for _ in range(8):
+        p.times[True].append(0.010)
+        p.times[False].append(0.020)
+    p.seen(eng, None, [True] * 3, [([0] * a, 0, [], 0) for a in (0, 4, 0)], 0.020, False)
+    assert [s.plain > 0 for s in eng.slots] == [True, False, True]
+    assert p.plan(eng, None) == [False, True, False]
+    eng.slots[1] = Slot()                                   # an empty slot never drafts
+    assert p.plan(eng, None) == [False, False, False]
+
+
+# ----------------------------------------------------------------------------- the rounds
+
+class Forced(Pacer):
+    """A pacer whose plan is given: pattern(round, slot) -> draft? (the costs it still records)."""
+
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern, self.n = pattern, 0
+
+    def plan(self, eng, method):
+        self.n += 1
+        return [s.request is not None and self.pattern(self.n, b) for b, s in enumerate(eng.slots)]
+
+
+PATTERNS = {
+    "alternate": lambda n, b: n % 2 == 0,                           # plain, drafting, plain, ...
+    "some_slots": lambda n, b: (n + b) % 3 == 0,                    # at B > 1, slots drafting beside plain ones
+    "long_runs": lambda n, b: n % (PLAIN_RUN + 1) == 0,             # PLAIN_RUN plain steps: pending rows full
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {B: build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=512, batch=B) for B in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def baselines(engines):
+    eng = engines[1]
+    ids = [eng.tokenizer.encode(t) for t in TEXTS]
+    out = {}
+    for kind in ("greedy", "sampled"):
+        reqs = requests(ids, kind)
+        out[kind] = (ids, [generate(eng, eng.make("ar"), r.ids, N_NEW, r.sampling).tokens for r in reqs])
+    return out
+
+
+def requests(ids, kind):
+    s = lambda i: Sampling() if kind == "greedy" else Sampling(0.8, 0.9, 20, seed=7 + i)    # noqa: E731
+    return [Request(x, s(i), i) for i, x in enumerate(ids)]
+
+
+# every kind of state a plain round keeps in step: a head's pending rows (eagle3, graft), a matrix and a
+# context (graft, recycle), the host's lookup (pld); DFlash's pending rows: test_block_methods_paced
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("name", ["eagle3", "graft", "recycle", "pld"])
+def test_plain_rounds_and_partial_rounds_are_lossless(engines, baselines, name, pattern):
+    """Rounds forced plain, slots drafting beside plain ones, and full plain runs: each request's tokens
+    are plain decoding's, greedy and sampled, at B = 1 and B = 3; the plain rounds counted are the ones
+    that ran."""
+    for kind in ("greedy", "sampled"):
+        ids, base = baselines[kind]
+        for B, eng in engines.items():
+            if pattern == "some_slots" and B == 1:
+                continue
+            m = eng.make(name, Config(budget=6, recycle_size=12, pace=True))
+            m.pacer = Forced(PATTERNS[pattern])
+            res = E.run(eng, m, requests(ids, kind), N_NEW)
+            assert [r.tokens for r in res.requests] == base, (name, pattern, kind, B)
+            st = res.stats()
+            assert 0 < st["plain_share"] < 1 and st["rounds"] >= st["requests"]
+
+
+def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engines, baselines):
+    """After PLAIN_RUN plain steps the drafting round's extend reads every pending row at once: the head's
+    rows then hold what a prefill of those tokens leaves, bit for bit (the target's features and the
+    head's layer are row-invariant), so it drafts the very tree a request whose prompt already held them
+    drafts first."""
+    eng = engines[1]
+    ids, base = baselines["greedy"]
+    first = {}
+    for tag, prompt, pacer in (("plain run", ids[0], Forced(lambda n, b: n > PLAIN_RUN)),
+                               ("prefilled", ids[0] + base[0][:PLAIN_RUN], None)):
+        m = eng.make("eagle3", Config(budget=6, pace=True))
+        m.pacer = pacer
+        got = []
+        E.run(eng, m, [Request(prompt)], 40 if pacer else 8,
+              on_round=lambda rnd, c: got.append(rnd.tree.tokens[0].tolist()) if not rnd.plain else None)
+        first[tag] = got[0]
+    assert first["plain run"] == first["prefilled"] and len(first["prefilled"]) > 1
+
+
+def test_paced_by_default_every_method_is_lossless(engines, baselines):
+    """What a user runs (Config(pace=None) with engine.PACE on): the pacer decides from this machine's
+    costs; whatever it decides, the tokens are plain decoding's."""
+    for kind in ("greedy", "sampled"):
+        ids, base = baselines[kind]
+        for B, eng in engines.items():
+            for name in ("graft", "eagle3", "pld", "recycle"):
+                m = eng.make(name, Config(budget=6, recycle_size=12, pace=True))
+                assert m.pacer is not None
+                res = E.run(eng, m, requests(ids, kind), N_NEW)
+                assert [r.tokens for r in res.requests] == base, (name, kind, B)
+
+
+def test_block_methods_paced(baselines):
+    """dflash and graft-tail (a DFlash drafter's pending rows, graft-tail's matrix) through plain rounds,
+    partial rounds and full plain runs: lossless, greedy and sampled, B = 1 and B = 3."""
+    engs = {B: build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=512, batch=B) for B in (1, 3)}
+    for kind in ("greedy", "sampled"):
+        ids, base = baselines[kind]
+        for B, eng in engs.items():
+            for name in ("dflash", "graft-tail"):
+                for pattern in PATTERNS:
+                    m = eng.make(name, Config(tail_threshold=0.3, pace=True))
+                    m.pacer = Forced(PATTERNS[pattern])
+                    res = E.run(eng, m, requests(ids, kind), N_NEW)
+                    assert [r.tokens for r in res.requests] == base, (name, pattern, kind, B)
