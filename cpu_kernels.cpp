@@ -348,6 +348,7 @@ inline void row_tiles(const typename Op::X* x, const T* w, const float* b, T* y,
 // rows: a thread never shares an output's sum with another.
 template <typename Op, typename T>
 void linear_impl(const typename Op::X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 0) return;
   if (M == 1) {
     constexpr int64_t nr = 4;
     const int64_t Q = N / nr;
@@ -960,30 +961,53 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   const int64_t Hkv = kc.size(1), D = kc.size(3), S = mask.size(3), I = wg.size(0);
   const int64_t NQ = H * D, NK = Hkv * D, Din = wq.size(1);         // Din: 2 Dm for an EAGLE-3 head's layer
   std::vector<float> wide;
-  const T* xp = x.data_ptr<T>();
-  auto h = scratch<T>(M * Din), q = scratch<T>(M * NQ), k = scratch<T>(M * NK), v = scratch<T>(M * NK);
-  auto att = scratch<T>(M * NQ), x1 = scratch<T>(M * Dm), g = scratch<T>(M * I), u = scratch<T>(M * I);
+  // Only the real rows (keep true; every row without keep) are computed: a padding row (a slot that
+  // drafts nothing, a pruned tree's empty places, a prefill chunk's tail) costs no weight reads or
+  // multiply-adds; it writes zeros to the cache and its output is zeros.
+  std::vector<int64_t> real;
+  for (int64_t m = 0; m < M; m++) if (!keep || keep[m]) real.push_back(m);
+  const int64_t Mr = (int64_t)real.size();
+  const bool all = Mr == M;
+  auto gather = [&](const T* src, int64_t w, std::unique_ptr<T[]>& buf) -> const T* {     // real rows, compacted
+    if (all) return src;
+    buf = scratch<T>(std::max<int64_t>(Mr, 1) * w);
+    for (int64_t i = 0; i < Mr; i++) std::memcpy(buf.get() + i * w, src + real[i] * w, w * sizeof(T));
+    return buf.get();
+  };
+  std::unique_ptr<T[]> xg, eg, rg, ag;
+  const T* xp = gather(x.data_ptr<T>(), Dm, xg);
+  auto h = scratch<T>(std::max<int64_t>(Mr, 1) * Din), qr = scratch<T>(Mr * NQ + 1), kr = scratch<T>(Mr * NK + 1),
+       vr = scratch<T>(Mr * NK + 1), x1 = scratch<T>(Mr * Dm + 1), g = scratch<T>(Mr * I + 1), u = scratch<T>(Mr * I + 1);
   // 1. attention's input: norm, q/k/v, the q/k norms (Qwen3), RoPE at each row's position. An EAGLE-3
   //    head's layer (draft.DraftLayer) reads [input_layernorm(emb), hidden_norm(x)] per row, and adds its
   //    attention to x or, with nbr (norm_before_residual), to hidden_norm(x)
   std::unique_ptr<T[]> xn;
   const T* res = xp;                                                  // what the attention adds to
   if (emb) {
-    xn = scratch<T>(M * Dm);
-    auto e = scratch<T>(M * Dm);
-    rms_norm(emb, n1.data_ptr<T>(), e.get(), M, Dm, eps);
-    rms_norm(xp, hn, xn.get(), M, Dm, eps);
-    for (int64_t m = 0; m < M; m++) {
+    xn = scratch<T>(Mr * Dm + 1);
+    auto e = scratch<T>(Mr * Dm + 1);
+    rms_norm(gather(emb, Dm, eg), n1.data_ptr<T>(), e.get(), Mr, Dm, eps);
+    rms_norm(xp, hn, xn.get(), Mr, Dm, eps);
+    for (int64_t m = 0; m < Mr; m++) {
       std::memcpy(h.get() + m * Din, e.get() + m * Dm, Dm * sizeof(T));
       std::memcpy(h.get() + m * Din + Dm, xn.get() + m * Dm, Dm * sizeof(T));
     }
     if (nbr) res = xn.get();
   } else {
-    rms_norm(xp, n1.data_ptr<T>(), h.get(), M, Dm, eps);
+    rms_norm(xp, n1.data_ptr<T>(), h.get(), Mr, Dm, eps);
   }
-  lin(h.get(), M, wq, bq, q.get(), wide);
-  lin(h.get(), M, wk, bk, k.get(), wide);
-  lin(h.get(), M, wv, bv, v.get(), wide);
+  lin(h.get(), Mr, wq, bq, qr.get(), wide);
+  lin(h.get(), Mr, wk, bk, kr.get(), wide);
+  lin(h.get(), Mr, wv, bv, vr.get(), wide);
+  // every row's q, k, v (B, Tq, ...), a padding row's zeros: attention and the cache read them by position
+  auto spread = [&](std::unique_ptr<T[]>& src, int64_t w) {
+    if (all) return std::move(src);
+    auto full = scratch<T>(M * w);
+    std::memset((void*)full.get(), 0, M * w * sizeof(T));
+    for (int64_t i = 0; i < Mr; i++) std::memcpy(full.get() + real[i] * w, src.get() + i * w, w * sizeof(T));
+    return full;
+  };
+  auto q = spread(qr, NQ), k = spread(kr, NK), v = spread(vr, NK);
   if (qn.has_value() && qn->defined()) {
     rms_norm(q.get(), qn->data_ptr<T>(), q.get(), M * H, D, eps);
     rms_norm(k.get(), kn->data_ptr<T>(), k.get(), M * Hkv, D, eps);
@@ -997,32 +1021,37 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   T* vp = vc.data_ptr<T>();
   for (int64_t m = 0; m < M; m++) {
     const int64_t b = m / Tq, sb = slots ? slots[b] : b, r = rows[m];
-    const bool real = keep ? keep[m] : true;
+    const bool on = keep ? keep[m] : true;
     for (int64_t hh = 0; hh < Hkv; hh++) {
       T* kd = kp + sb * ks[0] + hh * ks[1] + r * ks[2];
       T* vd = vp + sb * vs[0] + hh * vs[1] + r * vs[2];
-      const T* kr = k.get() + m * NK + hh * D;
-      const T* vr = v.get() + m * NK + hh * D;
-      if (real) { std::memcpy(kd, kr, D * sizeof(T)); std::memcpy(vd, vr, D * sizeof(T)); }
+      const T* kr_ = k.get() + m * NK + hh * D;
+      const T* vr_ = v.get() + m * NK + hh * D;
+      if (on) { std::memcpy(kd, kr_, D * sizeof(T)); std::memcpy(vd, vr_, D * sizeof(T)); }
       else { std::memset((void*)kd, 0, D * sizeof(T)); std::memset((void*)vd, 0, D * sizeof(T)); }
     }
   }
-  // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual
+  // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual (real rows)
+  auto att = scratch<T>(M * NQ);
   const auto ms = mask.strides();
   attend<T>({q.get(), Tq * NQ, D, NQ}, {kp, ks[0], ks[1], ks[2]}, {vp, vs[0], vs[1], vs[2]}, slots,
             {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
             1.f / std::sqrt(float(D)));
-  lin(att.get(), M, wo, nullptr, h.get(), wide);                     // h: o_proj's output
-  add(res, h.get(), x1.get(), M * Dm);
+  lin(gather(att.get(), NQ, ag), Mr, wo, nullptr, h.get(), wide);    // h: o_proj's output
+  add(res, h.get(), x1.get(), Mr * Dm);
   // 4. the MLP: norm, SwiGLU, down, the residual
-  rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), M, Dm, eps);
-  lin(h.get(), M, wg, nullptr, g.get(), wide);
-  lin(h.get(), M, wu, nullptr, u.get(), wide);
-  swiglu(g.get(), u.get(), M * I);
-  lin(g.get(), M, wd, nullptr, h.get(), wide);
-  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), Mr, Dm, eps);
+  lin(h.get(), Mr, wg, nullptr, g.get(), wide);
+  lin(h.get(), Mr, wu, nullptr, u.get(), wide);
+  swiglu(g.get(), u.get(), Mr * I);
+  lin(g.get(), Mr, wd, nullptr, h.get(), wide);
+  auto out = all ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::zeros_like(x, at::MemoryFormat::Contiguous);
   T* op = out.data_ptr<T>();
-  add(x1.get(), h.get(), op, M * Dm);
+  if (all) {
+    add(x1.get(), h.get(), op, M * Dm);
+  } else {
+    for (int64_t i = 0; i < Mr; i++) add(x1.get() + i * Dm, h.get() + i * Dm, op + real[i] * Dm, Dm);
+  }
   return out;
 }
 

@@ -562,7 +562,7 @@ class Engine:
         if grow is not None and not any(grow):
             rnd = method.plain_round(self)
         else:
-            self.drafts = grow if grow is not None else [True] * self.B
+            self.drafts[:] = grow if grow is not None else [True] * self.B
             self.grow.copy_(self.grow_host.copy_(torch.tensor(self.drafts)))
             rnd = method.round(self, record, full)
         rnd.grow = grow
