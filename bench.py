@@ -87,7 +87,7 @@ class Row:
         if edit is not None:
             self.edits.append(edit)
         for k in ("rounds", "committed", "draft_forwards", "verified", "padded", "from_retrieval", "accepted", "seconds",
-                  "syncs"):
+                  "syncs", "plain"):
             self.tot[k] = self.tot.get(k, 0) + getattr(res, k)
         self.tot["tokens"] = self.tot.get("tokens", 0) + len(res.tokens)
         for src, n in res.from_source.items():
@@ -103,10 +103,16 @@ class Row:
         avg = lambda xs: sum(xs) / len(xs) if xs else None
         return avg(self.tps), avg(self.decode_tps)
 
-    def report(self, ar_tps: float | None, ar_decode: float | None = None) -> dict:
+    def report(self, ar_tps: float | None, ar_decode: float | None = None, row_macs: int = 0,
+               peak: float | None = None) -> dict:
         """The row's figures; speedups over ar's tokens/s (ar_tps) and decode rate (ar_decode), both
-        unrounded (Row.rates: ar's own speedups are then exactly 1)."""
+        unrounded (Row.rates: ar's own speedups are then exactly 1). row_macs: the target's linear
+        multiply-adds a row (its weights), peak: the core's multiply-add peak for the dtype (GMAC/s), for
+        the verify pass's rate: the rows it computed (every real node and the root; padding is skipped)
+        times row_macs over the verify phase's seconds (attention not counted)."""
         t, r = self.tot, max(self.tot.get("rounds", 0), 1)
+        ver_s = self.times.get("verify", 0.0)
+        gmacs = (t.get("verified", 0) + t.get("rounds", 0)) * row_macs / ver_s / 1e9 if ver_s and row_macs else None
         avg = lambda xs: sum(xs) / len(xs) if xs else None
         mean, dec = self.rates()            # None: every prompt was skipped
         round_ms = {k: round(v / r * 1000, 4) for k, v in sorted(self.times.items()) if k != "prefill"}
@@ -114,6 +120,12 @@ class Row:
         return {"dataset": self.dataset, "context": self.context, "execution": self.execution, "method": self.method,
                 "budget": self.budget, "prompts": len(self.tps), "skipped": self.skipped,
                 "mat": round(t["committed"] / r, 4) if self.tps else None,
+                # the rounds that drafted (the pacer's plain steps left out) and the plain steps' share
+                "mat_drafting": round((t["committed"] - t.get("plain", 0)) / max(r - t.get("plain", 0), 1), 4)
+                if self.tps else None,
+                "plain_share": round(t.get("plain", 0) / r, 4),
+                "verify_gmacs": round(gmacs, 2) if gmacs else None,
+                "verify_peak_share": round(gmacs / peak, 4) if gmacs and peak else None,
                 "tokens_per_s": round(mean, 2) if mean else None,
                 "speedup": round(mean / ar_tps, 4) if mean and ar_tps else None,
                 "decode_tokens_per_s": round(dec, 2) if dec else None,
@@ -150,14 +162,18 @@ def table(rows: list, sweep: bool, executions: bool = False) -> str:
     edit = any(r.get("edit_similarity") is not None for r in rows)
     cols = ["dataset"] + (["context"] if ctx else []) + (["execution"] if executions else []) + ["method"] + (
         ["budget"] if sweep else []) + [
-        "prompts", "skipped", "mat", "tokens_per_s", "speedup", "decode_tokens_per_s", "decode_speedup", "ttft_ms"] + (
+        "prompts", "skipped", "mat", "mat_drafting", "plain_share", "tokens_per_s", "speedup", "decode_tokens_per_s",
+        "decode_speedup", "ttft_ms"] + (
         ["edit_similarity"] if edit else []) + ["draft_forwards_per_round", "verified_per_round",
-        "padded_per_round", "retrieval_share", "retrieval_shares", "round_ms", "overhead", "stages", "lossless"]
+        "padded_per_round", "retrieval_share", "retrieval_shares", "round_ms", "verify_gmacs", "verify_peak_share",
+        "overhead", "stages", "lossless"]
     head = ["dataset"] + (["context"] if ctx else []) + (["execution"] if executions else []) + ["method"] + (
         ["budget"] if sweep else []) + [
-        "prompts", "skipped", "MAT", "tok/s", "speedup", "decode tok/s", "decode speedup", "TTFT ms"] + (
+        "prompts", "skipped", "MAT", "MAT drafting", "plain", "tok/s", "speedup", "decode tok/s", "decode speedup",
+        "TTFT ms"] + (
         ["edit sim"] if edit else []) + ["draft fwd/round", "verified/round", "padded/round",
-        "retrieval share", "by source", "ms/round draft+assemble+verify+update", "overhead", "stages", "lossless"]
+        "retrieval share", "by source", "ms/round draft+assemble+verify+update", "verify GMAC/s", "of peak",
+        "overhead", "stages", "lossless"]
     phases = ("draft", "assemble", "verify", "update")
     fmt = lambda c, v: ("-" if v is None else
                         " + ".join(f"{v.get(p, 0.0):.2f}" for p in phases) if c == "round_ms" else
@@ -582,6 +598,10 @@ def main(argv=None) -> dict:
 
     rows, mismatches, done = [], [], 0
     total = sum(len(p) for p in prompts.values()) * len(runs)
+    # what a verify pass's compute rate is a share of: a row's linear multiply-adds, the core's peak for
+    # the dtype (graft's CPU kernels, measured now on this thread; None elsewhere)
+    row_macs = sum(m.weight.numel() for m in eng.model.modules() if isinstance(m, torch.nn.Linear))
+    peak = CLI.core_peak(eng)
     bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)     # a count, the time, an estimate
     jsonl = open(runs_path(a.json_out), "w") if a.json_out else None
     interrupted = False
@@ -629,7 +649,7 @@ def main(argv=None) -> dict:
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution
                 ar = {x: acc[(x, "ar", None)].rates() for x in engines}
                 # a long-context unit keeps its rows when every prompt was refused: the table shows it
-                rows += [r.report(*ar[r.execution]) for r in acc.values() if r.tps or r.context]
+                rows += [r.report(*ar[r.execution], row_macs, peak) for r in acc.values() if r.tps or r.context]
     except KeyboardInterrupt:
         interrupted = True
         log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
@@ -655,6 +675,7 @@ def main(argv=None) -> dict:
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "ckpt": a.ckpt, "draft": draft, "dflash": block if need_block else None, "dtype": dtype,
         "max_seq_len": eng.model.max_seq_len,
+        "peak_gmacs": round(peak, 2) if peak else None, "row_macs": row_macs,
         "tail_threshold": cfg0.tail_threshold if cfg0.tail_threshold is not None else cal and cal.tail_threshold,
         "executions": how, "attention": {x: "window" if e.window else "full" for x, e in engines.items()},
         "compile_seconds": {x: round(e.steps.compile_seconds, 2) for x, e in engines.items()},

@@ -247,6 +247,12 @@ def config_from_args(a) -> Config:
     return cfg
 
 
+def core_peak(eng) -> float | None:
+    """GMAC/s: the core's multiply-add peak for the engine's dtype, measured now on this thread
+    (cpu_kernels.peak: the instruction the linear's inner loop runs); None off a CPU or without the kernels."""
+    return cpu_kernels.peak(eng.dtype, 0.2) if eng.device.type == "cpu" and cpu_kernels.ready() else None
+
+
 def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
     """(nodes, path): the largest tree and accepted path of the methods [(name, Config), ...] at this
     B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one."""

@@ -59,11 +59,12 @@ def test_imports_go_one_way():
 def test_the_model_file_is_the_model():
     assert imports("model") == {"cpu_kernels"}        # how a CPU computes a linear, not what the model is
     # 450 + 80 for exact mode (the padded Linear, exact_attention), which lives beside what it replaces,
-    # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments)
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 555
+    # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments),
+    # + 15 for every layer in one cpu_kernels.layers call and KV compaction in one cpu_kernels.move_rows
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 570
 
 
-def test_the_algorithm_fits_in_2545_lines():
+def test_the_algorithm_fits_in_2740_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -74,12 +75,16 @@ def test_the_algorithm_fits_in_2545_lines():
     reference match and the warm-up's rates live in calibrate.py), model.py routed CPU linears and exact
     attention to cpu_kernels.py (+10), and block drafting came (+255: dflash.py, the DFlash drafter and its
     batched steps, ~150; the block methods dflash and graft-tail in graft.py and the engine's block steps,
-    ~100), and model.Block learned when one cpu_kernels.block call computes a layer (+20)."""
+    ~100), and model.Block learned when one cpu_kernels.block call computes a layer (+20). Then the CPU
+    speedup: cost-aware rounds (+115: engine.Pacer, the plain round and what it keeps in step, the slots
+    that draft beside those that do not), the routes to the CPU's fused steps (+55: an EAGLE-3 head's layer,
+    every target layer in one call, graft_trees and the top-k in C++, the reference versions kept beside
+    them), and a budget's own beam width and depth (+15)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2545, lines
+    assert lines <= 2740, lines
 
 
 def test_no_batched_twins():
