@@ -626,6 +626,18 @@ class Pacer:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         return [x and s.plain == 0 for x, s in zip(live, eng.slots)]
 
+    def explain(self, s: Slot, drafted: bool) -> str:
+        """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
+        tp, tt = self.cost(True), self.cost(False)
+        costs = (f"plain step {tp * 1000:.1f} ms, drafting round {tt * 1000:.1f} ms" if tp and tt else
+                 "costs not measured yet (plain step: " + (f"{tp * 1000:.1f} ms" if tp else "?") + ", drafting round: " +
+                 (f"{tt * 1000:.1f} ms" if tt else "?") + ")")
+        mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
+        nxt = (f"plain for {s.plain} more round(s), then a probe" if s.plain else
+               "drafts next" + (f" (it pays: {s.mat:.2f} x {tp * 1000:.1f} ms >= {tt * 1000:.1f} ms x "
+                                f"{1 + self.MARGIN:.2f})" if s.mat is not None and tp and tt else ""))
+        return f"{'drafted' if drafted else 'plain step'}; {mat}; {costs}; {nxt}"
+
     def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool):
         """After a round: its cost, and per request what its drafting committed; a request whose trees
         do not pay goes plain for a while."""

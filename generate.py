@@ -122,6 +122,8 @@ def main(argv=None):
         if stream.shown and not stream.shown.endswith("\n"):
             print(file=err)
         print(render_round(rounds[0], *host, path, rnd.stages[0], bonus, eng.tokenizer.decode, source=m.source), file=err)
+        if m.pacer is not None:
+            print(f"  pacer: {m.pacer.explain(eng.slots[0], rnd.grow[0] if rnd.grow else True)}", file=err)
 
     res = generate(eng, m, ids, a.max_new_tokens, s, eng.tokenizer.eos_ids, on_tokens=stream,
                    on_round=show if a.show_tree else None)
