@@ -173,3 +173,105 @@ def test_the_fused_layer_is_the_modules(arch, dtype):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
     with torch.no_grad(), pytest.raises(RuntimeError, match="a row outside the cache"):
         m(tokens, rows + 60, rows + 60, mask, cache=caches[0], keep=keep, slots=slots)
+
+
+# ----------------------------------------------------------------------------- the round's small steps
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_rows_and_top_logprobs_are_torchs(dtype):
+    """topk_rows: torch.topk's values and indices where no two values tie (ties go to the lower index, as
+    argmax: k = 1 is argmax, NaN never chosen); top_logprobs: log_softmax then topk."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 7, 1000, generator=g).to(dtype)
+    for k in (1, 5, 16):
+        v, i = cpu_kernels.topk_rows(x, k)
+        ref = x.float().topk(k, dim=-1)
+        assert torch.equal(v, ref.values) and torch.equal(x.float().gather(-1, i), ref.values)
+        lv, li = cpu_kernels.top_logprobs(x, k)
+        lref = torch.log_softmax(x.float(), -1).topk(k, dim=-1)
+        assert torch.allclose(lv, lref.values, atol=1e-5) and torch.equal(li, i)
+    tie = torch.tensor([[1.0, 3.0, 3.0, 2.0, float("nan")]]).to(dtype)
+    assert cpu_kernels.topk_rows(tie, 1)[1].item() == 1 == tie.float().nan_to_num(-1).argmax().item()
+    assert cpu_kernels.topk_rows(tie, 3)[1].tolist() == [[1, 2, 3]]
+
+
+def test_move_rows_is_the_indexed_copy():
+    """KV compaction in one call: each request's source rows to its destination rows in every cache,
+    overlapping ranges read before written: what KVCache.move_rows's torch version does."""
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(3, 2, 20, 8, generator=g).bfloat16() for _ in range(4)]
+    src, dst = torch.tensor([[5, 7, 9], [3, 4, 5], [10, 2, 6]]), torch.tensor([[4, 5, 6], [4, 5, 6], [2, 3, 4]])
+    want = [t.clone() for t in caches]
+    bi, hi = torch.arange(3)[:, None, None], torch.arange(2)[None, :, None]
+    for t in want:
+        t.index_put_((bi, hi, dst[:, None, :]), t[bi, hi, src[:, None, :]])
+    cpu_kernels.move_rows(caches, src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))
+    with pytest.raises(RuntimeError, match="a row outside the cache"):
+        cpu_kernels.move_rows(caches, src + 20, dst)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_layer_in_one_call_and_padding_rows_left_out(dtype, monkeypatch):
+    """Transformer.fused_layers (one cpu_kernels.layers call) gives the bits and captured features of
+    Block.fused_forward layer after layer; padding rows (keep False) are not computed (zeros out) and
+    leave every real row's bits as they are without them."""
+    torch.manual_seed(0)
+    m = M.Transformer(M.ModelArgs(vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                                  intermediate_size=96, norm_eps=1e-6)).to(dtype).eval()
+    m.capture_layers = (0, 2, 3)
+    m.setup_caches(64, 1)
+    M.set_exact(m, True)
+    T = 6
+    tokens, rows = torch.randint(3, 300, (1, T)), torch.arange(T)[None] + 10
+    keep = torch.tensor([[True, True, False, True, False, True]])
+    tree = torch.ones(T, T, dtype=torch.bool).tril() & (keep[0][None, :] | torch.eye(T, dtype=torch.bool))
+    mask = M.attention_mask(tree, torch.tensor([10]), torch.arange(20))     # no real row sees a padding row
+
+    def per_layer(self, x, rope, rows, mask, cache, keep, slots, points):
+        feats = []
+        for i, b in enumerate(self.layers):
+            feats += [x] * list(points).count(i)
+            x = b.fused_forward(x, rope, rows, mask, (cache, i), keep, slots)
+        return x, feats + [x] * list(points).count(len(self.layers))
+
+    with torch.no_grad():
+        one = m(tokens, rows, rows, mask, capture=True, keep=keep)
+        full = m(tokens, rows, rows, mask, capture=True)
+        monkeypatch.setattr(M.Transformer, "fused_layers", per_layer)
+        each = m(tokens, rows, rows, mask, capture=True, keep=keep)
+    assert torch.equal(one[0], each[0]) and torch.equal(one[1], each[1])
+    assert (one[0][~keep] == 0).all() and (one[1][~keep][:, 64:] == 0).all()    # (layer 0's input: the embedding)
+    assert torch.equal(one[0][keep], full[0][keep]) and torch.equal(one[1][keep], full[1][keep])
+
+
+def test_another_machines_instructions_built_here(tmp_path):
+    """GRAFT_KERNELS_MARCH builds the kernels for a lower target (x86-64-v3: AVX2, no AVX-512, as a
+    Zen 3 has), here, in a process of its own: its linear and attention are as row-invariant as the
+    native build's, and its multi-row linear is the matrix product. (On a machine without AVX-512 this is
+    its native path again.)"""
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86-64 only")
+    code = """
+import torch, cpu_kernels
+assert cpu_kernels.ready(), "no build"
+print(cpu_kernels.isa())
+g = torch.Generator().manual_seed(0)
+for dt in (torch.float32, torch.bfloat16):
+    w, b = (torch.randn(37, 131, generator=g) / 12).to(dt), torch.randn(37, generator=g).to(dt)
+    x = torch.randn(19, 131, generator=g).to(dt)
+    y = cpu_kernels.linear(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert (y.double() - ref).abs().max() <= (2e-6 if dt == torch.float32 else 1e-2) * ref.abs().max()
+    for m in range(1, 20):
+        assert torch.equal(cpu_kernels.linear(x[m - 1:m], w, b)[0], y[m - 1]), m
+    q, k, v = (torch.randn(*s, generator=g).to(dt) for s in ((1, 4, 9, 32), (1, 2, 40, 32), (1, 2, 40, 32)))
+    mask = torch.ones(1, 1, 9, 40, dtype=torch.bool).tril(31)
+    a = cpu_kernels.attention(q, k, v, mask, 0.2)
+    for t in range(9):
+        assert torch.equal(cpu_kernels.attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], 0.2)[:, :, 0], a[:, :, t])
+print("ok")
+"""
+    env = dict(os.environ, GRAFT_KERNELS_MARCH="x86-64-v3", GRAFT_KERNELS_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.split() == ["avx2", "ok"], r.stderr[-2000:]
