@@ -1239,6 +1239,32 @@ std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_
 // values float32. What the continuation matrix learns (graft.update) and greedy decoding chooses.
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { return top_impl(x, k, false); }
 
+// A head's k best tokens after each hidden state h (..., H), in one call: its final norm (weight nw,
+// eps), its lm_head (W (V, H)) and top_logprobs, what draft.Eagle3.top_logprobs computes in torch ops.
+std::tuple<at::Tensor, at::Tensor> norm_top_logprobs(const at::Tensor& h, const at::Tensor& nw, double eps,
+                                                     const at::Tensor& w, int64_t k) {
+  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == w.scalar_type() && nw.scalar_type() == h.scalar_type() &&
+              w.dim() == 2 && h.size(-1) == w.size(1) && nw.numel() == w.size(1) && w.is_contiguous() && nw.is_contiguous(),
+              "graft::norm_top_logprobs: h (..., H), norm weight (H,), W (V, H) of one dtype");
+  const int64_t H = w.size(1), V = w.size(0);
+  auto x = h.reshape({-1, H}).contiguous();
+  const int64_t M = x.size(0);
+  auto sizes = h.sizes().vec();
+  sizes.back() = V;
+  auto logits = at::empty({M, V}, h.options());
+  std::vector<float> wide;
+  switch (h.scalar_type()) {
+#define GRAFT_HEAD(T) { auto n = scratch<T>(M * H + 1); rms_norm(x.data_ptr<T>(), nw.data_ptr<T>(), n.get(), M, H, (float)eps); \
+                        lin(n.get(), M, w, nullptr, logits.data_ptr<T>(), wide); break; }
+    case at::kFloat: GRAFT_HEAD(float)
+    case at::kBFloat16: GRAFT_HEAD(at::BFloat16)
+    case at::kHalf: GRAFT_HEAD(at::Half)
+#undef GRAFT_HEAD
+    default: TORCH_CHECK(false, "graft::norm_top_logprobs: float32, bfloat16 or float16");
+  }
+  return top_impl(logits.view(sizes), k, true);
+}
+
 // ------------------------------------------------------------------------------------------ hybrid trees
 
 // graft.graft_trees with a retrieval tree, one request at a time, in plain loops (the Python version is
@@ -1397,6 +1423,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
   lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  lib.def("norm_top_logprobs(Tensor h, Tensor nw, float eps, Tensor w, int k) -> (Tensor, Tensor)");
   lib.def("layers(Tensor x, Tensor[] n1, Tensor[] wq, Tensor?[] bq, Tensor[] wk, Tensor?[] bk, Tensor[] wv, Tensor?[] bv, "
           "Tensor[] wo, Tensor?[] qn, Tensor?[] kn, Tensor[] n2, Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor cos, "
           "Tensor sin, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, "
@@ -1418,6 +1445,7 @@ TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("move_rows", &move_rows);
   lib.impl("top_logprobs", &top_logprobs);
   lib.impl("topk_rows", &topk_rows);
+  lib.impl("norm_top_logprobs", &norm_top_logprobs);
   lib.impl("layers", &layers);
   lib.impl("graft_trees", &graft_trees);
 }

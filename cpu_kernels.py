@@ -93,6 +93,11 @@ def _register_shapes():
         shape = (*logits.shape[:-1], k)
         return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
 
+    @torch.library.register_fake("graft::norm_top_logprobs")
+    def _(h, nw, eps, w, k):
+        shape = (*h.shape[:-1], k)
+        return h.new_empty(shape, dtype=torch.float32), h.new_empty(shape, dtype=torch.long)
+
     @torch.library.register_fake("graft::topk_rows")
     def _(x, k):
         shape = (*x.shape[:-1], k)
@@ -138,6 +143,12 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple:
     """The k best tokens of each row of logits (..., V): (log-probabilities float32 (..., k), indices
     (..., k)), best first (ties: the lower index): log_softmax then topk in one pass over each row."""
     return torch.ops.graft.top_logprobs(logits, k)
+
+
+def norm_top_logprobs(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, k: int) -> tuple:
+    """A head's k best tokens after each hidden state h (..., H): its final RMSNorm (norm_weight, eps),
+    its lm_head W (V, H), then top_logprobs, in one call: (log-probabilities float32 (..., k), ids)."""
+    return torch.ops.graft.norm_top_logprobs(h, norm_weight, eps, w, k)
 
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple:

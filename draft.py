@@ -128,10 +128,11 @@ class Eagle3(nn.Module):
         """The k best draft tokens after each hidden state: (log-probabilities float32 (..., k), draft ids
         (..., k)), best first: logprobs(out_hidden).topk(k), which a CPU's kernels compute in one pass
         over each row (no Vd log-probabilities written out)."""
-        logits = self.lm_head(self.norm(out_hidden))
-        if use_kernels(logits) and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
-            return cpu_kernels.top_logprobs(logits, k)
-        return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        w = self.lm_head.weight
+        if (use_kernels(out_hidden) and out_hidden.dtype == w.dtype and not torch.compiler.is_compiling()
+                and not torch.is_grad_enabled()):
+            return cpu_kernels.norm_top_logprobs(out_hidden, self.norm.weight, self.norm.eps, w, k)
+        return torch.log_softmax(self.lm_head(self.norm(out_hidden)).float(), dim=-1).topk(k, dim=-1)
 
     def to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
