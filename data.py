@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+import cpu_kernels
+
 from model import GraftError
 from verify import Sampling
 
@@ -742,7 +744,9 @@ def cpu_dtype() -> str:
     float32. Measured (SmolLM2-135M, eager, 1 thread, context 128): on an AVX2-only EPYC a bf16 17-node
     pass took 652 ms against 92 ms for one node (7x: matrix products fall back to slow paths), float32
     323 against 115 ms (2.8x; 2 threads: 253 against 120, 2.1x), so float32 there."""
-    flags = torch.cpu.get_capabilities()       # what torch's own CPU dispatch detected
+    if cpu_kernels.ready():                    # what graft's kernels were built for (GRAFT_KERNELS_MARCH: maybe lower)
+        return "bfloat16" if cpu_kernels.isa() == "avx512_bf16" else "float32"
+    flags = torch.cpu.get_capabilities()       # else what torch's own CPU dispatch detected
     return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx_bf16") else "float32"
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
