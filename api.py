@@ -36,6 +36,8 @@ import tp
 from verify import Sampling
 
 API_NAMES = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# The most log-probs a token may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 # What a request leaves out, unless load() was given it (its options of the same names).
 SUBMIT_DEFAULTS = {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "chat": False}
 
@@ -108,13 +110,17 @@ class Completion:
     """One finished generation: its text (stop string excluded), the generated token ids (an EOS
     included), why it ended ("stop": EOS or a stop string, "length": max_new_tokens, "cancelled"),
     the prompt's length in tokens and the request's counts (engine.Request.stats: MAT, draft forwards,
-    retrieval share...)."""
+    retrieval share...). Asked for with logprobs=k: per token (id, log-probability, [(id, log-probability)
+    of the k most likely, descending]), the target's own distribution (verify.logprobs); with
+    prompt_logprobs, the same for every prompt token after the first."""
     text: str
     tokens: list
     finish_reason: str
     prompt_tokens: int
     seconds: float
     stats: dict
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class Sequence:
@@ -125,6 +131,7 @@ class Sequence:
     def __init__(self, llm: "LLM", request: Request, stop: tuple):
         self.llm, self.request, self.stop = llm, request, stop
         self.text, self.sent, self.reason, self.kept = "", 0, None, None
+        self.lp_sent = 0                         # tokens whose log-probs pull_logprobs gave
         self.t0 = time.perf_counter()
         self.seconds = 0.0
 
@@ -164,9 +171,29 @@ class Sequence:
         piece, self.sent = self.text[self.sent:], len(self.text)
         return piece
 
+    def pull_logprobs(self) -> list:
+        """After pull(): the log-probs (Completion.logprobs' entries) of the tokens whose text the pulls so
+        far hold (a token is settled once the text up to it, an incomplete character aside, was pulled),
+        and once done of every token left: joined, the Completion's."""
+        r, tok = self.request, self.llm.tokenizer
+        if r.logprobs is None:
+            return []
+        n = len(r.tokens[:self.kept]) if self.done else self.lp_sent
+        while not self.done and n < len(r.logprob_rows) and len(tok.decode(r.tokens[:n + 1]).rstrip("\ufffd")) <= self.sent:
+            n += 1
+        got, self.lp_sent = self.entries(r.tokens, r.logprob_rows, self.lp_sent, n), max(n, self.lp_sent)
+        return got
+
+    @staticmethod
+    def entries(tokens, rows, a: int, b: int) -> list:
+        return [(t, lp, top) for t, (lp, top) in zip(tokens[a:b], rows[a:b])]
+
     def completion(self) -> Completion:
         r = self.request
-        return Completion(self.text, list(r.tokens[:self.kept]), self.reason, len(r.ids), self.seconds, r.stats())
+        tokens = list(r.tokens[:self.kept])
+        lps = None if r.logprobs is None else self.entries(tokens, r.logprob_rows, 0, len(tokens))
+        plps = self.entries(r.ids[1:], r.prompt_logprob_rows, 0, len(r.ids)) if r.prompt_logprobs else None
+        return Completion(self.text, tokens, self.reason, len(r.ids), self.seconds, r.stats(), lps, plps)
 
 
 class LLM:
@@ -202,11 +229,14 @@ class LLM:
 
     def submit(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None, stop=(),
-               chat: bool | None = None, names=API_NAMES) -> Sequence:
+               chat: bool | None = None, names=API_NAMES, logprobs: int | None = None,
+               prompt_logprobs: bool = False) -> Sequence:
         """Queue one request (encode's prompt forms); it runs as `step` is called. A value left None takes
         load()'s (its max_new_tokens=, temperature=, ... options; else greedy, 128 tokens). stop: strings
-        that end the text (not included). Errors: GraftError, one line (the values called by `names`), for
-        bad values or a prompt + max_new_tokens beyond max_seq_len."""
+        that end the text (not included). logprobs: k in [0, MAX_LOGPROBS] to have each token's
+        log-probability and the k most likely (Completion.logprobs); prompt_logprobs (with logprobs): the
+        prompt's too. Errors: GraftError, one line (the values called by `names`), for bad values or a
+        prompt + max_new_tokens beyond max_seq_len."""
         d = self.defaults
         max_new_tokens, temperature, top_p, top_k, seed, chat = (
             d[k] if v is None else v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -215,6 +245,10 @@ class LLM:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise GraftError("stop takes a string or a list of non-empty strings")
         stop = tuple(stop)
+        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= MAX_LOGPROBS):
+            raise GraftError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
+        if prompt_logprobs and logprobs is None:
+            raise GraftError("prompt_logprobs needs logprobs= (how many of the most likely tokens to give)")
         check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names)
         ids = self.encode(prompt, chat)
         if not ids:
@@ -223,7 +257,7 @@ class LLM:
             raise GraftError(f"prompt ({len(ids)} tokens) + {names[4]} ({max_new_tokens}) exceeds the context: "
                              f"{self.max_seq_len} tokens")
         r = Request(ids, Sampling(float(temperature), float(top_p), int(top_k), int(seed)),
-                    max_new_tokens=max_new_tokens)
+                    max_new_tokens=max_new_tokens, logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs))
         self.scheduler.add(r)
         seq = Sequence(self, r, stop)
         self.live.append(seq)
@@ -252,10 +286,12 @@ class LLM:
     def generate(self, prompts, **kw):
         """One prompt -> its Completion; a list of prompts (strings, message lists or id lists) -> their
         Completions in input order, run `engine.B` at a time. kw: submit's (max_new_tokens, temperature,
-        top_p, top_k, seed, stop, chat); with many prompts request i samples with seed + i."""
-        unknown = set(kw) - set(SUBMIT_DEFAULTS) - {"stop"}
+        top_p, top_k, seed, stop, chat, logprobs, prompt_logprobs); with many prompts request i samples
+        with seed + i."""
+        unknown = set(kw) - set(SUBMIT_DEFAULTS) - {"stop", "logprobs", "prompt_logprobs"}
         if unknown:
-            raise GraftError(f"unknown keyword {sorted(unknown)[0]}=: generate takes {', '.join(SUBMIT_DEFAULTS)}, stop")
+            raise GraftError(f"unknown keyword {sorted(unknown)[0]}=: generate takes {', '.join(SUBMIT_DEFAULTS)}, "
+                             f"stop, logprobs, prompt_logprobs")
         one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and
                                            all(isinstance(p, (dict, int)) and not isinstance(p, bool) for p in prompts))
         if not one and not (isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts)):
