@@ -21,6 +21,7 @@ slot at the next step. One thread drives an LLM.
 import argparse
 import dataclasses
 import os
+import threading
 import time
 
 import torch
@@ -88,16 +89,16 @@ def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=
     return eng, method, cfg
 
 
-def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
+def calibrated(eng, a, method: str, cfg, log=None, pause=None) -> tuple:
     """The warm-up `method` needs (calibrate.warm_up, a.warmup generations or the cached result), and
     the method's Config with what it calibrated. Returns (Config, Calibration or None). With a.warmup == 0
     a method that needs it runs uncalibrated, which the caller says (generate.py prints a line; load
-    refuses)."""
+    refuses). pause: warm_up's (Calibrating)."""
     if not (needs_warmup(method, a.auto_budget) and a.warmup > 0):
         return cfg, None
     wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
     cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
-                  log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+                  log=log, calibration=a.calibration, auto_budget=a.auto_budget, pause=pause)
     if getattr(METHODS[method], "cut", False) and cfg.tail_threshold is None:     # graft-tail's cut
         calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log,
                        use_cache=not a.no_cache and tp.world()[1] == 1)
@@ -196,10 +197,50 @@ class Sequence:
         return Completion(self.text, tokens, self.reason, len(r.ids), self.seconds, r.stats(), lps, plps)
 
 
+class Calibrating:
+    """The warm-up a method needs, run while a server already answers with plain decoding: on an engine
+    of its own (Engine.variant: the same model, head and prior continuation matrix; its own slots and
+    caches), in a thread that computes only while the serving thread waits in turn(), for one warm-up
+    round or one timed sample (warm_up's pause), so the two never compute at once and the timings are
+    the calibration's alone. result: (Config, Calibration) once done, or error."""
+
+    def __init__(self, eng, a, method: str, cfg, log=None):
+        self.method, self.result, self.error, self.done, self.turns = method, None, None, False, 0
+        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
+        work = eng.variant(eng.compiling, eng.window)
+        threading.Thread(target=self.main, args=(work, a, cfg, log), daemon=True, name="graft-calibration").start()
+
+    def main(self, eng, a, cfg, log):
+        self.go.acquire()
+        try:
+            with torch.no_grad():                         # (thread-local: this thread's own)
+                self.result = calibrated(eng, a, self.method, cfg, log, self.pause)
+        except Exception as e:                            # the server stays on plain decoding and says why
+            self.error = e
+        finally:
+            self.done = True
+            self.back.release()
+
+    def pause(self):
+        self.back.release()
+        self.go.acquire()
+
+    def turn(self) -> bool:
+        """Run the calibration to its next pause or its end (seconds at most); returns whether it ended."""
+        if not self.done:
+            self.turns += 1
+            self.go.release()
+            self.back.acquire()
+        return self.done
+
+
 class LLM:
     """A loaded engine with its method, calibrated: what `load` returns. Attributes: engine
     (engine.Engine, batch slots), method (its name), config (graft.Config), calibration (or None),
-    tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit)."""
+    tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit), background (a
+    Calibrating whose method replaces the one serving once it ends: open_llm(background=True)) and
+    calibrated ("none": the method needs none, "done": before serving, "running": in the background,
+    "measured": in the background and now in force, or "failed: why")."""
 
     def __init__(self, engine, method: str, config, calibration, defaults: dict | None = None):
         self.engine, self.method, self.config, self.calibration = engine, method, config, calibration
@@ -209,6 +250,31 @@ class LLM:
         self.runner = engine.make(method, config, calibration)
         self.scheduler = Scheduler(engine, self.runner, self.defaults["max_new_tokens"], engine.tokenizer.eos_ids)
         self.live = []                                    # submitted Sequences not yet done
+        self.background, self.calibrated = None, "done" if calibration is not None else "none"
+
+    @property
+    def switching(self) -> bool:
+        """The background calibration ended: new requests wait until the running ones end and the switch."""
+        return self.background is not None and self.background.done
+
+    def idle_step(self):
+        """Background work, called while no request runs (busy() False): one turn of the calibration, or
+        once it ended, the switch to its method (or, if it failed, plain decoding stays, saying why)."""
+        bg = self.background
+        if bg is None or self.busy():
+            return
+        if not bg.turn():
+            self.calibrated = "running"
+            return
+        self.background = None
+        if bg.error is not None:
+            self.calibrated = f"failed: {str(bg.error).splitlines()[0][:300] if str(bg.error) else type(bg.error).__name__}"
+            return
+        cfg, cal = bg.result
+        self.method, self.config, self.calibration = bg.method, cfg, cal
+        self.runner = self.engine.make(bg.method, cfg, cal)
+        self.scheduler = Scheduler(self.engine, self.runner, self.defaults["max_new_tokens"], self.engine.tokenizer.eos_ids)
+        self.calibrated = "measured" if bg.turns > 1 else "done"      # (one turn: read from the cache)
 
     def encode(self, prompt, chat: bool = False) -> list:
         """Token ids of a prompt: a string (with chat=True one user turn in the chat template), a list
@@ -334,8 +400,10 @@ def load(ckpt: str | None = None, draft: str | None = None, method: str | None =
     return open_llm(None if ckpt is None else str(ckpt), a, method, batch, log)
 
 
-def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None) -> LLM:
-    """load() from checked engine flags `a` (engine_options, or a face's parsed command line)."""
+def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None, background: bool = False) -> LLM:
+    """load() from checked engine flags `a` (engine_options, or a face's parsed command line). background
+    (a server): a method that needs a warm-up not cached yet serves as plain decoding (the same tokens)
+    while it calibrates between requests (Calibrating, LLM.idle_step); an eager engine only."""
     if ckpt is None:
         ckpt = data.demo_model()
         if ckpt is None:
@@ -352,6 +420,13 @@ def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log
     if type(batch) is not int or batch < 1:
         raise GraftError(f"batch must be a positive integer, got {batch!r}")
     eng, m, cfg = build(ckpt, a, m, batch)
+    if background and needs_warmup(m, a.auto_budget) and a.warmup > 0 and not eng.compiling:
+        llm = LLM(eng, "ar", cfg, None, {k: getattr(a, k) for k in SUBMIT_DEFAULTS})
+        llm.background = Calibrating(eng, a, m, cfg, log)
+        llm.idle_step()                                  # a cached calibration ends in its first turn:
+        if llm.switching:                                # then its method serves from the start
+            llm.idle_step()
+        return llm
     cfg, cal = calibrated(eng, a, m, cfg, log)
     llm = LLM(eng, m, cfg, cal, {k: getattr(a, k) for k in SUBMIT_DEFAULTS})
     if eng.compiling:
