@@ -59,11 +59,12 @@ def test_imports_go_one_way():
 def test_the_model_file_is_the_model():
     assert imports("model") == {"cpu_kernels"}        # how a CPU computes a linear, not what the model is
     # 450 + 80 for exact mode (the padded Linear, exact_attention), which lives beside what it replaces,
-    # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments)
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 555
+    # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments),
+    # + 13 for the CPU fast paths of a round's small steps (every target layer in one cpu_kernels.layers call)
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 568
 
 
-def test_the_algorithm_fits_in_2545_lines():
+def test_the_algorithm_fits_in_2700_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -74,12 +75,14 @@ def test_the_algorithm_fits_in_2545_lines():
     reference match and the warm-up's rates live in calibrate.py), model.py routed CPU linears and exact
     attention to cpu_kernels.py (+10), and block drafting came (+255: dflash.py, the DFlash drafter and its
     batched steps, ~150; the block methods dflash and graft-tail in graft.py and the engine's block steps,
-    ~100), and model.Block learned when one cpu_kernels.block call computes a layer (+20)."""
+    ~100), and model.Block learned when one cpu_kernels.block call computes a layer (+20), the CPU fast
+    paths of a round's small steps came (+55), and a server's needs (+100: the target's log-probs at the
+    accepted path's rows, brought in the round's one transfer; new prompts prefilled together in one pass)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2545, lines
+    assert lines <= 2700, lines
 
 
 def test_no_batched_twins():
