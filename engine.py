@@ -496,7 +496,7 @@ class Engine:
                                     r.logprobs))
             method.prompt_chunk(self, b, chunk, logits, feats, n)
         method.prefilled(self, b)
-        return self.first_tokens([(b, r)], finite, [lps])[0]
+        return self.first_tokens([(b, r)], self.root[b].view(1), finite, [lps])[0]
 
     def admit_group(self, pairs: list, method: Method) -> list:
         """Prefill requests (b, r) whose prompts each fit one chunk in one target pass: their rows side by
@@ -507,12 +507,13 @@ class Engine:
             self.seat(b, r)                       # (its rows zeroed)
             self.smp.set(b, r.sampling)
             method.admit(self, b)
-        n = [len(r.ids) for _, r in pairs]
+        k, n = len(pairs), [len(r.ids) for _, r in pairs]
         pad = cache_rows(max(n))
-        ids = torch.tensor([r.ids + [0] * (pad - len(r.ids)) for _, r in pairs], device=self.device)
+        h = torch.tensor([t for _, r in pairs for t in r.ids + [0] * (pad - len(r.ids))] + n + [b for b, _ in pairs],
+                         device=self.device)         # the prompts' one copy to the device, lengths and slots with them
+        ids, slots = h[:k * pad].view(k, pad), h[k * pad + k:]
         self.steps.mark()
-        logits, feats, ok = self.steps.prefill(ids, self.L, torch.tensor(n, device=self.device),
-                                               torch.tensor([b for b, _ in pairs], device=self.device),
+        logits, feats, ok = self.steps.prefill(ids, self.L, h[k * pad:k * pad + k], slots,
                                                self.fills.cols[:pad] if self.window else self.fills.cols,
                                                method.needs_head or method.needs_block, self.smp,
                                                sampling_mode([r.sampling for _, r in pairs]), self.root)
@@ -524,13 +525,12 @@ class Engine:
                 logits[i, lo:n[i]], torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:], r.logprobs)])
             method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
             method.prefilled(self, b)
-        return self.first_tokens(pairs, ok, lps)
+        return self.first_tokens(pairs, self.root.index_select(0, slots), ok, lps)
 
-    def first_tokens(self, pairs: list, finite: torch.Tensor, lps: list) -> list:
-        """After a prefill of requests (b, r): their first tokens (in self.root) and, for those that ask,
-        the log-probs taken (lps, per request a list of logprobs() rows), in one transfer; finite (len(pairs),)."""
-        slots = torch.tensor([b for b, _ in pairs], device=self.device)
-        got = torch.cat([self.root[slots].double(), finite.double()] + [x.flatten() for xs in lps for x in xs]).tolist()
+    def first_tokens(self, pairs: list, roots: torch.Tensor, finite: torch.Tensor, lps: list) -> list:
+        """After a prefill of requests (b, r): their first tokens (roots, (k,)) and, for those that ask,
+        the log-probs taken (lps, per request a list of logprobs() rows), in one transfer; finite (k,)."""
+        got = torch.cat([roots.double(), finite.double()] + [x.flatten() for xs in lps for x in xs]).tolist()
         if not all(got[len(pairs):2 * len(pairs)]):
             raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
                              "in this dtype or its weights are broken")

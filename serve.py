@@ -59,9 +59,9 @@ class Job:
     prompt's log-probs or None: echo), ("text", i, piece, log-probs of the tokens it settled),
     ("end", i, Completion), ("gone",) (the client hung up)."""
 
-    def __init__(self, loop, kw: dict, n: int = 1, echo: bool = False):
+    def __init__(self, loop, kw: dict, n: int = 1, echo: bool = False, t0: float | None = None):
         self.loop, self.kw, self.n, self.echo, self.events = loop, kw, n, echo, asyncio.Queue()
-        self.seqs, self.cancelled, self.t0 = [], False, time.perf_counter()
+        self.seqs, self.cancelled, self.t0 = [], False, time.perf_counter() if t0 is None else t0   # its arrival
         self.begun, self.over = set(), set()       # choices prefilled, ended (the engine's thread's)
 
     def put(self, *event):
@@ -539,6 +539,7 @@ async def watch(http: HTTPRequest, worker: Worker, job: Job):
 
 async def answer(server, http: HTTPRequest, body: Body, prompt, chat: bool):
     """Queue the request with the engine, then answer it whole or as server-sent events."""
+    t0 = time.perf_counter()
     check_model(server, body.model)
     kw, echo = request_kw(body, server, prompt, chat), bool(getattr(body, "echo", False))
     llm = server.worker.llm
@@ -547,7 +548,7 @@ async def answer(server, http: HTTPRequest, body: Body, prompt, chat: bool):
     except GraftError as e:
         raise BadRequest(400, str(e), "messages" if chat else "prompt") from None
     shown = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(kw["prompt"])) if echo else ""
-    job = Job(asyncio.get_running_loop(), kw, body.n, echo)
+    job = Job(asyncio.get_running_loop(), kw, body.n, echo, t0)
     if not server.worker.send(job):
         return error(429, f"{server.worker.limit} requests are waiting for a slot (--max-queued-requests): "
                           f"retry later", None, "rate_limit_exceeded")
