@@ -154,7 +154,8 @@ class _Holder:
 def test_streamed_pieces_are_the_final_text(where):
     """Tokens arriving a few at a time, multi-byte characters split across them (byte-level BPE, and
     SentencePiece's byte fallback), stop strings spanning tokens: the pieces joined equal the final text
-    and no piece holds half a character."""
+    and no piece holds half a character; the log-probs pulled beside them are the final ones, each
+    token's after the text before it."""
     import random
     from engine import Request
     from conftest import STORIES
@@ -167,17 +168,20 @@ def test_streamed_pieces_are_the_final_text(where):
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
         for stop in ((), ("STOP",), ("テキ",)):
-            r = Request([1], max_new_tokens=len(ids))
+            r = Request([1], max_new_tokens=len(ids), logprobs=0)
             seq = api.Sequence(_Holder(tok), r, stop)
-            pieces, i = [], 0
+            pieces, lps, i = [], [], 0
             while i < len(ids) and not seq.done:
                 i += rng.randint(1, 3)
-                r.tokens = ids[:i]
+                r.tokens, r.logprob_rows = ids[:i], [(-1.0 - j, []) for j in range(min(i, len(ids)))]
                 seq.update(finished=i >= len(ids))
                 pieces.append(seq.pull())
+                lps += seq.pull_logprobs()
+                assert len(tok.decode(ids[:max(len(lps) - 1, 0)]).rstrip("\ufffd")) <= len("".join(pieces)) or seq.done
             final = tok.decode(ids)
             want = final[:final.index(stop[0])] if stop and stop[0] in final else final
             assert "".join(pieces) == seq.text == want, (where, stop)
+            assert lps == seq.completion().logprobs and [t for t, _, _ in lps] == seq.completion().tokens
             assert not any("\ufffd" in p for p in pieces) or "\ufffd" in final
 
 
