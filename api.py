@@ -16,7 +16,9 @@ warm-up itself (cached in ~/.cache/graft after the first run).
 
 A server steps the same object as requests arrive: `submit` queues one and returns its Sequence,
 `step` runs one round for every slot (LLM.busy tells whether any is left), Sequence.cancel frees its
-slot at the next step. One thread drives an LLM.
+slot at the next step. One thread drives an LLM. Opened with open_llm(..., background=True), a method
+whose warm-up is not cached serves as plain decoding (the same tokens) while the warm-up runs in
+`idle_step`s between requests (Calibrating), then takes over.
 """
 import argparse
 import dataclasses
