@@ -16,11 +16,14 @@ warm-up itself (cached in ~/.cache/graft after the first run).
 
 A server steps the same object as requests arrive: `submit` queues one and returns its Sequence,
 `step` runs one round for every slot (LLM.busy tells whether any is left), Sequence.cancel frees its
-slot at the next step. One thread drives an LLM.
+slot at the next step. One thread drives an LLM. Opened with open_llm(..., background=True), a method
+whose warm-up is not cached serves as plain decoding (the same tokens) while the warm-up runs in
+`idle_step`s between requests (Calibrating), then takes over.
 """
 import argparse
 import dataclasses
 import os
+import threading
 import time
 
 import torch
@@ -36,6 +39,8 @@ import tp
 from verify import Sampling
 
 API_NAMES = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# The most log-probs a token may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 # What a request leaves out, unless load() was given it (its options of the same names).
 SUBMIT_DEFAULTS = {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "chat": False}
 
@@ -86,16 +91,16 @@ def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=
     return eng, method, cfg
 
 
-def calibrated(eng, a, method: str, cfg, log=None) -> tuple:
+def calibrated(eng, a, method: str, cfg, log=None, pause=None) -> tuple:
     """The warm-up `method` needs (calibrate.warm_up, a.warmup generations or the cached result), and
     the method's Config with what it calibrated. Returns (Config, Calibration or None). With a.warmup == 0
     a method that needs it runs uncalibrated, which the caller says (generate.py prints a line; load
-    refuses)."""
+    refuses). pause: warm_up's (Calibrating)."""
     if not (needs_warmup(method, a.auto_budget) and a.warmup > 0):
         return cfg, None
     wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
     cal = warm_up(eng, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
-                  log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+                  log=log, calibration=a.calibration, auto_budget=a.auto_budget, pause=pause)
     if getattr(METHODS[method], "cut", False) and cfg.tail_threshold is None:     # graft-tail's cut
         calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log,
                        use_cache=not a.no_cache and tp.world()[1] == 1)
@@ -108,13 +113,17 @@ class Completion:
     """One finished generation: its text (stop string excluded), the generated token ids (an EOS
     included), why it ended ("stop": EOS or a stop string, "length": max_new_tokens, "cancelled"),
     the prompt's length in tokens and the request's counts (engine.Request.stats: MAT, draft forwards,
-    retrieval share...)."""
+    retrieval share...). Asked for with logprobs=k: per token (id, log-probability, [(id, log-probability)
+    of the k most likely, descending]), the target's own distribution (verify.logprobs); with
+    prompt_logprobs, the same for every prompt token after the first."""
     text: str
     tokens: list
     finish_reason: str
     prompt_tokens: int
     seconds: float
     stats: dict
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class Sequence:
@@ -125,6 +134,7 @@ class Sequence:
     def __init__(self, llm: "LLM", request: Request, stop: tuple):
         self.llm, self.request, self.stop = llm, request, stop
         self.text, self.sent, self.reason, self.kept = "", 0, None, None
+        self.lp_sent = 0                         # tokens whose log-probs pull_logprobs gave
         self.t0 = time.perf_counter()
         self.seconds = 0.0
 
@@ -164,15 +174,75 @@ class Sequence:
         piece, self.sent = self.text[self.sent:], len(self.text)
         return piece
 
+    def pull_logprobs(self) -> list:
+        """After pull(): the log-probs (Completion.logprobs' entries) of the tokens whose text the pulls so
+        far hold (a token is settled once the text up to it, an incomplete character aside, was pulled),
+        and once done of every token left: joined, the Completion's."""
+        r, tok = self.request, self.llm.tokenizer
+        if r.logprobs is None:
+            return []
+        n = len(r.tokens[:self.kept]) if self.done else self.lp_sent
+        while not self.done and n < len(r.logprob_rows) and len(tok.decode(r.tokens[:n + 1]).rstrip("\ufffd")) <= self.sent:
+            n += 1
+        got, self.lp_sent = self.entries(r.tokens, r.logprob_rows, self.lp_sent, n), max(n, self.lp_sent)
+        return got
+
+    @staticmethod
+    def entries(tokens, rows, a: int, b: int) -> list:
+        return [(t, lp, top) for t, (lp, top) in zip(tokens[a:b], rows[a:b])]
+
     def completion(self) -> Completion:
         r = self.request
-        return Completion(self.text, list(r.tokens[:self.kept]), self.reason, len(r.ids), self.seconds, r.stats())
+        tokens = list(r.tokens[:self.kept])
+        lps = None if r.logprobs is None else self.entries(tokens, r.logprob_rows, 0, len(tokens))
+        plps = self.entries(r.ids[1:], r.prompt_logprob_rows, 0, len(r.ids)) if r.prompt_logprobs else None
+        return Completion(self.text, tokens, self.reason, len(r.ids), self.seconds, r.stats(), lps, plps)
+
+
+class Calibrating:
+    """The warm-up a method needs, run while a server already answers with plain decoding: on an engine
+    of its own (Engine.variant: the same model, head and prior continuation matrix; its own slots and
+    caches), in a thread that computes only while the serving thread waits in turn(), for one warm-up
+    round or one timed sample (warm_up's pause), so the two never compute at once and the timings are
+    the calibration's alone. result: (Config, Calibration) once done, or error."""
+
+    def __init__(self, eng, a, method: str, cfg, log=None):
+        self.method, self.result, self.error, self.done, self.turns = method, None, None, False, 0
+        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
+        work = eng.variant(eng.compiling, eng.window)
+        threading.Thread(target=self.main, args=(work, a, cfg, log), daemon=True, name="graft-calibration").start()
+
+    def main(self, eng, a, cfg, log):
+        self.go.acquire()
+        try:
+            with torch.no_grad():                         # (thread-local: this thread's own)
+                self.result = calibrated(eng, a, self.method, cfg, log, self.pause)
+        except Exception as e:                            # the server stays on plain decoding and says why
+            self.error = e
+        finally:
+            self.done = True
+            self.back.release()
+
+    def pause(self):
+        self.back.release()
+        self.go.acquire()
+
+    def turn(self) -> bool:
+        """Run the calibration to its next pause or its end (seconds at most); returns whether it ended."""
+        if not self.done:
+            self.turns += 1
+            self.go.release()
+            self.back.acquire()
+        return self.done
 
 
 class LLM:
     """A loaded engine with its method, calibrated: what `load` returns. Attributes: engine
     (engine.Engine, batch slots), method (its name), config (graft.Config), calibration (or None),
-    tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit)."""
+    tokenizer, max_seq_len (the cache's tokens: prompt plus new tokens must fit), background (a
+    Calibrating whose method replaces the one serving once it ends: open_llm(background=True)) and
+    calibrated ("none": the method needs none, "done": before serving, "running": in the background,
+    "measured": in the background and now in force, or "failed: why")."""
 
     def __init__(self, engine, method: str, config, calibration, defaults: dict | None = None):
         self.engine, self.method, self.config, self.calibration = engine, method, config, calibration
@@ -182,6 +252,31 @@ class LLM:
         self.runner = engine.make(method, config, calibration)
         self.scheduler = Scheduler(engine, self.runner, self.defaults["max_new_tokens"], engine.tokenizer.eos_ids)
         self.live = []                                    # submitted Sequences not yet done
+        self.background, self.calibrated = None, "done" if calibration is not None else "none"
+
+    @property
+    def switching(self) -> bool:
+        """The background calibration ended: new requests wait until the running ones end and the switch."""
+        return self.background is not None and self.background.done
+
+    def idle_step(self):
+        """Background work, called while no request runs (busy() False): one turn of the calibration, or
+        once it ended, the switch to its method (or, if it failed, plain decoding stays, saying why)."""
+        bg = self.background
+        if bg is None or self.busy():
+            return
+        if not bg.turn():
+            self.calibrated = "running"
+            return
+        self.background = None
+        if bg.error is not None:
+            self.calibrated = f"failed: {str(bg.error).splitlines()[0][:300] if str(bg.error) else type(bg.error).__name__}"
+            return
+        cfg, cal = bg.result
+        self.method, self.config, self.calibration = bg.method, cfg, cal
+        self.runner = self.engine.make(bg.method, cfg, cal)
+        self.scheduler = Scheduler(self.engine, self.runner, self.defaults["max_new_tokens"], self.engine.tokenizer.eos_ids)
+        self.calibrated = "measured" if bg.turns > 1 else "done"      # (one turn: read from the cache)
 
     def encode(self, prompt, chat: bool = False) -> list:
         """Token ids of a prompt: a string (with chat=True one user turn in the chat template), a list
@@ -202,11 +297,14 @@ class LLM:
 
     def submit(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None, stop=(),
-               chat: bool | None = None, names=API_NAMES) -> Sequence:
+               chat: bool | None = None, names=API_NAMES, logprobs: int | None = None,
+               prompt_logprobs: bool = False) -> Sequence:
         """Queue one request (encode's prompt forms); it runs as `step` is called. A value left None takes
         load()'s (its max_new_tokens=, temperature=, ... options; else greedy, 128 tokens). stop: strings
-        that end the text (not included). Errors: GraftError, one line (the values called by `names`), for
-        bad values or a prompt + max_new_tokens beyond max_seq_len."""
+        that end the text (not included). logprobs: k in [0, MAX_LOGPROBS] to have each token's
+        log-probability and the k most likely (Completion.logprobs); prompt_logprobs (with logprobs): the
+        prompt's too. Errors: GraftError, one line (the values called by `names`), for bad values or a
+        prompt + max_new_tokens beyond max_seq_len."""
         d = self.defaults
         max_new_tokens, temperature, top_p, top_k, seed, chat = (
             d[k] if v is None else v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -215,6 +313,10 @@ class LLM:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise GraftError("stop takes a string or a list of non-empty strings")
         stop = tuple(stop)
+        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= MAX_LOGPROBS):
+            raise GraftError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
+        if prompt_logprobs and logprobs is None:
+            raise GraftError("prompt_logprobs needs logprobs= (how many of the most likely tokens to give)")
         check_sampling(temperature, top_p, top_k, seed, max_new_tokens, names)
         ids = self.encode(prompt, chat)
         if not ids:
@@ -223,7 +325,7 @@ class LLM:
             raise GraftError(f"prompt ({len(ids)} tokens) + {names[4]} ({max_new_tokens}) exceeds the context: "
                              f"{self.max_seq_len} tokens")
         r = Request(ids, Sampling(float(temperature), float(top_p), int(top_k), int(seed)),
-                    max_new_tokens=max_new_tokens)
+                    max_new_tokens=max_new_tokens, logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs))
         self.scheduler.add(r)
         seq = Sequence(self, r, stop)
         self.live.append(seq)
@@ -252,10 +354,12 @@ class LLM:
     def generate(self, prompts, **kw):
         """One prompt -> its Completion; a list of prompts (strings, message lists or id lists) -> their
         Completions in input order, run `engine.B` at a time. kw: submit's (max_new_tokens, temperature,
-        top_p, top_k, seed, stop, chat); with many prompts request i samples with seed + i."""
-        unknown = set(kw) - set(SUBMIT_DEFAULTS) - {"stop"}
+        top_p, top_k, seed, stop, chat, logprobs, prompt_logprobs); with many prompts request i samples
+        with seed + i."""
+        unknown = set(kw) - set(SUBMIT_DEFAULTS) - {"stop", "logprobs", "prompt_logprobs"}
         if unknown:
-            raise GraftError(f"unknown keyword {sorted(unknown)[0]}=: generate takes {', '.join(SUBMIT_DEFAULTS)}, stop")
+            raise GraftError(f"unknown keyword {sorted(unknown)[0]}=: generate takes {', '.join(SUBMIT_DEFAULTS)}, "
+                             f"stop, logprobs, prompt_logprobs")
         one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and
                                            all(isinstance(p, (dict, int)) and not isinstance(p, bool) for p in prompts))
         if not one and not (isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts)):
@@ -298,8 +402,10 @@ def load(ckpt: str | None = None, draft: str | None = None, method: str | None =
     return open_llm(None if ckpt is None else str(ckpt), a, method, batch, log)
 
 
-def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None) -> LLM:
-    """load() from checked engine flags `a` (engine_options, or a face's parsed command line)."""
+def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log=None, background: bool = False) -> LLM:
+    """load() from checked engine flags `a` (engine_options, or a face's parsed command line). background
+    (a server): a method that needs a warm-up not cached yet serves as plain decoding (the same tokens)
+    while it calibrates between requests (Calibrating, LLM.idle_step); an eager engine only."""
     if ckpt is None:
         ckpt = data.demo_model()
         if ckpt is None:
@@ -316,6 +422,13 @@ def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log
     if type(batch) is not int or batch < 1:
         raise GraftError(f"batch must be a positive integer, got {batch!r}")
     eng, m, cfg = build(ckpt, a, m, batch)
+    if background and needs_warmup(m, a.auto_budget) and a.warmup > 0 and not eng.compiling:
+        llm = LLM(eng, "ar", cfg, None, {k: getattr(a, k) for k in SUBMIT_DEFAULTS})
+        llm.background = Calibrating(eng, a, m, cfg, log)
+        llm.idle_step()                                  # a cached calibration ends in its first turn:
+        if llm.switching:                                # then its method serves from the start
+            llm.idle_step()
+        return llm
     cfg, cal = calibrated(eng, a, m, cfg, log)
     llm = LLM(eng, m, cfg, cal, {k: getattr(a, k) for k in SUBMIT_DEFAULTS})
     if eng.compiling:

@@ -280,11 +280,12 @@ def warmup_path(engine: Engine, cfg: Config, prompts, rounds: int, max_new_token
 
 def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
             use_cache: bool = True, chat: bool = False, log=None, calibration: str = "throughput",
-            auto_budget: bool = False) -> Calibration:
+            auto_budget: bool = False, pause=None) -> Calibration:
     """The warm-up (calibrate_now), at most one at a time per cache file: runs of one command started
     together take turns on a lock beside it, so the later ones read what the first measured and every
     run chooses the same budget and thresholds (measuring again would see the machine's noise: see
-    TIE_SPREADS). With use_cache=False it always measures."""
+    TIE_SPREADS). With use_cache=False it always measures. pause: called between warm-up rounds and
+    between timed samples, never inside one (a server calibrating between its own rounds: api.Calibrating)."""
     path = warmup_path(engine, cfg, prompts, rounds, max_new_tokens, chat, auto_budget) if use_cache else None
     lock = None
     if path is not None:
@@ -296,7 +297,8 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
         except (ImportError, OSError):                # no POSIX locks, or a read-only cache folder: go unlocked
             lock = None
     try:
-        return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, path, chat, log, calibration, auto_budget)
+        return calibrate_now(engine, cfg, prompts, rounds, max_new_tokens, path, chat, log, calibration, auto_budget,
+                             pause)
     finally:
         if lock is not None:     # removed while held: a run waiting on it then reads the cache; a later one
             try:                 # locks a new file, and reads the cache too
@@ -308,7 +310,7 @@ def warm_up(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_
 
 def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, max_new_tokens: int = 64,
                   path: str | None = None, chat: bool = False, log=None, calibration: str = "throughput",
-                  auto_budget: bool = False) -> Calibration:
+                  auto_budget: bool = False, pause=None) -> Calibration:
     """Fill the continuation matrix (engine.matrix, the prior every request starts from), measure
     per-rank hit rates and calibrate the thresholds by running a few generations with the dense tree
     (docs/graft.md sections 3, 4, 6), on the engine's B slots. Returns the Calibration the methods read.
@@ -375,6 +377,9 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
                                 "parents": rec["parents"][b].cpu(), "root": int(rnd.tree.tokens[b, 0]),
                                 "L": engine.slots[b].L - len(g[0]) - 1, "request": r,
                                 "retrieved": rec["retrieved"][b].cpu()})
+        if pause:
+            pause()
+            engine.clock.start()         # the time paused is no phase's
 
     for p in prompts:
         ids = engine.tokenizer.apply_chat(p) if chat else engine.tokenizer.encode(p)
@@ -410,8 +415,8 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     calibrations, curve, spread = {}, {}, None
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
-        timings = measure_costs(engine, cfg, budgets or (cfg.budget,), rates, phases)
-        options, spread = calibration_options(engine, cfg, records, timings, budgets or (cfg.budget,), show)
+        timings = measure_costs(engine, cfg, budgets or (cfg.budget,), rates, phases, pause)
+        options, spread = calibration_options(engine, cfg, records, timings, budgets or (cfg.budget,), show, pause)
         log(f"warm-up: verify timings' spread {spread:.2%}: rates within {tie_tolerance(spread):.1%} of the best "
             f"are ties, which go to the smaller budget and to never pruning")
         calibrations = {"throughput": {}, "youden": {}}
@@ -622,7 +627,7 @@ def usable_records(records: list, depth: int) -> list:
 
 
 @torch.no_grad()
-def measure_costs(eng: Engine, cfg: Config, budgets, rates, phases: dict) -> dict:
+def measure_costs(eng: Engine, cfg: Config, budgets, rates, phases: dict, pause=None) -> dict:
     """The samples the calibration's costs come from, in seconds: {"draft": per warm-up round, the
     seconds a draft forward took; "update": per round, the update's seconds (both from the warm-up's
     own clock, `phases`); "assemble": {widest budget: samples} (assembly_samples; its cost barely
@@ -631,22 +636,26 @@ def measure_costs(eng: Engine, cfg: Config, budgets, rates, phases: dict) -> dic
     instance and compiles one assemble graph, not one per budget: 0.6-1.3 ms at every budget on the
     demo pair, eager, no trend); "verify": {N: samples}, a
     target pass over B trees of N nodes (pass_cost: interleaved, each after an untimed pass)}. Plain
-    lists of floats: what a test replays (a real run's timings, saved) to show the choice holds."""
+    lists of floats: what a test replays (a real run's timings, saved) to show the choice holds.
+    pause: called between samples (time_passes)."""
     stats = {}
-    pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, timer=cost_timer(eng), stats=stats)
+    pass_cost(eng, sorted({b + 1 for b in budgets}), repeats=8, capture=True, timer=cost_timer(eng), stats=stats,
+              pause=pause)
     d = eng.drafter
     widths = sorted({min(d.top_k, b) for b in budgets}) if d is not None else []
     return {"draft": list(phases["draft"]), "update": list(phases["update"]),
-            "assemble": {max(budgets): assembly_samples(eng, dataclasses.replace(cfg, budget=max(budgets)), rates)},
+            "assemble": {max(budgets): assembly_samples(eng, dataclasses.replace(cfg, budget=max(budgets)), rates,
+                                                        pause=pause)},
             "verify": {n: list(xs) for n, xs in stats["samples"].items()},
-            "level": {k: list(xs) for k, xs in level_samples(eng, widths).items()}}
+            "level": {k: list(xs) for k, xs in level_samples(eng, widths, pause=pause).items()}}
 
 
-def level_samples(eng: Engine, widths: list, repeats: int = 5) -> dict:
+def level_samples(eng: Engine, widths: list, repeats: int = 5, pause=None) -> dict:
     """Seconds of one draft level (Drafter.level: a head forward over B x k beam nodes and its top k)
     at each beam width k: a budget of n nodes drafts with a beam of min(top_k, n) (graft.Method.configure),
     and a narrow level costs less than the warm-up's full-width one. {k: samples}, interleaved, each
-    after an untimed call, on the drafter's state the warm-up left (its scratch rows only are written)."""
+    after an untimed call, on the drafter's state the warm-up left (its scratch rows only are written).
+    pause: called between samples (time_passes)."""
     if not widths:
         return {}
     d, cols = eng.drafter, eng.cols((eng.drafter.depth - 1) * eng.drafter.top_k, head=True)
@@ -654,7 +663,7 @@ def level_samples(eng: Engine, widths: list, repeats: int = 5) -> dict:
     def one(k):
         eng.steps.mark()
         eng.steps.level(eng.fills.level[0], cols, k)
-    return time_passes(one, widths, repeats, cost_timer(eng), lambda: sync(eng.device))
+    return time_passes(one, widths, repeats, cost_timer(eng), lambda: sync(eng.device), pause=pause)
 
 
 def robust_round_costs(timings: dict) -> tuple:
@@ -669,7 +678,8 @@ def robust_round_costs(timings: dict) -> tuple:
 
 
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, budgets, show: bool = False) -> tuple:
+def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, budgets, show: bool = False,
+                        pause=None) -> tuple:
     """({method: {budget: (rounds, cost)}}, spread): the options as choose_budget reads them, for
     eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
     tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
@@ -690,6 +700,8 @@ def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, 
 
     out = {"eagle3": {}, "prune": {}, "graft": {}}
     for b in tqdm(budgets, desc="calibration", unit="budget", file=sys.stderr, dynamic_ncols=True, disable=not show):
+        if pause:
+            pause()
         for method in out:
             stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d).stages()
             rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
@@ -715,7 +727,7 @@ def stage_costs(eng: Engine, cfg: Config, timings: dict, budgets) -> tuple:
     return out, spread
 
 
-def assembly_samples(eng: Engine, cfg: Config, rates, repeats: int = 5) -> list:
+def assembly_samples(eng: Engine, cfg: Config, rates, repeats: int = 5, pause=None) -> list:
     """Seconds of one keep-retrieve-graft step (graft.assemble, one graph for every stage) on the
     drafter's current candidates: `repeats` samples, each after an untimed call."""
     # made without eng.make's room check: nothing is verified, and the room (warmup_method's dense
@@ -726,7 +738,7 @@ def assembly_samples(eng: Engine, cfg: Config, rates, repeats: int = 5) -> list:
     def one(_):
         eng.steps.mark()
         eng.steps.assemble(g, eng.root, eng.active)
-    return time_passes(one, [0], repeats, cost_timer(eng), lambda: sync(eng.device))[0]
+    return time_passes(one, [0], repeats, cost_timer(eng), lambda: sync(eng.device), pause)[0]
 
 
 # ----------------------------------------------------------------------------- measured costs
@@ -748,15 +760,18 @@ def cost_timer(eng: Engine):
     return time.perf_counter if eng.cuda else time.process_time
 
 
-def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None) -> dict:
+def time_passes(run, sizes, repeats: int, timer=time.perf_counter, sync=lambda: None, pause=None) -> dict:
     """Seconds per call of run(n) for each n in `sizes`, `repeats` samples each. Interleaved: round
     robin over the sizes, every other sweep in reverse order; each timed call comes right after an
     untimed call of the same n (warm caches, no first-call costs). timer: seconds (a clock, injected
-    in tests); sync: waits for the device before the clock is read. Returns {n: [seconds, ...]}."""
+    in tests); sync: waits for the device before the clock is read; pause: called before each untimed
+    call (never between it and its timed one). Returns {n: [seconds, ...]}."""
     samples = {n: [] for n in sizes}
     order = list(sizes)
     for r in range(repeats):
         for n in order if r % 2 == 0 else order[::-1]:
+            if pause:
+                pause()
             run(n)                   # untimed
             sync()
             t0 = timer()
@@ -794,7 +809,7 @@ def monotone(costs: dict) -> dict:
 
 @torch.no_grad()
 def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, capture: bool = False,
-              timer=time.perf_counter, stats: dict | None = None) -> tuple:
+              timer=time.perf_counter, stats: dict | None = None, pause=None) -> tuple:
     """Milliseconds per target pass over B trees of N nodes (B: the engine's slots, each after
     `context` committed tokens), through the steps decoding uses (compiled when the engine is): N=1 is
     the decode step, larger N the verifier. The price of verifying a budget: on a GPU it barely grows
@@ -803,7 +818,8 @@ def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, c
     each N, interleaved, each after an untimed pass; the fastest sample of each N; then the
     non-decreasing fit over N. timer: a clock in seconds (tests inject one). stats: a dict that, when
     given, receives "samples" ({N: [seconds]}) and "spread" (the measurement's relative spread, a
-    fraction). Returns (context used, {N: ms}): the context shrinks when the cache leaves no room."""
+    fraction). pause: time_passes'. Returns (context used, {N: ms}): the context shrinks when the cache
+    leaves no room."""
     dev, m = eng.device, eng.model
     context = max(1, min(context, m.max_seq_len - max(sizes) - 1))
     g = torch.Generator().manual_seed(0)
@@ -823,7 +839,7 @@ def pass_cost(eng: Engine, sizes: list, context: int = 256, repeats: int = 20, c
             eng.steps.verify(tree, eng.L, eng.active, eng.cols(n), smp, mode, P, capture, eng.root)
         eng.L.fill_(context)                     # undo what the pass committed
 
-    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev))
+    samples = time_passes(one, list(sizes), repeats, timer, lambda: sync(dev), pause)
     for b in range(eng.B):
         eng.free(b, ar)
     fastest, spread = robust_costs(samples)

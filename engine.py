@@ -30,8 +30,8 @@ from draft import Drafter
 from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree,
                    learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
-from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, rows_finite, sampling_mode,
-                    token_hash, verify)
+from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, logprobs, path_logprobs,
+                    rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
 
 
 # The verification budget. On a GPU a 61-node tree costs about what one token does (the paper's 60);
@@ -59,17 +59,18 @@ def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.
     its rows L[slot]..L[slot]+C-1, causal among themselves and over its committed rows; its L advances
     by n, and root[slot] receives the target's choice after the last real token (the first generated
     token, once the last chunk has run). Returns logits (1, C, V), features (1, C, 3*dim) or None, and
-    whether the real rows' logits were finite (1,)."""
+    whether the real rows' logits were finite (1,). Several requests' chunks at once (Engine.admit_group):
+    tokens (B', C), slot and n (B',), and every result has B' rows."""
     C, dev = tokens.shape[1], tokens.device
     Ls = L.index_select(0, slot)                                                   # (1,)
     rows = Ls[:, None] + torch.arange(C, device=dev)                               # (1, C)
     mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), Ls, cols)
-    keep = torch.arange(C, device=dev)[None] < n
+    keep = torch.arange(C, device=dev)[None] < n.view(-1, 1)
     out = model(tokens, rows, rows, mask, capture, cache, keep=keep, slots=slot)
     logits, feats = out if capture else (out, None)
-    last = logits.gather(1, (n - 1).view(1, 1, 1).expand(1, 1, logits.shape[-1]))   # (1, 1, V)
+    last = logits.gather(1, (n - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))   # (B', 1, V)
     root.index_copy_(0, slot, choose(last, (Ls + n)[:, None], smp.rows(slot), mode)[:, 0])
-    L.index_add_(0, slot, n.view(1))
+    L.index_add_(0, slot, n.view(-1))
     return logits, feats, rows_finite(logits, keep)
 
 
@@ -254,6 +255,10 @@ class Request:
     max_new_tokens: int | None = None    # its own limit (a server's request); None: the run's
     cancelled: bool = False              # set from outside (a client gone, a stop string): freed next step
     done: bool = False                   # it ended (EOS, its limit, cancelled): no slot holds it
+    logprobs: int | None = None          # asked for: each token's log-probability and the top `logprobs` (None: off)
+    prompt_logprobs: bool = False        # the prompt's tokens' too (a server's echo)
+    logprob_rows: list = field(default_factory=list)    # per token of `tokens`: (log-prob, [(id, log-prob), ...])
+    prompt_logprob_rows: list = field(default_factory=list)   # per prompt token after the first, the same
 
     @property
     def prompt_tokens(self) -> int:
@@ -494,6 +499,7 @@ class Engine:
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
         finite = torch.ones(1, dtype=torch.bool, device=self.device)
         mode = sampling_mode([r.sampling])
+        lps = []                                  # log-probs asked for, taken before the next chunk's pass
         for s in range(0, len(r.ids), C):
             n = min(C, len(r.ids) - s)
             self.steps.mark()                      # each chunk is a generation of its own (the step replays)
@@ -505,14 +511,56 @@ class Engine:
                                                    method.needs_head or method.needs_block, self.smp, mode, self.root)
             finite &= ok
             slot.L += n
+            if r.logprobs is not None and (r.prompt_logprobs or s + n == len(r.ids)):
+                lo = 0 if r.prompt_logprobs else n - 1            # row i chose token s + i + 1 (the last: root)
+                lps.append(logprobs(logits[0, lo:n], torch.cat([t, self.root[b].view(1)])[s + lo + 1:s + n + 1],
+                                    r.logprobs))
             method.prompt_chunk(self, b, chunk, logits, feats, n)
         method.prefilled(self, b)
-        got = torch.cat([self.root[b].view(1), finite.long()]).tolist()
-        if not got[1]:
+        return self.first_tokens([(b, r)], self.root[b].view(1), finite, [lps])[0]
+
+    def admit_group(self, pairs: list, method: Method) -> list:
+        """Prefill requests (b, r) whose prompts each fit one chunk in one target pass: their rows side by
+        side (B', C), each written at its own slot (prefill_chunk); then each one's chunk goes to the
+        method, as in admit. Eager engines only (a compiled step would need a graph per B'). Returns the
+        first tokens (one host sync)."""
+        for b, r in pairs:
+            self.seat(b, r)                       # (its rows zeroed)
+            self.smp.set(b, r.sampling)
+            method.admit(self, b)
+        k, n = len(pairs), [len(r.ids) for _, r in pairs]
+        pad = cache_rows(max(n))
+        h = torch.tensor([t for _, r in pairs for t in r.ids + [0] * (pad - len(r.ids))] + n + [b for b, _ in pairs],
+                         device=self.device)         # the prompts' one copy to the device, lengths and slots with them
+        ids, slots = h[:k * pad].view(k, pad), h[k * pad + k:]
+        self.steps.mark()
+        logits, feats, ok = self.steps.prefill(ids, self.L, h[k * pad:k * pad + k], slots,
+                                               self.fills.cols[:pad] if self.window else self.fills.cols,
+                                               method.needs_head or method.needs_block, self.smp,
+                                               sampling_mode([r.sampling for _, r in pairs]), self.root)
+        lps = []
+        for i, (b, r) in enumerate(pairs):
+            self.slots[b].L += n[i]
+            lo = 0 if r.prompt_logprobs else n[i] - 1
+            lps.append([] if r.logprobs is None else [logprobs(
+                logits[i, lo:n[i]], torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:], r.logprobs)])
+            method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
+            method.prefilled(self, b)
+        return self.first_tokens(pairs, self.root.index_select(0, slots), ok, lps)
+
+    def first_tokens(self, pairs: list, roots: torch.Tensor, finite: torch.Tensor, lps: list) -> list:
+        """After a prefill of requests (b, r): their first tokens (roots, (k,)) and, for those that ask,
+        the log-probs taken (lps, per request a list of logprobs() rows), in one transfer; finite (k,)."""
+        got = torch.cat([roots.double(), finite.double()] + [x.flatten() for xs in lps for x in xs]).tolist()
+        if not all(got[len(pairs):2 * len(pairs)]):
             raise GraftError("the target's logits are not finite (NaN or inf) on the prompt: the model overflows "
                              "in this dtype or its weights are broken")
-        r.tokens = [got[0]]
-        return got[0]
+        at = 2 * len(pairs)
+        for i, ((b, r), xs) in enumerate(zip(pairs, lps)):
+            n = sum(x.numel() for x in xs)
+            rows = unpack_logprobs(got[at:at + n], r.logprobs, r.logprobs) if xs else []
+            r.tokens, r.prompt_logprob_rows, r.logprob_rows, at = [int(got[i])], rows[:-1], rows[-1:], at + n
+        return [r.tokens[0] for _, r in pairs]
 
     def head_prefill(self, b: int, feats, ids, n: int):
         """The head's committed rows for a chunk of slot b's prompt (Drafter.prefill)."""
@@ -566,8 +614,11 @@ class Engine:
             self.grow.copy_(self.grow_host.copy_(torch.tensor(self.drafts)))
             rnd = method.round(self, record, full)
         rnd.grow = grow
+        want = [b for b, s in enumerate(self.slots) if s.request is not None and s.request.logprobs is not None]
+        k = max((self.slots[b].request.logprobs for b in want), default=0)       # (no work unless asked)
+        got, vals = commit(rnd.v, rnd.tree, path_logprobs(rnd.v, want, k)) if want else (commit(rnd.v, rnd.tree), [])
         out = []
-        for b, (acc, bonus, ret, nodes, finite) in enumerate(commit(rnd.v, rnd.tree)):
+        for b, (acc, bonus, ret, nodes, finite) in enumerate(got):
             s = self.slots[b]
             if s.request is None:
                 out.append(None)
@@ -577,6 +628,10 @@ class Engine:
             s.L += len(acc) + 1
             s.pend = s.pend + 1 if rnd.plain else len(acc) + 1
             out.append((acc, bonus, ret, nodes))
+        P, w = rnd.v.path.shape[1], 1 + 2 * k
+        for i, b in enumerate(want):          # the emitted tokens' rows: the path's first A + 1
+            r = self.slots[b].request
+            r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
         if grow is not None:
             method.pacer.seen(self, method, grow, out, time.perf_counter() - t0, rnd.plain)
@@ -594,6 +649,7 @@ class Engine:
 
 # Whether a method's rounds are paced (Pacer) unless its Config says (--pace, --no-pace): on.
 PACE = True
+
 
 class Pacer:
     """Cost-aware rounds [ours]: each round, which requests draft a tree and which take a plain step.
@@ -713,25 +769,41 @@ class Scheduler:
             r.finished_s, r.done = time.perf_counter() - self.t0, True
             self.eng.free(b, self.method)
 
+    def admit(self, pairs: list):
+        """Prefill new requests (slot, request): the prompts that fit one chunk together in one target
+        pass (Engine.admit_group, on an eager engine), the others one by one; each may end at once."""
+        eng = self.eng
+        group = [p for p in pairs if len(p[1].ids) <= eng.chunk] if len(pairs) > 1 and not eng.compiling else []
+        grouped = {id(r) for _, r in group} if len(group) > 1 else set()
+        for batch in ([group] if grouped else []) + [[p] for p in pairs if id(p[1]) not in grouped]:
+            t = time.perf_counter() - self.t0
+            eng.admit_group(batch, self.method) if len(batch) > 1 else eng.admit(*batch[0], self.method)
+            for b, r in batch:
+                r.admitted_s, r.first_s = t, time.perf_counter() - self.t0
+            self.prefill_s += time.perf_counter() - self.t0 - t
+            eng.clock.mark("prefill")
+            for b, r in batch:
+                if self.on_tokens:
+                    self.on_tokens(r)
+                self.done(b, r)
+
     @torch.no_grad()
     def step(self):
         eng, method = self.eng, self.method
         for b in range(eng.B):                       # 1. free the cancelled, refill free slots between rounds
             if (r := eng.slots[b].request) is not None and r.cancelled:
                 self.done(b, r)
-            while eng.slots[b].request is None and self.waiting:
+        while True:
+            free, pairs = [b for b in range(eng.B) if eng.slots[b].request is None], []
+            while free and self.waiting:
                 r = self.waiting.popleft()
                 if r.cancelled:
                     r.done = True
                     continue
-                r.admitted_s = time.perf_counter() - self.t0
-                eng.admit(b, r, method)
-                r.first_s = time.perf_counter() - self.t0
-                self.prefill_s += r.first_s - r.admitted_s
-                eng.clock.mark("prefill")
-                if self.on_tokens:
-                    self.on_tokens(r)
-                self.done(b, r)
+                pairs.append((free.pop(0), r))
+            if not pairs:
+                break
+            self.admit(pairs)
         if not any(eng.requests()):
             return
         rnd, got = eng.step(method, self.record, self.full)     # 2. one round for every slot
@@ -761,6 +833,7 @@ class Scheduler:
             r.plain += rnd.plain or (rnd.grow is not None and not rnd.grow[b])
             r.stages[rnd.stages[b]] = r.stages.get(rnd.stages[b], 0) + 1
             r.tokens += new
+            del r.logprob_rows[len(r.tokens):]      # (rows past the cut)
             if self.on_tokens:
                 self.on_tokens(r)
             self.done(b, r)

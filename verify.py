@@ -280,25 +280,60 @@ NOT_FINITE = ("the target's logits are not finite (NaN or inf) in this pass: the
               "or its weights are broken")
 
 
-def commit(v: Verified, tree: Tree) -> list:
+def commit(v: Verified, tree: Tree, more: torch.Tensor | None = None):
     """The one host sync of a round: for every request, the accepted length, the bonus, whether its
     logits were finite, the real candidates its tree held, and the path's tokens and sources, in one
     transfer. Returns per request (accepted tokens, bonus, retrieval sources of the accepted (0: none),
     real candidate nodes verified, whether its real nodes' logits were finite: the engine refuses to
     go on when an active request's were not, since a NaN would make the argmax pick token 0 again and
-    again)."""
+    again). more: float64 values (path_logprobs) brought in the same transfer; then (that list, them
+    as a list of floats)."""
     B, P = v.path.shape
     parts = [v.A, v.bonus, v.finite.long(), tree.valid.sum(1) - 1, tree.tokens.gather(1, v.path).flatten()]
     if tree.retrieved is not None:
         parts.append(tree.retrieved.gather(1, v.path).long().flatten())
-    h = torch.cat(parts).tolist()
+    h = torch.cat(parts)
+    if more is not None:        # one transfer still: the integers ride as float64, exact below 2^53
+        n, h = h.numel(), torch.cat([h.double(), more.flatten()]).tolist()
+        h, more = [int(x) for x in h[:n]], h[n:]
+    else:
+        h = h.tolist()
     out = []
     for b in range(B):
         A, bonus, finite, nodes = h[b], h[B + b], h[2 * B + b], h[3 * B + b]
         path = h[4 * B + b * P:4 * B + (b + 1) * P]
         ret = h[4 * B + B * P + b * P + 1:4 * B + B * P + b * P + 1 + A] if tree.retrieved is not None else [0] * A
         out.append((path[1:1 + A], bonus, ret, nodes, bool(finite)))
-    return out
+    return out if more is None else (out, more)
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+def logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """What a request that asks for log-probabilities gets at R rows: logits (R, V), chosen (R,) the
+    token emitted after each row. The target's distribution is the log-softmax of its raw logits in
+    float32 (before temperature, top-k and top-p: what vLLM reports by default), so every method reports
+    plain decoding's numbers. Returns (R, 1 + 2k) float64: the chosen token's log-probability, the k
+    largest (descending), then their ids (exact in float64)."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(k, -1)
+    return torch.cat([lp.gather(1, chosen[:, None]).double(), top.values.double(), top.indices.double()], 1)
+
+
+def path_logprobs(v: Verified, slots: list, k: int) -> torch.Tensor:
+    """logprobs() at every path row of the requests `slots` (a list of S slot indices): row j of a
+    path chose the j-th token the round emitted (the accepted, then the bonus). Returns (S * P, 1 + 2k)."""
+    idx = torch.tensor(slots, device=v.path.device)[:, None]
+    path = v.path[idx[:, 0]]                                                      # (S, P)
+    return logprobs(v.logits[idx, path].flatten(0, 1), v.target[idx, path].flatten(), k)
+
+
+def unpack_logprobs(vals: list, k: int, keep: int) -> list:
+    """Host rows of logprobs() (flat, 1 + 2k floats each) as [(log-probability, [(id, log-probability)
+    of the `keep` <= k most likely, descending])]."""
+    w = 1 + 2 * k
+    return [(vals[i], [(int(t), x) for t, x in zip(vals[i + 1 + k:i + 1 + k + keep], vals[i + 1:i + 1 + keep])])
+            for i in range(0, len(vals), w)]
 
 
 class Clock:

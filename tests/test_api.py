@@ -154,7 +154,8 @@ class _Holder:
 def test_streamed_pieces_are_the_final_text(where):
     """Tokens arriving a few at a time, multi-byte characters split across them (byte-level BPE, and
     SentencePiece's byte fallback), stop strings spanning tokens: the pieces joined equal the final text
-    and no piece holds half a character."""
+    and no piece holds half a character; the log-probs pulled beside them are the final ones, each
+    token's after the text before it."""
     import random
     from engine import Request
     from conftest import STORIES
@@ -167,17 +168,20 @@ def test_streamed_pieces_are_the_final_text(where):
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
         for stop in ((), ("STOP",), ("テキ",)):
-            r = Request([1], max_new_tokens=len(ids))
+            r = Request([1], max_new_tokens=len(ids), logprobs=0)
             seq = api.Sequence(_Holder(tok), r, stop)
-            pieces, i = [], 0
+            pieces, lps, i = [], [], 0
             while i < len(ids) and not seq.done:
                 i += rng.randint(1, 3)
-                r.tokens = ids[:i]
+                r.tokens, r.logprob_rows = ids[:i], [(-1.0 - j, []) for j in range(min(i, len(ids)))]
                 seq.update(finished=i >= len(ids))
                 pieces.append(seq.pull())
+                lps += seq.pull_logprobs()
+                assert len(tok.decode(ids[:max(len(lps) - 1, 0)]).rstrip("\ufffd")) <= len("".join(pieces)) or seq.done
             final = tok.decode(ids)
             want = final[:final.index(stop[0])] if stop and stop[0] in final else final
             assert "".join(pieces) == seq.text == want, (where, stop)
+            assert lps == seq.completion().logprobs and [t for t, _, _ in lps] == seq.completion().tokens
             assert not any("\ufffd" in p for p in pieces) or "\ufffd" in final
 
 
@@ -200,3 +204,82 @@ def test_tokens_end_where_the_stop_string_does(pair):
             tok = g.tokenizer
             assert any(x in tok.decode(a.tokens) for x in kw["stop"])
             assert not any(x in tok.decode(a.tokens[:-1]) for x in kw["stop"])
+
+
+def test_logprobs_are_plain_decodings(pair):
+    """Each token's log-probability and the k most likely, read off graft's verify pass at the accepted
+    path, are what plain decoding reports for the same request (float32, exact mode: equal to 1e-6),
+    greedy and sampled, cut at a stop string, streamed or whole; the prompt's too."""
+    g, ar = pair
+    prompts = [STDLIB_PROMPT, "import os\n", "class Stack:\n"]
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=11), dict(stop=["\n"], temperature=0.7)):
+        got, want = g.generate(prompts, max_new_tokens=20, logprobs=3, **kw), ar.generate(prompts, max_new_tokens=20,
+                                                                                          logprobs=3, **kw)
+        for a, b in zip(got, want):
+            assert a.tokens == b.tokens and [e[0] for e in a.logprobs] == a.tokens
+            for (t, lp, top), (_, lp2, top2) in zip(a.logprobs, b.logprobs):
+                assert abs(lp - lp2) < 1e-6 and [i for i, _ in top] == [i for i, _ in top2] and len(top) == 3
+                assert all(abs(x - y) < 1e-6 for (_, x), (_, y) in zip(top, top2))
+                assert top[0][1] >= lp - 1e-6 and lp <= 0           # the most likely first
+    assert max(c.stats["mat"] for c in got) > 1.5                   # graft accepted drafts: not plain rounds
+    one = g.generate(STDLIB_PROMPT, max_new_tokens=6, logprobs=1, prompt_logprobs=True)
+    ref = ar.generate(STDLIB_PROMPT, max_new_tokens=6, logprobs=1, prompt_logprobs=True)
+    assert len(one.prompt_logprobs) == one.prompt_tokens - 1 and [e[0] for e in one.prompt_logprobs] == \
+        load_tokenizer(STDLIB_CKPT).encode(STDLIB_PROMPT)[1:]
+    assert all(abs(x[1] - y[1]) < 1e-6 for x, y in zip(one.prompt_logprobs, ref.prompt_logprobs))
+    assert g.generate("x", max_new_tokens=2).logprobs is None        # not asked: none
+    seq, got = g.submit(STDLIB_PROMPT, max_new_tokens=30, logprobs=2, stop=["\n"]), []
+    while not seq.done:
+        g.step()
+        seq.pull()
+        got += seq.pull_logprobs()
+    assert got == seq.completion().logprobs and len(got) == len(seq.completion().tokens)
+    for bad, words in ((dict(logprobs=21), "logprobs must be an integer in [0, 20]"),
+                       (dict(logprobs=True), "logprobs must be"), (dict(prompt_logprobs=True), "needs logprobs=")):
+        with pytest.raises(GraftError, match=re.escape(words)):
+            g.generate("x", **bad)
+
+
+def test_prompts_that_arrive_together_prefill_in_one_pass(pair):
+    """New requests whose prompts fit one chunk are prefilled in one target pass (a prompt longer than a
+    chunk prefills alone, chunk by chunk); the tokens are what each request gets alone."""
+    g, ar = pair
+    calls = []
+    step = g.engine.steps.prefill
+    g.engine.steps.prefill = lambda tokens, *rest: calls.append(tokens.shape[0]) or step(tokens, *rest)
+    try:
+        long = STDLIB_PROMPT * 5                       # more than one 128-token chunk
+        assert len(g.encode(long)) > g.engine.chunk
+        got = g.generate(["import os\n", long], max_new_tokens=12)
+        assert calls == [1] * (1 + -(-len(g.encode(long)) // g.engine.chunk))     # each alone, the long one by chunks
+        assert [c.tokens for c in got] == [c.tokens for c in ar.generate(["import os\n", long], max_new_tokens=12)]
+        calls.clear()
+        got = g.generate(["import os\n", "class Stack:\n"], max_new_tokens=12, temperature=0.8, seed=2)
+        assert calls == [2]                            # both prompts, one pass
+        assert [c.tokens for c in got] == [c.tokens for c in ar.generate(["import os\n", "class Stack:\n"],
+                                                                         max_new_tokens=12, temperature=0.8, seed=2)]
+    finally:
+        g.engine.steps.prefill = step
+
+
+def test_a_server_serves_plain_decoding_while_its_method_calibrates(tmp_path, monkeypatch):
+    """open_llm(background=True): with no cached warm-up, plain decoding serves at once (the same tokens)
+    while graft's warm-up runs a round at a time between requests (idle_step); then graft serves. A
+    second start finds the warm-up cached and serves graft from the start."""
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
+    a = api.engine_options(draft=STDLIB_DRAFT, warmup=1, dtype="float32")
+    llm = api.open_llm(STDLIB_CKPT, a, "graft", 2, background=True)
+    assert (llm.method, llm.calibrated, llm.background.method) == ("ar", "running", "graft")
+    ref = api.load(STDLIB_CKPT, method="ar", dtype="float32").generate(STDLIB_PROMPT, max_new_tokens=24)
+    first = llm.generate(STDLIB_PROMPT, max_new_tokens=24)
+    assert first.tokens == ref.tokens and first.stats["mat"] == 1.0 and llm.background is not None
+    turns = 0
+    while llm.background is not None:
+        llm.idle_step()
+        turns += 1
+    assert turns > 3 and (llm.method, llm.calibrated) == ("graft", "measured")
+    after = llm.generate(STDLIB_PROMPT, max_new_tokens=24)
+    assert after.tokens == ref.tokens and after.stats["mat"] > 1.0
+    again = api.open_llm(STDLIB_CKPT, api.engine_options(draft=STDLIB_DRAFT, warmup=1, dtype="float32"), "graft", 2,
+                         background=True)
+    assert (again.method, again.calibrated, again.background) == ("graft", "done", None)

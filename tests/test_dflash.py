@@ -24,7 +24,7 @@ from checkpoint import load_dflash, load_model
 from conftest import ROOT
 from data import STDLIB_CKPT, STDLIB_DFLASH, known_dflash, stdlib_snippets
 from model import GraftError
-from test_gpu_contract import as_if_cuda, placement_check, transfers, unmarked  # noqa: F401  (fixtures)
+from test_gpu_contract import as_if_cuda, count_prefills, placement_check, transfers, unmarked  # noqa: F401  (fixtures)
 from verify import Sampling
 
 BLOCK_METHODS = ["dflash", "graft-tail"]
@@ -180,10 +180,13 @@ def test_one_host_sync_a_round_and_no_host_data(random_dflash, stream, transfers
     for name in BLOCK_METHODS:
         m = eng.make(name, GR.Config(tail_threshold=TAU))
         E.run(eng, m, [E.Request(ids[0])], 2)
+        prefills = count_prefills(eng)             # one sync and one copy a prefill (prompts together: one)
         with transfers:
             res = E.run(eng, m, [E.Request(x, sampling(i), i) for i, x in enumerate(ids)], 8)
-        assert transfers.syncs == res.rounds + len(ids) and transfers.to_device == len(ids), name
+        assert transfers.syncs == res.rounds + len(prefills) and transfers.to_device == len(prefills), name
+        assert sum(prefills) == len(ids) and max(prefills) == 2, prefills
         transfers.syncs = transfers.to_device = 0
+        del eng.admit, eng.admit_group              # (the class's again)
 
 
 def test_every_block_static_is_marked_on_a_gpu(random_dflash, as_if_cuda):

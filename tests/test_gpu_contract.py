@@ -365,18 +365,28 @@ def test_host_syncs_per_round_are_the_documented_ones(pair, taus, transfers, nam
 @pytest.mark.parametrize("name, policy", [("ar", None), ("eagle3", None), ("pld", None), ("recycle", None),
                                           ("graft", "stop"), ("graft", "replace"), ("prune", "stop")])
 def test_host_syncs_at_a_batch(pair, taus, transfers, name, policy):
-    """B = 3, five requests: one sync per admitted request, and per round one (commit's, for every
-    slot at once) plus, under the stop policy, one per checkpoint the batch reached."""
+    """B = 3, five requests: one sync per prefill (requests admitted together, their prompts in one
+    pass, share one), and per round one (commit's, for every slot at once) plus, under the stop policy,
+    one per checkpoint the batch reached."""
     eng = engine(pair, 3)
     m = method(eng, name, taus, policy)
     E.run(eng, m, requests("sampled")[:2], 8, ())
-    rounds = []
+    rounds, prefills = [], count_prefills(eng)
     with transfers:
         E.run(eng, m, requests("sampled") + [Request([1, 4, 4, 4], mixed(4), 4)], 24, (),
               on_round=lambda rnd, c: rounds.append((rnd.syncs, [s for s, x in zip(rnd.stages, c) if x])))
     want = [1 + reached(m, stages) for _, stages in rounds]
     assert [s for s, _ in rounds] == want
-    assert transfers.syncs == 5 + sum(want)
+    assert transfers.syncs == len(prefills) + sum(want) and sum(prefills) == 5 and max(prefills) > 1, prefills
+
+
+def count_prefills(eng) -> list:
+    """Wrap eng's admissions: the list receives, per prefill, 1 (Engine.admit: one request) or the
+    number of requests it prefilled together (Engine.admit_group)."""
+    got, one, group = [], eng.admit, eng.admit_group
+    eng.admit = lambda b, r, m: got.append(1) or one(b, r, m)
+    eng.admit_group = lambda pairs, m: got.append(len(pairs)) or group(pairs, m)
+    return got
 
 
 @pytest.mark.parametrize("name", NO_BLOCK)
@@ -387,9 +397,10 @@ def test_no_host_data_enters_a_round(pair, taus, transfers, name):
     eng = engine(pair, 3)
     m = method(eng, name, taus)
     E.run(eng, m, requests("greedy")[:1], 8, ())
+    prefills = count_prefills(eng)
     with transfers:
         res = E.run(eng, m, requests("greedy"), 20, ())
-    assert transfers.to_device == len(STREAM) and res.rounds > 5
+    assert transfers.to_device == len(prefills) and sum(prefills) == len(STREAM) and res.rounds > 5
 
 
 def test_a_pageable_copy_per_round_is_counted(pair, taus, transfers, monkeypatch):
@@ -404,9 +415,10 @@ def test_a_pageable_copy_per_round_is_counted(pair, taus, transfers, monkeypatch
         torch.zeros(2, dtype=torch.long).to(self.device)
         return step(self, *a, **kw)
     monkeypatch.setattr(E.Engine, "step", with_a_copy)
+    prefills = count_prefills(eng)
     with transfers:
         res = E.run(eng, m, requests("greedy"), 20, ())
-    assert transfers.to_device == len(STREAM) + res.rounds
+    assert transfers.to_device == len(prefills) + res.rounds
 
 
 # ----------------------------------------------------------------------------- masked rows
