@@ -248,6 +248,18 @@ CALIBRATIONS = ("throughput", "youden")
 # On a CPU the cheap ones win (a pass over a few nodes costs about a token, a large one grows with the
 # nodes; a tree of n nodes also needs a beam of only n and n levels: graft.Method.configure).
 AUTO_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
+# On a GPU a pass over 9 nodes costs what a pass over 3 does, so the budgets under 8 cannot win there;
+# compiled, each would add graphs of its own (a verify graph per path length: COST_PATH serves the
+# rest; a draft level per beam width). So the eager CPU engine alone prices them.
+SMALL_BUDGETS = (2, 3, 4, 6)
+
+
+def auto_budgets(engine: Engine) -> tuple:
+    """The budgets --budget auto prices on this engine: AUTO_BUDGETS eager on a CPU, without
+    SMALL_BUDGETS compiled or on a GPU."""
+    if engine.device.type == "cpu" and not engine.compiling:
+        return AUTO_BUDGETS
+    return tuple(b for b in AUTO_BUDGETS if b not in SMALL_BUDGETS)
 
 
 def needs_warmup(method: str, auto_budget: bool) -> bool:
@@ -272,7 +284,7 @@ def warmup_path(engine: Engine, cfg: Config, prompts, rounds: int, max_new_token
                 auto_budget: bool) -> str:
     """The cache file of this warm-up (state_path_for over every setting that shapes it)."""
     d = engine.drafter
-    budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
+    budgets = tuple(b for b in auto_budgets(engine) if b <= d.C) if auto_budget and d else None
     return state_path_for(engine, list(prompts or WARMUP_PROMPTS)[:rounds], rounds, max_new_tokens, chat,
                           tuple(cfg.checkpoints) if d else (), budgets or cfg.budget, engine.matrix.k,
                           (d.top_k, d.depth) if d else None, engine.B)
@@ -329,7 +341,7 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     prompts = list(prompts or WARMUP_PROMPTS)[:rounds]
     d = engine.drafter
     checkpoints = tuple(cfg.checkpoints) if d else ()
-    budgets = tuple(b for b in AUTO_BUDGETS if b <= d.C) if auto_budget and d else None
+    budgets = tuple(b for b in auto_budgets(engine) if b <= d.C) if auto_budget and d else None
 
     def use(calibrations: dict, curve: dict, rates, spread, q) -> Calibration:
         cal = Calibration(calibrations, calibration, tuple(rates or PRIOR_HIT_RATES), curve, spread,

@@ -30,6 +30,7 @@ from draft import Drafter
 from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree,
                    learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
+from tp import same
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, logprobs, path_logprobs,
                     rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
 
@@ -633,8 +634,8 @@ class Engine:
             r = self.slots[b].request
             r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
-        if grow is not None:
-            method.pacer.seen(self, method, grow, out, time.perf_counter() - t0, rnd.plain)
+        if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
+            method.pacer.seen(self, method, grow, out, same(time.perf_counter() - t0), rnd.plain)
         return rnd, out
 
     def pending_rows(self, method: Method) -> int:
@@ -712,6 +713,16 @@ class Pacer:
                 s.plain = s.backoff
             else:
                 s.backoff = 0
+
+
+class PlainSteps(Pacer):
+    """A pacer whose every round is a plain step (compile_warmup: those rounds' graphs)."""
+
+    def plan(self, eng, method) -> list:
+        return [False] * eng.B
+
+    def seen(self, *args):
+        pass
 
 
 # What the faces ask of a method name, read off the classes (graft.METHODS): nothing to keep in step.
@@ -890,6 +901,10 @@ def compile_warmup(eng: Engine, methods: list, sampling: Sampling = Sampling(), 
     for m in methods:
         kept = m.matrix.state_dict() if m.matrix is not None else None
         run(eng, m, [Request(ids, sampling) for _ in range(eng.B)], 8, (), full=True)
+        if m.pacer is not None:          # and the plain rounds a pacer takes (decode with features, plain_learn)
+            pacer, m.pacer = m.pacer, PlainSteps()
+            run(eng, m, [Request(ids, sampling) for _ in range(eng.B)], 3, ())
+            m.pacer = pacer
         if kept is not None:
             m.matrix.load_state_dict(kept)
     eng.steps.compile_seconds += time.perf_counter() - t0

@@ -216,7 +216,7 @@ def main(out: str, only=()):
         _, comp = tiny_pair("aot_eager", tmp)
         CAL.pass_cost(comp, [9], context=40, repeats=1, capture=True)          # compiles prefill and verify
         before = counters["stats"]["unique_graphs"]
-        CAL.pass_cost(comp, [b + 1 for b in CAL.AUTO_BUDGETS], context=40, repeats=1, capture=True)
+        CAL.pass_cost(comp, [b + 1 for b in CAL.auto_budgets(comp)], context=40, repeats=1, capture=True)
         return {"new_graphs": counters["stats"]["unique_graphs"] - before}
 
     def statics():

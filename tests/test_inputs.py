@@ -298,6 +298,8 @@ def choices(rounds, timings, floor: float, exact: bool = False) -> tuple:
     """Every calibrated method's (budget, thresholds) from these timings; exact: no tie rule at all.
     (The rounds' accepted tokens do not depend on the timings: matched once, costs swapped in.)"""
     eng, cfg, records, _, budgets = rounds
+    # the budgets these runs measured (they were recorded before budgets 2-6 joined AUTO_BUDGETS)
+    budgets = tuple(b for b in budgets if b + 1 in timings["verify"] and b in timings["assemble"])
     if "opts" not in rounds_cache:
         rounds_cache["opts"] = CAL.calibration_options(eng, cfg, records, timings, budgets)[0]
     costs, spread = CAL.stage_costs(eng, cfg, timings, budgets)

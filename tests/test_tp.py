@@ -18,6 +18,7 @@ torchrun prints once, the tokens of a plain run.
 import json
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -70,6 +71,18 @@ def test_every_method_sharded_equals_one_process(targets, tmp_path):
     assert len(many["peak_rss_mib"]) == 2
     # each rank holds its half of the sharded weights and all of the replicated ones
     assert one["weights_mib"][0] / 2 < many["weights_mib"][0] < one["weights_mib"][0]
+
+
+def test_paced_ranks_plan_the_same_rounds(targets, tmp_path):
+    """The pacer decides from a clock, and each rank has its own: the ranks take rank 0's round times
+    (tp.same), so that they draft or step plainly together (else their all-reduces would not pair up)."""
+    spec = {"models": targets[:1], "methods": ["graft"], "samplings": ["greedy"], "samplings_alone": ["none"],
+            "new": 40, "batch": 2, "pace": True}
+    many = sharded(2, spec, tmp_path)
+    assert many["ranks_agree"], "the ranks decided different tokens or rounds"
+    key = f"{Path(targets[0][0]).name}|graft"
+    assert many[f"{key}|2|greedy"] == tp_worker.tokens_of(dict(spec, pace=False))[f"{key}|2|greedy"]
+    assert sum(many[f"{key}|plain rounds"]) > 0          # (tiny models: trees do not pay, plain steps are taken)
 
 
 def test_compiled_sharded_equals_one_process(targets, tmp_path):

@@ -7,7 +7,8 @@ SPEC: {"models": [[ckpt, head or null], ...], "methods": [...] or null (all), "n
 "batch": B > 1 also runs B requests at once, "compile": bool, "backend": torch.compile's (default
 inductor), "samplings": some of SAMPLINGS or null (all), "samplings_alone": those of them
 also run at B = 1 (default all), "round_work": methods whose host work a round
-(cli.round_work: step calls, eager ops, host syncs) to count}. OUT: {"model|method|B|greedy or
+(cli.round_work: step calls, eager ops, host syncs) to count, "pace": rounds paced (engine.Pacer;
+default off, as in the suite)}. OUT: {"model|method|B|greedy or
 sampled": [tokens of each request], ...}, plus "ranks_agree" (every rank's tokens the same),
 "peak_rss_mib" (every rank's) and "weights_mib" (every rank's parameters).
 """
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
 
+import engine  # noqa: E402
 import tp  # noqa: E402
 from cli import batch_engine, build_engine, round_work  # noqa: E402
 from engine import Request, generate, run  # noqa: E402
@@ -32,6 +34,7 @@ SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.9, top_p=0.
 
 
 def tokens_of(spec: dict) -> dict:
+    engine.PACE = bool(spec.get("pace"))      # as the suite's one-process reference (conftest: unpaced)
     out, weights = {}, 0
     for ckpt, head in spec["models"]:
         methods = [m for m in spec.get("methods") or METHODS if (head or not METHODS[m].needs_head) and not METHODS[m].needs_block]
@@ -50,6 +53,8 @@ def tokens_of(spec: dict) -> dict:
                     reqs = [Request(ids, dataclasses.replace(s, seed=s.seed + i), i) for i, ids in enumerate(PROMPTS)]
                     res = run(eng, eng.make(m, cfg), reqs, spec["new"])
                     out[f"{Path(ckpt).name}|{m}|{spec['batch']}|{kind}"] = [q.tokens for q in res.requests]
+                    if spec.get("pace"):          # which rounds were plain steps: every rank's the same
+                        out[f"{Path(ckpt).name}|{m}|plain rounds"] = [q.plain for q in res.requests]
         for m in spec.get("round_work", []):      # the host's work a round: the all-reduces add no sync
             out[f"{Path(ckpt).name}|{m}|round_work"] = round_work(one, one.make(m, cfg), PROMPTS[0], spec["new"])
     out["ranks_agree"] = all(o == out for o in tp.every(dict(out)))
