@@ -1,6 +1,8 @@
 """Checkpoints: config.json read and checked, safetensors/.bin files (single or sharded, memory-mapped),
 hub ids, `load_model`, and the EAGLE-3 head's loader and writer. A .gguf path is handed to
-gguf_checkpoint.py (imported only then)."""
+gguf_checkpoint.py (whose `gguf` package is imported only then). Imports go one way: this file takes
+gguf_checkpoint's reader and the checks both loaders share (check_finite, _short), and gguf_checkpoint.py
+never imports this file."""
 import json
 import math
 import os
@@ -10,6 +12,7 @@ import torch.nn as nn
 
 from dflash import DFlash, DFlashConfig, default_layer_ids
 from draft import Eagle3, HeadConfig
+from gguf_checkpoint import _short, check_finite
 from model import GraftError, ModelArgs, Transformer
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -21,11 +24,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 _REQUIRED = object()
 _JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
 
 
 class Fields:
@@ -285,15 +283,6 @@ def _files_of(path: str, single: str, index_name: str) -> list:
             raise GraftError(f"missing shard {missing[0]} listed in {index}")
         return [os.path.join(path, s) for s in shards]
     return [os.path.join(path, single)]
-
-
-def check_finite(name: str, t: torch.Tensor):
-    """Refuse a weight holding NaN or inf (one check per tensor, at load): such a model emits garbage
-    while every decoding method still agrees with every other, so nothing downstream would notice.
-    One sum per tensor: any NaN or inf makes it non-finite; only then (or when finite weights merely
-    overflow the sum) is every element checked."""
-    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-        raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
 
 
 REMAP_BYTES = 64 * 2 ** 20

@@ -8,8 +8,24 @@ import os
 
 import torch
 
-from checkpoint import _short, check_finite
 from model import GraftError, ModelArgs, Transformer
+
+
+# The checks every loader shares live here, below checkpoint.py (which imports this file, never the
+# other way round): a value shortened for a one-line error, and a weight's values refused when not finite.
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def check_finite(name: str, t: torch.Tensor):
+    """Refuse a weight holding NaN or inf (one check per tensor, at load): such a model emits garbage
+    while every decoding method still agrees with every other, so nothing downstream would notice.
+    One sum per tensor: any NaN or inf makes it non-finite; only then (or when finite weights merely
+    overflow the sum) is every element checked."""
+    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+        raise GraftError(f"weight {name} holds non-finite values (NaN or inf) in {str(t.dtype).replace('torch.', '')}")
+
 
 GGUF_ARCHS = ("llama", "qwen3")
 # ggml tensor types dequantized here (gguf.quants: a numpy port of ggml-quants.c's reference code)

@@ -1,5 +1,6 @@
-"""The README's (and RESULTS.md's) commands parse: every `python generate.py`, `python bench.py`,
-`python train.py` and `python scripts/*.py` in a fenced code block names only flags that exist.
+"""The documentation's commands parse: every `python generate.py`, `python bench.py`, `python train.py`,
+`python serve.py` and `python scripts/*.py` in a fenced code block of README.md, RESULTS.md or a page of
+docs/ names only flags that exist.
 
 `--help`-level: nothing heavy runs. generate.py, bench.py and train.py are parsed in-process by their own
 parse_args (which rejects an unknown flag or a bad choice); every `--flag` must also be spelled exactly
@@ -19,7 +20,7 @@ import pytest
 from conftest import ROOT
 from model import GraftError
 
-DOCS = ["README.md", "RESULTS.md"]
+DOCS = ["README.md", "RESULTS.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
 FACES = ("generate.py", "bench.py", "train.py", "serve.py")
 EMPTY = "@EMPTY@"
 STOP = {"|", "||", "&&", ";", "&", ">", ">>", ">&", "<", "(", ")", "2>", "2>&1"}
@@ -154,6 +155,7 @@ COMMANDS = doc_commands()
 
 
 def test_the_docs_hold_commands_of_every_face():
+    assert "docs/usage.md" in DOCS and "docs/graft.md" in DOCS, DOCS
     scripts = {s for _, s, _ in COMMANDS}
     assert {"generate.py", "bench.py", "train.py", "serve.py"} <= scripts, scripts
     assert any(s.startswith("scripts/") for s in scripts), scripts
