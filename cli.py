@@ -328,9 +328,11 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     check_batch_memory(model.args, max_seq_len, head, batch, max(nodes, longest), chunk, matrix_k, DTYPES[dtype],
                        device)
     matrix = ContinuationMatrix(model.args.vocab_size, matrix_k, device=model.embed_tokens.weight.device)
-    return Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
-                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
-                  exact=exact, dflash=block, dflash_cols=cols)
+    eng = Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
+                 window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
+                 exact=exact, dflash=block, dflash_cols=cols)
+    eng.agree = tp.same             # what a rank decides from its own clock must agree (the pacer's round times)
+    return eng
 
 
 def resolve_pair(ckpt: str, draft: str | None) -> tuple:
@@ -373,10 +375,12 @@ def batch_engine(eng: Engine, batch: int, methods: list) -> Engine:
     bd, cols = eng.dflash_args()
     if bd is not None:
         nodes, path = max(nodes, bd.config.block_size), max(path, bd.config.block_size)
-    return Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
-                  *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
-                  backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact,
-                  dflash=bd, dflash_cols=cols)
+    out = Engine(eng.model, eng.tokenizer, d.head if d else None, eng.matrix, batch, nodes, path,
+                 *((d.top_k, d.depth) if d else (10, 8)), compile=eng.compiling, window=eng.window, chunk=eng.chunk,
+                 backend=eng.steps.backend, check_lifetimes=eng.steps.lifetimes is not None, exact=eng.exact,
+                 dflash=bd, dflash_cols=cols)
+    out.agree = eng.agree
+    return out
 
 
 def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chunk: int, matrix_k: int, dtype,

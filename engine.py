@@ -30,7 +30,6 @@ from draft import Drafter
 from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree,
                    learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
-from tp import same
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, logprobs, path_logprobs,
                     rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
 
@@ -360,6 +359,7 @@ class Engine:
         self.model, self.tokenizer, self.matrix, self.B = model, tokenizer, matrix, batch
         self.window, self.chunk, self.room = window, chunk, (nodes, path)
         self.steps = Steps(p.device, compile, backend, check_lifetimes)
+        self.agree = lambda x: x        # rank 0's x on every rank when sharded (cli: tp.same): the pacer's clock
         # exact: every step in model.py's exact mode (a node's logits are plain decoding's, bit for bit, in
         # every dtype); set before every step, since engines in one process may share the model
         self.exact = exact
@@ -453,9 +453,11 @@ class Engine:
         beside not, for a comparison in one process)."""
         d = self.drafter
         window = (not (compile and self.cuda)) if window is None else window
-        return Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
-                      *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
-                      self.steps.lifetimes is not None, self.exact if exact is None else exact, *self.dflash_args())
+        out = Engine(self.model, self.tokenizer, d.head if d else None, self.matrix, self.B, *self.room,
+                     *((d.top_k, d.depth) if d else (10, 8)), compile, window, self.chunk, self.steps.backend,
+                     self.steps.lifetimes is not None, self.exact if exact is None else exact, *self.dflash_args())
+        out.agree = self.agree
+        return out
 
     def dflash_args(self) -> tuple:
         """(the DFlash drafter, its feature columns) for another engine on this one's model."""
@@ -635,7 +637,7 @@ class Engine:
             r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
         if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
-            method.pacer.seen(self, method, grow, out, same(time.perf_counter() - t0), rnd.plain)
+            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain)
         return rnd, out
 
     def pending_rows(self, method: Method) -> int:
@@ -717,12 +719,8 @@ class Pacer:
 
 class PlainSteps(Pacer):
     """A pacer whose every round is a plain step (compile_warmup: those rounds' graphs)."""
-
-    def plan(self, eng, method) -> list:
-        return [False] * eng.B
-
-    def seen(self, *args):
-        pass
+    plan = lambda self, eng, method: [False] * eng.B        # noqa: E731
+    seen = lambda self, *args: None                         # noqa: E731
 
 
 # What the faces ask of a method name, read off the classes (graft.METHODS): nothing to keep in step.
