@@ -305,6 +305,7 @@ class Slot:
     mat: float | None = None  # tokens a drafting round of this request commits (an exponential average)
     plain: int = 0           # plain rounds left before it drafts again
     backoff: int = 0         # the next plain run's length (Pacer.MIN_RUN, doubling to PLAIN_RUN while none pays)
+    idle: bool = False       # its last round was a plain step: its next drafting round catches up the head
 
 
 @dataclass
@@ -679,11 +680,24 @@ class Pacer:
         return xs[len(xs) // 4] if len(xs) >= 2 else None
 
     def plan(self, eng, method) -> list:
-        """Per slot, whether it drafts this round (an empty slot: False)."""
+        """Per slot, whether it drafts this round (an empty slot: False). At B > 1 a tree pass costs every
+        request: it must pay for the batch (a non-drafter's tokens: 1), else the would-be drafters back
+        off, unless one is a probe after a plain run (so that no slot's plain run outgrows PLAIN_RUN)."""
         live = [s.request is not None for s in eng.slots]
         if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
-        return [x and s.plain == 0 for x, s in zip(live, eng.slots)]
+        want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
+        tp, tt, n = self.cost(True), self.cost(False), sum(live)
+        tokens = sum((s.mat or 1.0) if w else 1.0 for w, x, s in zip(want, live, eng.slots) if x)
+        if (n > 1 and tp and tt and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)
+                and not any(w and s.backoff for w, s in zip(want, eng.slots))):
+            [self.back_off(s) for w, s in zip(want, eng.slots) if w]
+            return [False] * eng.B
+        return want
+
+    def back_off(self, s: Slot):
+        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to PLAIN_RUN."""
+        s.backoff = s.plain = min(PLAIN_RUN, 2 * s.backoff if s.backoff else self.MIN_RUN)
 
     def explain(self, s: Slot, drafted: bool) -> str:
         """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
@@ -699,8 +713,12 @@ class Pacer:
 
     def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool):
         """After a round: its cost, and per request what its drafting committed; a request whose trees
-        do not pay goes plain for a while."""
-        self.times[plain].append(seconds)
+        do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
+        sample of a tree's cost: its head first reads the features of the plain steps it missed."""
+        if plain or not any(g and s.idle for s, g in zip(eng.slots, grow)):
+            self.times[plain].append(seconds)
+        for s, g in zip(eng.slots, grow):
+            s.idle = plain or not g
         t_plain, t_tree = self.cost(True), self.cost(False)
         for s, g, o in zip(eng.slots, grow, out):
             if o is None:
@@ -711,8 +729,7 @@ class Pacer:
             n = len(o[0]) + 1
             s.mat = n if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * n
             if t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
-                s.backoff = min(PLAIN_RUN, 2 * s.backoff if s.backoff else self.MIN_RUN)
-                s.plain = s.backoff
+                self.back_off(s)
             else:
                 s.backoff = 0
 

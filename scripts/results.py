@@ -44,11 +44,34 @@ class Section:
 
 
 SMOL = "../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+PACED = ("a cell: decode-only speedup over `ar` (MAT of the rounds that drafted; the share of rounds the pacer "
+         "took as plain steps); `ar`: its decode tokens/s")
 SECTIONS = [
-    Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/dflash_smollm2.json"],
+    Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/cpu_smollm2.json"],
+            "The demo pair (`python generate.py`'s), greedy, bfloat16, one thread, exact mode, 128 tokens a "
+            "prompt, as a user runs it: every method's budget and thresholds from its warm-up (`--budget auto`), "
+            "rounds paced (a request whose trees do not pay takes plain steps: docs/graft.md section 12).",
+            cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
+    Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
+            "The same on the AVX2 path (AMD Zen 2/3, Intel to Skylake client), float32 (what the demo "
+            "picks there), run on this AVX-512 machine with `GRAFT_KERNELS_MARCH=x86-64-v3 "
+            "ATEN_CPU_CAPABILITY=avx2` set before the command below: graft's kernels and torch's built for "
+            "AVX2.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
+    Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
+            "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread; "
+            "each request's tokens checked against the same prompt decoded alone with `ar`.",
+            cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
+            legend="a cell: total tokens/s over `ar`'s at the same B (MAT of drafting rounds; share of plain "
+                   "rounds); `ar`: its tokens/s"),
+    Section("Two threads", ["results/cpu_smollm2_t2.json"],
+            "The demo pair on both cores (`--threads 2`): the second core adds arithmetic, not bandwidth, "
+            "so a tree pass gains more than a one-token step.",
+            cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
+    Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "
-            "exact mode, every method calibrated by its warm-up.",
-            fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")], readme=True),
+            "exact mode, every method calibrated by its warm-up. Measured before the CPU speedup (the kernels' "
+            "multi-row tiles, small budgets, cost-aware rounds): the table above is today's.",
+            fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread: a "
             "target small enough that a one-token step costs little, so trees rarely pay on this CPU; MAT "

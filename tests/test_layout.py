@@ -64,7 +64,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 570
 
 
-def test_the_algorithm_fits_in_2860_lines():
+def test_the_algorithm_fits_in_2870_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -82,12 +82,12 @@ def test_the_algorithm_fits_in_2860_lines():
     them), and a budget's own beam width and depth (+15); and a server's needs (+100: the target's
     log-probs at the accepted path's rows, brought in the round's one transfer; new prompts prefilled
     together in one pass), and the pacer's plain rounds compiled at warm-up and timed on rank 0's clock
-    when sharded (+10)."""
+    when sharded, and a drafting round paying for the whole batch (+20)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2860, lines
+    assert lines <= 2870, lines
 
 
 def test_no_batched_twins():

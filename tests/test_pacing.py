@@ -100,6 +100,24 @@ def test_each_request_of_a_batch_is_paced_on_its_own():
     assert p.plan(eng, None) == [False, False, False]
 
 
+def test_at_b_above_one_a_drafting_round_must_pay_for_the_batch():
+    """Slot 1 alone would pay (2.5 tokens a round against a round costing 2 plain steps), but its tree
+    pass costs all three requests: 1 + 2.5 + 1 tokens against 3 x 2 plain steps' worth does not pay, so
+    the round is plain and slot 1 backs off; after that plain run its probe drafts regardless (so that
+    plain runs never outgrow PLAIN_RUN, what the drafter's pending rows hold)."""
+    p, eng = Pacer(), fake_engine(3)
+    for _ in range(8):
+        p.times[True].append(0.010)
+        p.times[False].append(0.020)
+    p.seen(eng, None, [True] * 3, [([0] * a, 0, [], 0) for a in (0, 4, 0)], 0.020, False)
+    eng.slots[1].mat = 2.5
+    assert p.plan(eng, None) == [False, False, False] and eng.slots[1].plain == Pacer.MIN_RUN
+    eng.slots[1].plain = 0
+    assert p.plan(eng, None) == [False, True, False]       # the probe after the plain run
+    eng.slots[1].mat, eng.slots[1].backoff = 7.0, 0        # 1 + 7 + 1 >= 6: it pays for the batch
+    assert p.plan(eng, None) == [False, True, False]
+
+
 # ----------------------------------------------------------------------------- the rounds
 
 class Forced(Pacer):
@@ -180,6 +198,30 @@ def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engine
               on_round=lambda rnd, c: got.append(rnd.tree.tokens[0].tolist()) if not rnd.plain else None)
         first[tag] = got[0]
     assert first["plain run"] == first["prefilled"] and len(first["prefilled"]) > 1
+
+
+class FixedCosts(Pacer):
+    """The real pacer on a machine where a drafting round costs two plain steps: at B = 3 a tree then pays
+    only for 6 tokens or more a round, which the tiny pair never commits, so drafters keep backing off."""
+    cost = lambda self, plain: 0.010 if plain else 0.020       # noqa: E731
+
+
+def test_a_batch_whose_trees_never_pay_stays_within_the_pending_rows(engines, baselines):
+    """The batch rule (Pacer.plan) backs drafters off again and again: each slot's plain runs stay within
+    PLAIN_RUN (the drafter's pending rows: one more would not fit), and the tokens are plain decoding's."""
+    eng = engines[3]
+    ids, _ = baselines["greedy"]
+    want = [generate(engines[1], engines[1].make("ar"), x, 120).tokens for x in ids[:3]]
+    m = eng.make("graft", Config(budget=6, pace=True))
+    m.pacer, runs = FixedCosts(), [[0] for _ in range(3)]
+
+    def count(rnd, commits):
+        for b in range(3):
+            drafted = not rnd.plain and (rnd.grow is None or rnd.grow[b])
+            runs[b].append(0 if drafted else runs[b][-1] + 1)
+    res = E.run(eng, m, [Request(x) for x in ids[:3]], 120, on_round=count)
+    assert [r.tokens for r in res.requests] == want
+    assert 0 < res.stats()["plain_share"] < 1 and max(max(r) for r in runs) <= PLAIN_RUN, [max(r) for r in runs]
 
 
 def test_paced_by_default_every_method_is_lossless(engines, baselines):
