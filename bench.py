@@ -503,7 +503,7 @@ def main(argv=None) -> dict:
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
                            methods=todo, more_batches=sizes or (), exact=exact(executions[0]),
-                           dflash=block if need_block else None)
+                           dflash=block if need_block else None, quantization=a.quantization)
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
