@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import calibrate as CAL
@@ -32,6 +33,7 @@ import engine as E
 from data import check_dataset, load_dataset, read_prompts
 from graft import SOURCES
 from model import GraftError
+import quant
 import tp
 from verify import Sampling
 
@@ -275,6 +277,50 @@ def compiled_over_eager(rows: list) -> dict:
     return out
 
 
+PPL_TOKENS, PPL_WINDOW = 2048, 512      # the held-out text perplexity is measured on, and its windows
+
+
+def perplexity(model, tok, n: int = PPL_TOKENS, window: int = PPL_WINDOW) -> float:
+    """exp(the mean next-token NLL) over the first n tokens of a held-out text, Python's reference
+    documentation (data.long_documents: prose that no chat prompt, warm-up or head here was made from), in
+    windows of `window` tokens, each scored from its own start with a plain causal pass (no cache)."""
+    ids = []
+    for _, text in DATA.long_documents():
+        ids += tok.encode(text)
+        if len(ids) >= n:
+            break
+    rows = torch.tensor(ids[:n // window * window]).view(-1, window)
+    nll = 0.0
+    with torch.no_grad():
+        for r in rows:
+            logits = model(r[None].to(model.embed_tokens.weight.device), torch.arange(window))
+            nll += F.cross_entropy(logits[0, :-1].float(), r[1:].to(logits.device), reduction="sum").item()
+    return round(float(torch.tensor(nll / (rows.numel() - rows.shape[0])).exp()), 3)
+
+
+def quantized_quality(eng, a, datasets: list, log) -> dict:
+    """What --quantization costs in output, measured, not assumed: the float target (the run's dtype) and
+    the same target quantized (quant.quantize, in place: the run then goes on with it) each decode the
+    benchmark's prompts greedily (ar, --max-new-tokens; the long-context sets left out), and each scores
+    the held-out text (perplexity). Returns {"perplexity": {dtype: p, quantization: p}, "common_prefix":
+    each prompt's tokens before the first difference, "median_common_prefix", "identical" outputs}."""
+    enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+    prompts = [enc(t) for d in datasets if d not in DATA.LONG for t in load_dataset(d, a.limit, eng)]
+    prompts = [p for p in prompts if len(p) + a.max_new_tokens <= eng.model.max_seq_len]
+    eos, name = eng.tokenizer.eos_ids, str(eng.dtype).replace("torch.", "")
+    decode = lambda: [E.generate(eng, eng.make("ar"), p, a.max_new_tokens, Sampling(), eos).tokens for p in prompts]
+    ppl, want = {name: perplexity(eng.model, eng.tokenizer)}, decode()
+    quant.quantize(eng.model, a.quantization)
+    ppl[a.quantization] = perplexity(eng.model, eng.tokenizer)
+    got = decode()
+    prefix = [CLI.first_difference(w, g) for w, g in zip(want, got)]
+    median = sorted(prefix)[(len(prefix) - 1) // 2] if prefix else None
+    log(f"{a.quantization}: perplexity {ppl[a.quantization]} ({name}: {ppl[name]}) on {PPL_TOKENS} held-out tokens; "
+        f"greedy outputs agree with {name}'s for a median {median} of {a.max_new_tokens} tokens ({len(prompts)} prompts)")
+    return {"perplexity": ppl, "common_prefix": prefix, "median_common_prefix": median,
+            "identical": sum(w == g for w, g in zip(want, got)), "prompts": len(prompts), "ppl_tokens": PPL_TOKENS}
+
+
 def calibration_meta(cal) -> dict:
     """The report's record of what the warm-up calibrated (a graft.Calibration, or None: no warm-up):
     graft's thresholds under the chosen calibration, every calibration per method, the expected
@@ -503,10 +549,11 @@ def main(argv=None) -> dict:
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
                            methods=todo, more_batches=sizes or (), exact=exact(executions[0]),
-                           dflash=block if need_block else None, quantization=a.quantization)
+                           dflash=block if need_block else None)    # float: quantized below, after its reference outputs
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
+    quality = quantized_quality(eng, a, datasets, log) if a.quantization != "none" else None
     a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
@@ -691,7 +738,8 @@ def main(argv=None) -> dict:
         "pass_ms_by_context": {str(c): {str(n): ms for n, ms in v.items()} for c, v in by_context.items()},
         "compiled_over_eager": compiled_over_eager(rows), "round_work": round_work,
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
-        "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
+        "mismatches": mismatches, "quantization": a.quantization, "quality": quality,
+        "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     print(table(rows, sweep, len(engines) > 1))
     for x, c in cost.items():
