@@ -230,7 +230,6 @@ struct Widen {
   using A = __m512;
   static constexpr int64_t STEP = 16, MACS = 16;        // weights a step; multiply-adds an instruction
   static A zero() { return _mm512_setzero_ps(); }
-  static int64_t x_stride(int64_t K) { return K; }                    // x's row stride
   static V x(const float* p) { return _mm512_loadu_ps(p); }
   static V x_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
   static V w(const T* p) { return vload(p); }
@@ -248,7 +247,6 @@ struct Widen {                                   // 8 lanes: AVX2 has 16 registe
   using A = __m256;
   static constexpr int64_t STEP = 8, MACS = 8;
   static A zero() { return _mm256_setzero_ps(); }
-  static int64_t x_stride(int64_t K) { return K; }
   static V x(const float* p) { return _mm256_loadu_ps(p); }
   static V x_tail(const float* p, int64_t n) { return load8_tail(p, n); }
   static V w(const T* p) { return load8(p); }
@@ -266,7 +264,6 @@ struct Widen {                                   // portable: the 16-float vecto
   using A = vec;
   static constexpr int64_t STEP = LANES, MACS = LANES;
   static A zero() { return vzero(); }
-  static int64_t x_stride(int64_t K) { return K; }
   static V x(const float* p) { return vload(p); }
   static V x_tail(const float* p, int64_t n) { return vload_tail(p, n); }
   static V w(const T* p) { return vload(p); }
@@ -288,7 +285,6 @@ struct BF16Dot {
   using A = __m512;
   static constexpr int64_t STEP = 32, MACS = 32;
   static A zero() { return _mm512_setzero_ps(); }
-  static int64_t x_stride(int64_t K) { return K; }
   static V x(const X* p) { return _mm512_loadu_si512((const void*)p); }
   static V x_tail(const X* p, int64_t n) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1u), p); }
   static V w(const X* p) { return x(p); }
@@ -296,33 +292,25 @@ struct BF16Dot {
   static A dot(V a, V b, A acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
   static float sum(A a) { return _mm512_reduce_add_ps(a); }
 };
-// bfloat16 x against int8 W (quant.py), W read at one byte a weight: 32 weights at a time widened to
-// float32 (exact: |q| <= 127), whose top halves are their bfloat16s, paired in registers, then BF16Dot's
-// product. The pairs are (weight i, weight i + 16) of each 32 (one word permute makes them, where
-// rounding 32 floats to bfloat16 would cost more), so x is laid out alike first (pair_rows: rows of
-// x_stride(K), zeros past K), and the tail needs no mask on x.
+// bfloat16 x against int8 W (quant.py), W read at one byte a weight. A weight q is split into two
+// bfloat16s made from its bits by one logic op each, a = 128 + (q & 127) and b = -128 or -256 (q's sign
+// bit), a + b = q, so 32 weights cost one widening and two VDPBF16PS (x . a, then x . b, into the same
+// lane: its running sum stays the sum over the weights so far); rounding to bfloat16 from float32 would
+// cost four more instructions a 32. Every product is exact; the sums carry the extra terms' rounding,
+// far below the bfloat16 output's.
 struct I8BF16Dot : BF16Dot {
   using W = int8_t;
-  static int64_t x_stride(int64_t K) { return (K + 31) / 32 * 32; }
-  static V x_tail(const X* p, int64_t) { return x(p); }
-  static V pairs(__m128i q0, __m128i q1) {                        // weights 0..15, 16..31
-    const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-    const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-    const __m512i odd = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
-                                         47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
-    return _mm512_permutex2var_epi16(lo, odd, hi);               // word 2i: lo's top half i, 2i + 1: hi's
+  struct V { __m512i a, b; };
+  static V split(__m512i q) {                                     // q: 32 int8 sign-extended to words
+    return {_mm512_ternarylogic_epi32(q, _mm512_set1_epi32(0x007F007F), _mm512_set1_epi32(0x43004300), 0xEA),
+            _mm512_ternarylogic_epi32(q, _mm512_set1_epi32(0x00800080), _mm512_set1_epi32((int)0xC300C300), 0xEA)};
   }
-  static V w(const W* p) { return pairs(_mm_loadu_si128((const __m128i*)p), _mm_loadu_si128((const __m128i*)(p + 16))); }
-  static V w_tail(const W* p, int64_t n) {
-    return pairs(_mm_maskz_loadu_epi8(tail_mask(std::min<int64_t>(n, 16)), p), _mm_maskz_loadu_epi8(tail_mask(std::max<int64_t>(n - 16, 0)), p + 16));
+  static V w(const W* p) { return split(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
+  static V w_tail(const W* p, int64_t n) {                        // past n: q = 0 against x's zeros
+    return split(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1u), p)));
   }
-  // x (M, K) -> out (M, x_stride(K)): in each 32, element i at 2i and i + 16 at 2i + 1 (zeros past K)
-  static void pair_rows(const X* x, int64_t M, int64_t K, std::vector<float>& buf) {
-    const int64_t S = x_stride(K);
-    buf.assign((M * S + 1) / 2, 0.f);
-    X* out = reinterpret_cast<X*>(buf.data());
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t k = 0; k < K; k++) out[m * S + (k & ~31) + 2 * (k & 15) + ((k >> 4) & 1)] = x[m * K + k];
+  static A dot(__m512i x, V w, A acc) {
+    return _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w.a), (__m512bh)x, (__m512bh)w.b);
   }
 };
 #endif
@@ -350,8 +338,8 @@ inline void tile(const typename Op::X* x, const typename Op::W* w, const float* 
       for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k, 0, HINT);
     #pragma GCC unroll 16
     for (int64_t i = 0; i < mr; i++) {
-      const typename Op::X* xr = x + (m0 + i) * Op::x_stride(K) + k;
-      const typename Op::V xv = n == Op::STEP ? Op::x(xr) : Op::x_tail(xr, n);
+      const typename Op::X* xr = x + (m0 + i) * K + k;
+      const auto xv = n == Op::STEP ? Op::x(xr) : Op::x_tail(xr, n);
       #pragma GCC unroll 16
       for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::dot(xv, wv[j], acc[i][j]);
     }
@@ -422,12 +410,8 @@ void lin_as(const T* x, int64_t M, const W_* wp, int64_t K, int64_t N, const flo
             std::vector<float>& wide) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if constexpr (std::is_same_v<W_, int8_t>) {
-      I8BF16Dot::pair_rows(x, M, K, wide);
-      linear_impl<I8BF16Dot, T>(reinterpret_cast<const T*>(wide.data()), wp, sc, b, y, M, K, N);
-    } else {
-      linear_impl<BF16Dot, T>(x, wp, sc, b, y, M, K, N);
-    }
+    if constexpr (std::is_same_v<W_, int8_t>) linear_impl<I8BF16Dot, T>(x, wp, sc, b, y, M, K, N);
+    else linear_impl<BF16Dot, T>(x, wp, sc, b, y, M, K, N);
     return;
   }
 #endif
