@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -314,7 +315,7 @@ def quantized_quality(eng, a, datasets: list, log) -> dict:
     ppl[a.quantization] = perplexity(eng.model, eng.tokenizer)
     got = decode()
     prefix = [CLI.first_difference(w, g) for w, g in zip(want, got)]
-    median = sorted(prefix)[(len(prefix) - 1) // 2] if prefix else None
+    median = statistics.median(prefix) if prefix else None
     log(f"{a.quantization}: perplexity {ppl[a.quantization]} ({name}: {ppl[name]}) on {PPL_TOKENS} held-out tokens; "
         f"greedy outputs agree with {name}'s for a median {median} of {a.max_new_tokens} tokens ({len(prompts)} prompts)")
     return {"perplexity": ppl, "common_prefix": prefix, "median_common_prefix": median,
