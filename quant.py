@@ -12,8 +12,10 @@ The activations keep the run's dtype; the embedding, the norms and every head or
 are. On a CPU cpu_kernels.linear widens q in registers and runs the float weight's fixed sequence of
 float32 operations before the one multiply by the scale, so a row's result is still a function of that
 row alone: every method on an int8 target is bit for bit `ar` on the same int8 target (not `ar` on the
-float target: the weights differ; bench.py reports how much). Elsewhere (a GPU, no kernels built) the
-weight is widened for each call and multiplied by torch (slower on a CPU, and not row-invariant on a GPU).
+float target: the weights differ; bench.py reports how much). Elsewhere the weight is widened for each
+call and multiplied by torch: on a CPU without the kernels in float32, rows padded in exact mode (exact,
+slower than the float weights); on a GPU in the activations' dtype, then scaled (gpt-fast's int8: not
+exact, and untried on a GPU here).
 """
 from __future__ import annotations
 
@@ -54,8 +56,11 @@ class Int8Linear(Linear):
     def forward(self, x):
         if use_kernels(x) and not torch.is_grad_enabled():
             return cpu_kernels.linear(x, self.weight, self.bias, self.scale)
-        # torch: the integers widened for this call (exact: |q| <= 127), summed in float32, then scaled;
-        # in exact mode rows padded as model.Linear pads them (float32 GEMM rows agree then)
+        if x.device.type != "cpu":      # a GPU: gpt-fast's int8, the weight widened to x's dtype for torch's matmul
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+            return y + self.bias if self.bias is not None else y
+        # a CPU without the kernels: the integers widened for this call (exact: |q| <= 127), summed in
+        # float32, then scaled; in exact mode rows padded as model.Linear pads them (float32 GEMM rows agree then)
         h = x.reshape(-1, x.shape[-1]).float()
         h = pad_rows(h) if self.exact else h
         y = F.linear(h, self.weight.float())[:x.shape[:-1].numel()] * self.scale

@@ -114,6 +114,17 @@ def test_an_int8_models_rows_do_not_depend_on_the_rows_beside_it(arch, dtype):
     assert torch.equal(fused, modules) if dtype == torch.bfloat16 else torch.allclose(fused, modules, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fallback_is_exact_on_int8_too(arch, monkeypatch):
+    """Without the kernels (torch's, exact mode: padded float32 rows, blocked attention) an int8 target's
+    tree rows are still plain decoding's."""
+    monkeypatch.setattr(cpu_kernels, "ON", False)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    m = quant.quantize(tiny(arch, torch.bfloat16))
+    M.set_exact(m, True)
+    assert rows_differ(m, 60, (1, 2, 3, 9, 17)) == []
+
+
 def test_quantize_checks_its_input():
     m = tiny("llama", torch.float32)
     with pytest.raises(GraftError, match="--quantization must be one of none, int8"):
