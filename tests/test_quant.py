@@ -63,6 +63,17 @@ def test_int8_linear_refuses_what_does_not_fit():
         cpu_kernels.linear(x, torch.randn(8, 16), None, scale)
 
 
+@kernels
+def test_a_compiled_int8_linear_runs_the_kernel():
+    """Registered with a shape function that takes the scale: inductor's graph calls the int8 kernel,
+    the same bits as eager."""
+    torch.manual_seed(3)
+    q8 = quant.Int8Linear(M.Linear(64, 48, bias=True).bfloat16())
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(q8)(x), q8(x))
+
+
 @pytest.mark.parametrize("route", ["kernels", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_quantized_layer_is_the_float_layer_within_its_rounding(route, dtype, monkeypatch):
