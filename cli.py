@@ -285,8 +285,9 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     sizes engines on this model will take later (bench --batch), checked against memory here too, before
     the weights load. dflash: a DFlash drafter's folder or hub id (methods dflash, graft-tail).
     quantization: "none" or "int8" (quant.quantize: the target's linears, after the drafters, which keep
-    float weights, have read what they share). Errors: GraftError for a bad dtype, quantization or attention, a batch < 1, or caches for `batch` requests larger than
-    the memory there is (checked before they are allocated)."""
+    float weights, have read what they share). Errors: GraftError for a bad dtype, quantization or
+    attention, a batch < 1, or caches for `batch` requests larger than the memory there is (checked
+    before they are allocated)."""
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
     if quantization not in quant.CHOICES:

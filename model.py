@@ -490,13 +490,13 @@ class Block(nn.Module):
     def fused_scales(self) -> list:
         """An int8 layer's scales (quant.py), q k v o gate up down; [] for float weights."""
         a, m = self.self_attn, self.mlp
-        s = [getattr(p, "scale", None) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)]
-        return [] if s[0] is None else s
+        lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        return [p.scale for p in lins] if getattr(a.q_proj, "scale", None) is not None else []
 
     def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
         cache, i = kv
-        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows,
-                                 slots, mask, keep, self.self_attn.n_heads, self.input_layernorm.eps, scales=self.fused_scales())
+        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
+                                 mask, keep, self.self_attn.n_heads, self.input_layernorm.eps, scales=self.fused_scales())
 
 
 class Transformer(nn.Module):
