@@ -284,7 +284,9 @@ PPL_TOKENS, PPL_WINDOW = 2048, 512      # the held-out text perplexity is measur
 def perplexity(model, tok, n: int = PPL_TOKENS, window: int = PPL_WINDOW) -> float:
     """exp(the mean next-token NLL) over the first n tokens of a held-out text, Python's reference
     documentation (data.long_documents: prose that no chat prompt, warm-up or head here was made from), in
-    windows of `window` tokens, each scored from its own start with a plain causal pass (no cache)."""
+    windows of `window` tokens (at most the model's cache length), each scored from its own start with a
+    plain causal pass (no cache)."""
+    window = min(window, model.max_seq_len)
     ids = []
     for _, text in DATA.long_documents():
         ids += tok.encode(text)

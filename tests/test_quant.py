@@ -13,7 +13,8 @@ from cli import ArgumentParser, add_engine_flags, build_engine
 from conftest import NO_BLOCK, ROOT
 from graft import Config
 from model import GraftError
-from test_exact import ARCHS, rows_differ, sampling, stream, tiny
+from test_exact import rows_differ, sampling, stream, tiny
+from test_lossless import random_head
 
 kernels = pytest.mark.skipif(not cpu_kernels.ready(), reason="graft's CPU kernels did not build here")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -183,3 +184,24 @@ def test_every_method_equals_ar_on_an_int8_target(dtype):
     assert bad == []
     float_eng = build_engine(f"{ck}/stdlib-qwen3", dtype=dtype, max_seq_len=128, exact=True)
     assert state_path_for(float_eng) != state_path_for(eng)
+
+
+def test_bench_reports_what_int8_costs(tiny_ckpt, tmp_path, capsys):
+    """bench --quantization int8: the float target's greedy outputs and perplexity first, then the int8
+    target's, in the report (meta.quality), and the methods run on the int8 target, lossless."""
+    import json
+    import bench
+    target = tiny_ckpt("llama31")
+    head = random_head(target, tmp_path / "head")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in ("Once upon a time", "The ball was", "One day")))
+    out = tmp_path / "r.json"
+    bench.main(["--ckpt", str(target), "--draft", str(head), "--methods", "ar,graft", "--datasets", str(prompts),
+                "--max-new-tokens", "8", "--warmup", "1", "--no-cache", "--quantization", "int8", "--json-out", str(out)])
+    meta, rows = (r := json.loads(out.read_text()))["meta"], r["rows"]
+    q = meta["quality"]
+    assert meta["quantization"] == "int8" and q["prompts"] == 3 and len(q["common_prefix"]) == 3
+    assert all(0 <= n <= 8 for n in q["common_prefix"]) and q["median_common_prefix"] == sorted(q["common_prefix"])[1]
+    assert set(q["perplexity"]) == {"float32", "int8"} and all(p > 1 for p in q["perplexity"].values())
+    assert [x["method"] for x in rows] == ["ar", "graft"] and all(x["lossless"] is True for x in rows)
+    assert "int8: perplexity" in capsys.readouterr().err
