@@ -53,6 +53,22 @@ def test_int8_linear_is_the_scaled_product_and_row_invariant(dtype):
 
 
 @kernels
+def test_two_threads_split_int8_outputs_never_sums():
+    g = torch.Generator().manual_seed(4)
+    q, scale = quant.int8_rows(torch.randn(576, 1536, generator=g))
+    x = torch.randn(9, 1536, generator=g).bfloat16()
+    n = torch.get_num_threads()
+    try:
+        got = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got += [cpu_kernels.linear(x, q, None, scale), cpu_kernels.linear(x[:1], q, None, scale)]
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[3]) and torch.equal(got[1][0], got[0][0])
+
+
+@kernels
 def test_int8_linear_refuses_what_does_not_fit():
     q, scale = quant.int8_rows(torch.randn(8, 16))
     x = torch.randn(2, 16)
