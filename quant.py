@@ -12,10 +12,13 @@ The activations keep the run's dtype; the embedding, the norms and every head or
 are. The lm_head is quantized too, by measurement: it is a fifth of SmolLM2-135M's bytes (its tied
 49152 x 576 embedding); kept bfloat16 (quantize(lm_head=False)) it raised the median greedy agreement
 with the bfloat16 target from 16.5 to 20 of 64 tokens on 40 MT-bench prompts, and cost about 1.2 ms a
-token of 10. On a CPU cpu_kernels.linear widens q in registers and runs the float weight's fixed sequence of
-float32 operations before the one multiply by the scale, so a row's result is still a function of that
-row alone: every method on an int8 target is bit for bit `ar` on the same int8 target (not `ar` on the
-float target: the weights differ; bench.py reports how much). Elsewhere the weight is widened for each
+token of 10.
+
+On a CPU cpu_kernels.linear reads q as it streams and widens it in registers (bfloat16: each weight as
+two bfloat16 terms, cpu_kernels.cpp's I8BF16Dot), one fixed sequence of float32 operations an output,
+then the one multiply by the scale, so a row's result is still a function of that row alone: every
+method on an int8 target is bit for bit `ar` on the same int8 target (not `ar` on the float target:
+the weights differ; bench.py reports how much). Elsewhere the weight is widened for each
 call and multiplied by torch: on a CPU without the kernels in float32, rows padded in exact mode (exact,
 slower than the float weights); on a GPU in the activations' dtype, then scaled (gpt-fast's int8: not
 exact, and untried on a GPU here).
