@@ -295,9 +295,10 @@ struct BF16Dot {
 // bfloat16 x against int8 W (quant.py), W read at one byte a weight. A weight q is split into two
 // bfloat16s made from its bits by one logic op each, a = 128 + (q & 127) and b = -128 or -256 (q's sign
 // bit), a + b = q, so 32 weights cost one widening and two VDPBF16PS (x . a, then x . b, into the same
-// lane: its running sum stays the sum over the weights so far); rounding to bfloat16 from float32 would
-// cost four more instructions a 32. Every product is exact; the sums carry the extra terms' rounding,
-// far below the bfloat16 output's.
+// lane: its running sum stays the sum over the weights so far). Widening q to float32 and packing
+// bfloat16 pairs instead, one VDPBF16PS a 32, ran a one-row pass about 20% slower (a pass of many rows
+// about 20% faster); plain decoding is what int8 is for. Every product is exact; the sums carry the
+// extra terms' rounding, far below the bfloat16 output's.
 struct I8BF16Dot : BF16Dot {
   using W = int8_t;
   struct V { __m512i a, b; };
