@@ -572,7 +572,7 @@ def main(argv=None) -> dict:
     elif a.auto_budget and any(m in E.CALIBRATED for m in methods):
         log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
     if sizes:
-        return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv)
+        return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv, quality)
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled", exact=exact(x))
@@ -787,7 +787,7 @@ BATCH_PASS_CONTEXT = 128
 
 
 def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: list, draft, dtype, t_start: float,
-                argv) -> dict:
+                argv, quality: dict | None = None) -> dict:
     """Every method (ar first) on each dataset's whole prompt stream at every batch size B: one engine
     with B slots per B (cli.batch_engine, on the loaded model; B = 1: the one already built), refilled
     from the stream; each method made once per B with its own copy of the warmed-up matrix, kept
@@ -908,7 +908,8 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         "graft_over_eagle3": gain, "graft_over_eagle3_cpu": gain_cpu, "ar_alone_tokens_per_s": alone,
         "pass_timer": "wall" if eng.cuda else "process CPU time", "pass_nodes": nodes,
         "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
-        "pass_context": ctx, "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
+        "pass_context": ctx, "mismatches": mismatches, "quantization": a.quantization, "quality": quality,
+        "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     report_mismatches(mismatches, dtype, "ar alone", log)
     if a.json_out:

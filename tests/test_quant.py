@@ -221,3 +221,10 @@ def test_bench_reports_what_int8_costs(tiny_ckpt, tmp_path, capsys):
     assert set(q["perplexity"]) == {"float32", "int8"} and all(p > 1 for p in q["perplexity"].values())
     assert [x["method"] for x in rows] == ["ar", "graft"] and all(x["lossless"] is True for x in rows)
     assert "int8: perplexity" in capsys.readouterr().err
+    out2 = tmp_path / "batch.json"                    # batched: the same report fields, every B on the int8 target
+    bench.main(["--ckpt", str(target), "--draft", str(head), "--methods", "ar,graft", "--datasets", str(prompts),
+                "--max-new-tokens", "8", "--warmup", "1", "--no-cache", "--quantization", "int8", "--batch", "1,2",
+                "--json-out", str(out2)])
+    meta2, rows2 = (r := json.loads(out2.read_text()))["meta"], r["rows"]
+    assert meta2["quantization"] == "int8" and meta2["quality"]["common_prefix"] == q["common_prefix"]
+    assert rows2 and all(x["lossless"] is True for x in rows2)
