@@ -87,7 +87,7 @@ def build(ckpt: str, a, method: str | None = None, batch: int = 1, more_batches=
     todo = [(method, room), ("ar", cfg), warmup_method(room, (a.draft_top_k, a.depth) if head else None, a.auto_budget)]
     eng = build_engine(ckpt, head, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth, compile=a.compile,
                        attention=a.attention, chunk=a.prefill_chunk, batch=batch, methods=todo,
-                       more_batches=more_batches, exact=a.exact, dflash=block)
+                       more_batches=more_batches, exact=a.exact, dflash=block, quantization=a.quantization)
     return eng, method, cfg
 
 

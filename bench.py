@@ -18,11 +18,13 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import calibrate as CAL
@@ -32,6 +34,7 @@ import engine as E
 from data import check_dataset, load_dataset, read_prompts
 from graft import SOURCES
 from model import GraftError
+import quant
 import tp
 from verify import Sampling
 
@@ -275,6 +278,52 @@ def compiled_over_eager(rows: list) -> dict:
     return out
 
 
+PPL_TOKENS, PPL_WINDOW = 2048, 512      # the held-out text perplexity is measured on, and its windows
+
+
+def perplexity(model, tok, n: int = PPL_TOKENS, window: int = PPL_WINDOW) -> float:
+    """exp(the mean next-token NLL) over the first n tokens of a held-out text, Python's reference
+    documentation (data.long_documents: prose that no chat prompt, warm-up or head here was made from), in
+    windows of `window` tokens (at most the model's cache length), each scored from its own start with a
+    plain causal pass (no cache)."""
+    window = min(window, model.max_seq_len)
+    ids = []
+    for _, text in DATA.long_documents():
+        ids += tok.encode(text)
+        if len(ids) >= n:
+            break
+    rows = torch.tensor(ids[:n // window * window]).view(-1, window)
+    nll = 0.0
+    with torch.no_grad():
+        for r in rows:
+            logits = model(r[None].to(model.embed_tokens.weight.device), torch.arange(window))
+            nll += F.cross_entropy(logits[0, :-1].float(), r[1:].to(logits.device), reduction="sum").item()
+    return round(float(torch.tensor(nll / (rows.numel() - rows.shape[0])).exp()), 3)
+
+
+def quantized_quality(eng, a, datasets: list, log) -> dict:
+    """What --quantization costs in output, measured, not assumed: the float target (the run's dtype) and
+    the same target quantized (quant.quantize, in place: the run then goes on with it) each decode the
+    benchmark's prompts greedily (ar, --max-new-tokens; the long-context sets left out), and each scores
+    the held-out text (perplexity). Returns {"perplexity": {dtype: p, quantization: p}, "common_prefix":
+    each prompt's tokens before the first difference, "median_common_prefix", "identical" outputs}."""
+    enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
+    prompts = [enc(t) for d in datasets if d not in DATA.LONG for t in load_dataset(d, a.limit, eng)]
+    prompts = [p for p in prompts if len(p) + a.max_new_tokens <= eng.model.max_seq_len]
+    eos, name = eng.tokenizer.eos_ids, str(eng.dtype).replace("torch.", "")
+    decode = lambda: [E.generate(eng, eng.make("ar"), p, a.max_new_tokens, Sampling(), eos).tokens for p in prompts]
+    ppl, want = {name: perplexity(eng.model, eng.tokenizer)}, decode()
+    quant.quantize(eng.model, a.quantization)
+    ppl[a.quantization] = perplexity(eng.model, eng.tokenizer)
+    got = decode()
+    prefix = [CLI.first_difference(w, g) for w, g in zip(want, got)]
+    median = statistics.median(prefix) if prefix else None
+    log(f"{a.quantization}: perplexity {ppl[a.quantization]} ({name}: {ppl[name]}) on {PPL_TOKENS} held-out tokens; "
+        f"greedy outputs agree with {name}'s for a median {median} of {a.max_new_tokens} tokens ({len(prompts)} prompts)")
+    return {"perplexity": ppl, "common_prefix": prefix, "median_common_prefix": median,
+            "identical": sum(w == g for w, g in zip(want, got)), "prompts": len(prompts), "ppl_tokens": PPL_TOKENS}
+
+
 def calibration_meta(cal) -> dict:
     """The report's record of what the warm-up calibrated (a graft.Calibration, or None: no warm-up):
     graft's thresholds under the chosen calibration, every calibration per method, the expected
@@ -503,10 +552,11 @@ def main(argv=None) -> dict:
     eng = CLI.build_engine(a.ckpt, draft if need_head else None, a.device, dtype, a.max_seq_len, a.draft_top_k, a.depth,
                            compile=executions[0] == "compiled", attention=a.attention, chunk=a.prefill_chunk,
                            methods=todo, more_batches=sizes or (), exact=exact(executions[0]),
-                           dflash=block if need_block else None)
+                           dflash=block if need_block else None)    # float: quantized below, after its reference outputs
     if sizes:              # every batch size's caches fit, before anything runs
         for B in sizes:
             CLI.engine_room(eng, B, todo)
+    quality = quantized_quality(eng, a, datasets, log) if a.quantization != "none" else None
     a.warmup = CLI.WARMUP_RUNS if a.warmup is None else a.warmup
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
@@ -522,7 +572,7 @@ def main(argv=None) -> dict:
     elif a.auto_budget and any(m in E.CALIBRATED for m in methods):
         log(f"budget: {a.budget} nodes, the default on {eng.device.type}: --warmup 0 calibrates none")
     if sizes:
-        return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv)
+        return bench_batch(a, eng, cal, methods, datasets, sizes, todo, draft, dtype, t_start, argv, quality)
     engines = {executions[0]: eng}
     for x in executions[1:]:
         engines[x] = eng.variant(compile=x == "compiled", exact=exact(x))
@@ -691,7 +741,8 @@ def main(argv=None) -> dict:
         "pass_ms_by_context": {str(c): {str(n): ms for n, ms in v.items()} for c, v in by_context.items()},
         "compiled_over_eager": compiled_over_eager(rows), "round_work": round_work,
         "runs_done": done, "runs_total": total, "interrupted": interrupted,
-        "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
+        "mismatches": mismatches, "quantization": a.quantization, "quality": quality,
+        "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     print(table(rows, sweep, len(engines) > 1))
     for x, c in cost.items():
@@ -736,7 +787,7 @@ BATCH_PASS_CONTEXT = 128
 
 
 def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: list, draft, dtype, t_start: float,
-                argv) -> dict:
+                argv, quality: dict | None = None) -> dict:
     """Every method (ar first) on each dataset's whole prompt stream at every batch size B: one engine
     with B slots per B (cli.batch_engine, on the loaded model; B = 1: the one already built), refilled
     from the stream; each method made once per B with its own copy of the warmed-up matrix, kept
@@ -857,7 +908,8 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         "graft_over_eagle3": gain, "graft_over_eagle3_cpu": gain_cpu, "ar_alone_tokens_per_s": alone,
         "pass_timer": "wall" if eng.cuda else "process CPU time", "pass_nodes": nodes,
         "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
-        "pass_context": ctx, "mismatches": mismatches, "wall_seconds": round(time.time() - t_start, 1)},
+        "pass_context": ctx, "mismatches": mismatches, "quantization": a.quantization, "quality": quality,
+        "wall_seconds": round(time.time() - t_start, 1)},
         "rows": rows}
     report_mismatches(mismatches, dtype, "ar alone", log)
     if a.json_out:

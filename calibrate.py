@@ -926,7 +926,8 @@ def state_path_for(engine: Engine, *settings) -> str:
     replaced model in the same folder is a different model), the cache length, everything that changes
     what the calibration measured (dtype, device and which one, torch's version and thread count, eager
     or compiled and how, attention over a window or the whole cache, which CPU kernels (cpu_kernels.py's
-    build, named by a hash of their source) and exact mode), and every setting that shaped the warm-up."""
+    build, named by a hash of their source), exact mode and the target's quantization), and every setting that
+    shaped the warm-up."""
     stamp = lambda path: [path, content_stamp(path)]
     m = engine.model
     head = stamp(os.path.abspath(engine.drafter.head.path)) if engine.drafter else "-"
@@ -935,7 +936,8 @@ def state_path_for(engine: Engine, *settings) -> str:
                  else "eager")
     kern = f"graft kernels {cpu_kernels.build_dir().name}" if cpu_kernels.ON and engine.device.type == "cpu" else "torch kernels"
     timing = [dev, str(engine.dtype), torch.__version__, torch.get_num_threads(), execution,
-              "window" if engine.window else "full", kern, "exact" if engine.exact else "not exact"]
+              "window" if engine.window else "full", kern, "exact" if engine.exact else "not exact",
+              getattr(m, "quantization", "none")]
     key = json.dumps([WARMUP_FORMAT, stamp(os.path.abspath(m.path)), head, m.max_seq_len, timing, *settings],
                      default=str, sort_keys=True)
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")

@@ -18,6 +18,7 @@ from engine import generate as generate_one
 from graft import METHODS, POLICIES, SOURCES, Config, ContinuationMatrix, Method
 import cpu_kernels
 from model import GraftError
+import quant
 import tp
 from tokenizer import load_tokenizer
 from verify import MIN_TEMPERATURE, Sampling, position_noise, sampling_mode, warp
@@ -127,6 +128,9 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                    help="exact mode: every method's tokens bit-identical to plain decoding's in every dtype (eager, "
                         "CPU). Default: on for an eager CPU run where graft's CPU kernels build (cpu_kernels.py: there it "
                         "costs nothing); --no-exact runs their linear with torch's attention")
+    p.add_argument("--quantization", choices=quant.CHOICES, default="none",
+                   help="int8: the target's linears as int8 weights with a float32 scale a row, quantized at load "
+                        "(half a bfloat16 token's reads; every method still equals ar on the int8 target; quant.py)")
 
 
 def check_device(name: str):
@@ -270,7 +274,8 @@ def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
 def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=None, top_k=10, depth=8,
                  matrix_k=8, compile: bool = False, attention: str | None = None, chunk: int = PREFILL_CHUNK,
                  backend: str = "inductor", check_lifetimes: bool = False, batch: int = 1,
-                 methods: list | None = None, more_batches=(), exact: bool = False, dflash=None) -> Engine:
+                 methods: list | None = None, more_batches=(), exact: bool = False, dflash=None,
+                 quantization: str = "none") -> Engine:
     """Load a target (and a head) and set up the engine with `batch` request slots, its caches sized
     for the largest tree of `methods` [(name, Config), ...] (default: every method at its default
     budget, and the largest budget the warm-up can choose). attention: "window" or "full" (default:
@@ -278,11 +283,15 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     check_lifetimes: poison step outputs as they expire (tests; see OutputLifetimes). exact: model.py's
     exact mode (every method's tokens bit-identical to plain decoding's in any dtype). more_batches: batch
     sizes engines on this model will take later (bench --batch), checked against memory here too, before
-    the weights load. dflash: a DFlash drafter's folder or hub id (methods dflash, graft-tail). Errors:
-    GraftError for a bad dtype or attention, a batch < 1, or caches for `batch` requests larger than
-    the memory there is (checked before they are allocated)."""
+    the weights load. dflash: a DFlash drafter's folder or hub id (methods dflash, graft-tail).
+    quantization: "none" or "int8" (quant.quantize: the target's linears, after the drafters, which keep
+    float weights, have read what they share). Errors: GraftError for a bad dtype, quantization or
+    attention, a batch < 1, or caches for `batch` requests larger than the memory there is (checked
+    before they are allocated)."""
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype}: use float32, bfloat16 or float16")
+    if quantization not in quant.CHOICES:
+        raise GraftError(f"--quantization must be one of {', '.join(quant.CHOICES)}, got {quantization!r}")
     if type(batch) is not int or batch < 1:
         raise GraftError(f"--batch must be a positive integer, got {batch!r}")
     if attention is None:
@@ -321,6 +330,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     if dflash:
         block = load_dflash(dflash, model)
         cols = share_features(model, block, head)      # the target captures what both drafters read
+    quant.quantize(model, quantization)
     nodes, longest = room([(m, c) for m, c in methods if (head is not None or not METHODS[m].needs_head)
                            and (block is not None or not METHODS[m].needs_block)], (top_k, depth), batch)
     if block is not None:

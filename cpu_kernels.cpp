@@ -60,6 +60,11 @@ template <> inline vec vload<at::Half>(const at::Half* p) { return _mm512_cvtph_
 template <> inline vec vload_tail<at::Half>(const at::Half* p, int64_t n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(n), p));
 }
+// int8 (a quantized weight, quant.py) -> f32: sign-extended, then converted (exact: |q| <= 127)
+template <> inline vec vload<int8_t>(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+template <> inline vec vload_tail<int8_t>(const int8_t* p, int64_t n) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail_mask(n), p)));
+}
 inline void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
@@ -109,6 +114,7 @@ inline __m256 load8(const at::BFloat16* p) {                 // bf16 -> f32: the
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 template <typename T> inline __m256 load8_tail(const T* p, int64_t n) {         // n < 8; the rest 0
   T buf[8] = {};
   std::memcpy((void*)buf, (const void*)p, std::max<int64_t>(n, 0) * sizeof(T));
@@ -219,6 +225,7 @@ template <typename T> inline vec vround(vec a) { for (int i = 0; i < 16; i++) a.
 template <typename T>
 struct Widen {
   using X = float;
+  using W = T;                                          // the weight's element (float, bfloat16, float16, int8)
   using V = __m512;
   using A = __m512;
   static constexpr int64_t STEP = 16, MACS = 16;        // weights a step; multiply-adds an instruction
@@ -235,6 +242,7 @@ constexpr int64_t MR_MAX = 6, NR_MULTI = 4;     // 24 accumulators, 4 W vectors 
 template <typename T>
 struct Widen {                                   // 8 lanes: AVX2 has 16 registers, not 32
   using X = float;
+  using W = T;
   using V = __m256;
   using A = __m256;
   static constexpr int64_t STEP = 8, MACS = 8;
@@ -251,6 +259,7 @@ constexpr int64_t MR_MAX = 4, NR_MULTI = 3;     // 12 accumulators, 3 W vectors 
 template <typename T>
 struct Widen {                                   // portable: the 16-float vector, one row at a time
   using X = float;
+  using W = T;
   using V = vec;
   using A = vec;
   static constexpr int64_t STEP = LANES, MACS = LANES;
@@ -271,6 +280,7 @@ constexpr int64_t PF_AHEAD = 2;
 // products per instruction, 32 weights a step, no widening.
 struct BF16Dot {
   using X = at::BFloat16;
+  using W = X;
   using V = __m512i;
   using A = __m512;
   static constexpr int64_t STEP = 32, MACS = 32;
@@ -282,16 +292,39 @@ struct BF16Dot {
   static A dot(V a, V b, A acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
   static float sum(A a) { return _mm512_reduce_add_ps(a); }
 };
+// bfloat16 x against int8 W (quant.py), W read at one byte a weight. A weight q is split into two
+// bfloat16s made from its bits by one logic op each, a = 128 + (q & 127) and b = -128 or -256 (q's sign
+// bit), a + b = q, so 32 weights cost one widening and two VDPBF16PS (x . a, then x . b, into the same
+// lane: its running sum stays the sum over the weights so far). Widening q to float32 and packing
+// bfloat16 pairs instead, one VDPBF16PS a 32, ran a one-row pass about 20% slower (a pass of many rows
+// about 20% faster); plain decoding is what int8 is for. Every product is exact; the sums carry the
+// extra terms' rounding, far below the bfloat16 output's.
+struct I8BF16Dot : BF16Dot {
+  using W = int8_t;
+  struct V { __m512i a, b; };
+  static V split(__m512i q) {                                     // q: 32 int8 sign-extended to words
+    return {_mm512_ternarylogic_epi32(q, _mm512_set1_epi32(0x007F007F), _mm512_set1_epi32(0x43004300), 0xEA),
+            _mm512_ternarylogic_epi32(q, _mm512_set1_epi32(0x00800080), _mm512_set1_epi32((int)0xC300C300), 0xEA)};
+  }
+  static V w(const W* p) { return split(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))); }
+  static V w_tail(const W* p, int64_t n) {                        // past n: q = 0 against x's zeros
+    return split(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1u), p)));
+  }
+  static A dot(__m512i x, V w, A acc) {
+    return _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w.a), (__m512bh)x, (__m512bh)w.b);
+  }
+};
 #endif
 
 // y[m, n] for m in [m0, m0 + mr), n = n0, n0 + rs, .., n0 + (nr - 1) rs. Every (m, n) runs the same
 // sequence: the lanes' products over k in steps, in order, the masked tail, one Op::sum; mr, nr and rs
 // only decide which outputs run side by side. pf: rows of W to come (at the same offsets from each of
 // the nr streams), prefetched while these compute (null: none), with locality hint HINT (3: into L1,
-// 2: into L2).
+// 2: into L2). sc: an int8 W's scale per output (null: none), applied to the sum before the bias, the
+// same one multiply for every row.
 template <typename Op, typename T, int64_t mr, int64_t nr, int HINT>
-inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int64_t K, int64_t N, int64_t m0,
-                 int64_t n0, int64_t rs, const T* pf) {
+inline void tile(const typename Op::X* x, const typename Op::W* w, const float* sc, const float* b, T* y, int64_t K,
+                 int64_t N, int64_t m0, int64_t n0, int64_t rs, const typename Op::W* pf) {
   typename Op::A acc[mr][nr];
   #pragma GCC unroll 32
   for (int64_t i = 0; i < mr; i++)
@@ -301,12 +334,13 @@ inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int6
     typename Op::V wv[nr];
     #pragma GCC unroll 16
     for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j * rs) * K + k) : Op::w_tail(w + (n0 + j * rs) * K + k, n);
-    if (pf)
+    if (pf && (sizeof(typename Op::W) * Op::STEP >= 64 || (k * sizeof(typename Op::W)) % 64 == 0))   // a line once
       #pragma GCC unroll 16
       for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k, 0, HINT);
     #pragma GCC unroll 16
     for (int64_t i = 0; i < mr; i++) {
-      const typename Op::V xv = n == Op::STEP ? Op::x(x + (m0 + i) * K + k) : Op::x_tail(x + (m0 + i) * K + k, n);
+      const typename Op::X* xr = x + (m0 + i) * K + k;
+      const auto xv = n == Op::STEP ? Op::x(xr) : Op::x_tail(xr, n);
       #pragma GCC unroll 16
       for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::dot(xv, wv[j], acc[i][j]);
     }
@@ -319,6 +353,7 @@ inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int6
     #pragma GCC unroll 32
     for (int64_t j = 0; j < nr; j++) {
       float s = Op::sum(acc[i][j]);
+      if (sc) s *= sc[n0 + j * rs];
       if (b) s += b[n0 + j * rs];
       y[(m0 + i) * N + n0 + j * rs] = T(s);
     }
@@ -327,14 +362,14 @@ inline void tile(const typename Op::X* x, const T* w, const float* b, T* y, int6
 // All M rows against W's rows n0 + j rs (j < nr): tiles of rows as even as possible, each at most
 // MR_MAX; the first prefetches pf (the others read what it brought).
 template <typename Op, typename T, int64_t nr>
-inline void row_tiles(const typename Op::X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N,
-                      int64_t n0, int64_t rs, const T* pf) {
+inline void row_tiles(const typename Op::X* x, const typename Op::W* w, const float* sc, const float* b, T* y, int64_t M,
+                      int64_t K, int64_t N, int64_t n0, int64_t rs, const typename Op::W* pf) {
   const int64_t tiles = (M + MR_MAX - 1) / MR_MAX, small = M / tiles, big = M % tiles;
   for (int64_t t = 0, m = 0; t < tiles; t++) {
     const int64_t r = small + (t < big);
-    const T* p = t ? nullptr : pf;
+    const typename Op::W* p = t ? nullptr : pf;
     switch (r) {
-#define GRAFT_TILE(R) case R: if constexpr (R <= MR_MAX) tile<Op, T, R, nr, 2>(x, w, b, y, K, N, m, n0, rs, p); break;
+#define GRAFT_TILE(R) case R: if constexpr (R <= MR_MAX) tile<Op, T, R, nr, 2>(x, w, sc, b, y, K, N, m, n0, rs, p); break;
       GRAFT_TILE(1) GRAFT_TILE(2) GRAFT_TILE(3) GRAFT_TILE(4) GRAFT_TILE(5) GRAFT_TILE(6)
 #undef GRAFT_TILE
       default: TORCH_CHECK(false, "graft::linear: tile rows");
@@ -347,45 +382,56 @@ inline void row_tiles(const typename Op::X* x, const T* w, const float* b, T* y,
 // memory's prefetchers follow), the rows past the parts one at a time. Threads split the streams'
 // rows: a thread never shares an output's sum with another.
 template <typename Op, typename T>
-void linear_impl(const typename Op::X* x, const T* w, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
+void linear_impl(const typename Op::X* x, const typename Op::W* w, const float* sc, const float* b, T* y, int64_t M,
+                 int64_t K, int64_t N) {
   if (M == 0) return;
   if (M == 1) {
     constexpr int64_t nr = 4;
     const int64_t Q = N / nr;
     at::parallel_for(0, Q, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; t++)
-        tile<Op, T, 1, nr, 3>(x, w, b, y, K, N, 0, t, Q, t + 1 < t1 ? w + (t + 1) * K : nullptr);
+        tile<Op, T, 1, nr, 3>(x, w, sc, b, y, K, N, 0, t, Q, t + 1 < t1 ? w + (t + 1) * K : nullptr);
     });
-    for (int64_t n = nr * Q; n < N; n++) tile<Op, T, 1, 1, 3>(x, w, b, y, K, N, 0, n, 1, n + 1 < N ? w + (n + 1) * K : nullptr);
+    for (int64_t n = nr * Q; n < N; n++) tile<Op, T, 1, 1, 3>(x, w, sc, b, y, K, N, 0, n, 1, n + 1 < N ? w + (n + 1) * K : nullptr);
     return;
   }
   const int64_t Q = N / NR_MULTI;
   at::parallel_for(0, Q, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++)
-      row_tiles<Op, T, NR_MULTI>(x, w, b, y, M, K, N, t, Q, t + PF_AHEAD < t1 ? w + (t + PF_AHEAD) * K : nullptr);
+      row_tiles<Op, T, NR_MULTI>(x, w, sc, b, y, M, K, N, t, Q, t + PF_AHEAD < t1 ? w + (t + PF_AHEAD) * K : nullptr);
   });
-  for (int64_t n = NR_MULTI * Q; n < N; n++) row_tiles<Op, T, 1>(x, w, b, y, M, K, N, n, 1, nullptr);
+  for (int64_t n = NR_MULTI * Q; n < N; n++) row_tiles<Op, T, 1>(x, w, sc, b, y, M, K, N, n, 1, nullptr);
 }
 
-// y (M, N) = x (M, K) W^T (+ b), x and y of W's dtype T. bfloat16 runs the CPU's bfloat16 dot product
-// where it has one; otherwise x is widened into `wide` once and W as it streams.
-template <typename T>
-void lin(const T* x, int64_t M, const at::Tensor& w, const float* b, T* y, std::vector<float>& wide) {
-  const int64_t K = w.size(1), N = w.size(0);
-  const T* wp = w.data_ptr<T>();
+// y (M, N) = x (M, K) W^T (* scale) (+ b), x and y of dtype T, W of T or int8 (W_), an int8 W with its
+// scale per output (sc). bfloat16 runs the CPU's bfloat16 dot product where it has one (an int8 W widened
+// to bfloat16 in registers); otherwise x is widened into `wide` once and W as it streams.
+template <typename T, typename W_>
+void lin_as(const T* x, int64_t M, const W_* wp, int64_t K, int64_t N, const float* sc, const float* b, T* y,
+            std::vector<float>& wide) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    linear_impl<BF16Dot, T>(x, wp, b, y, M, K, N);
+    if constexpr (std::is_same_v<W_, int8_t>) linear_impl<I8BF16Dot, T>(x, wp, sc, b, y, M, K, N);
+    else linear_impl<BF16Dot, T>(x, wp, sc, b, y, M, K, N);
     return;
   }
 #endif
   if constexpr (std::is_same_v<T, float>) {
-    linear_impl<Widen<float>, T>(x, wp, b, y, M, K, N);
+    linear_impl<Widen<W_>, T>(x, wp, sc, b, y, M, K, N);
   } else {
     wide.resize(M * K);
     for (int64_t i = 0; i < M * K; i++) wide[i] = float(x[i]);
-    linear_impl<Widen<T>, T>(wide.data(), wp, b, y, M, K, N);
+    linear_impl<Widen<W_>, T>(wide.data(), wp, sc, b, y, M, K, N);
   }
+}
+
+template <typename T>
+void lin(const T* x, int64_t M, const at::Tensor& w, const float* b, T* y, std::vector<float>& wide,
+         const float* sc = nullptr) {
+  if (w.scalar_type() == at::kChar)
+    lin_as<T, int8_t>(x, M, w.data_ptr<int8_t>(), w.size(1), w.size(0), sc, b, y, wide);
+  else
+    lin_as<T, T>(x, M, w.data_ptr<T>(), w.size(1), w.size(0), nullptr, b, y, wide);
 }
 
 // The core's multiply-add peak for the linear's dtype: GMAC/s of the instruction lin's inner loop
@@ -449,10 +495,26 @@ inline const float* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& 
   return keep.data_ptr<float>();
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+// An int8 W's scales (N,) as float32 (`keep` holds the converted copy alive); null for a float W, which
+// takes none. Checked: an int8 W has its N scales, a float W is x's dtype.
+inline const float* scale_ptr(const at::Tensor& w, const c10::optional<at::Tensor>& scale, c10::ScalarType xt,
+                              at::Tensor& keep, const char* what) {
+  const bool q = scale.has_value() && scale->defined();
+  if (w.scalar_type() != at::kChar) {
+    TORCH_CHECK(!q && w.scalar_type() == xt, what, ": x and W of one dtype (a scale only with an int8 W)");
+    return nullptr;
+  }
+  TORCH_CHECK(q && scale->numel() == w.size(0) && scale->device().is_cpu(), what, ": an int8 W takes its scales (N,)");
+  keep = scale->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "graft::linear: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "graft::linear: x (..., K) and W (N, K)");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "graft::linear: x and W of one dtype");
+  at::Tensor sk;
+  const float* sp = scale_ptr(w, scale, x.scalar_type(), sk, "graft::linear");
   const int64_t K = w.size(1), N = w.size(0);
   auto xs = x.reshape({-1, K}).contiguous();
   auto wc = w.contiguous();
@@ -464,9 +526,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const float* bp = bias_ptr(bias, bf);
   std::vector<float> wide;
   switch (x.scalar_type()) {
-    case at::kFloat: lin(xs.data_ptr<float>(), M, wc, bp, y.data_ptr<float>(), wide); break;
-    case at::kBFloat16: lin(xs.data_ptr<at::BFloat16>(), M, wc, bp, y.data_ptr<at::BFloat16>(), wide); break;
-    case at::kHalf: lin(xs.data_ptr<at::Half>(), M, wc, bp, y.data_ptr<at::Half>(), wide); break;
+    case at::kFloat: lin(xs.data_ptr<float>(), M, wc, bp, y.data_ptr<float>(), wide, sp); break;
+    case at::kBFloat16: lin(xs.data_ptr<at::BFloat16>(), M, wc, bp, y.data_ptr<at::BFloat16>(), wide, sp); break;
+    case at::kHalf: lin(xs.data_ptr<at::Half>(), M, wc, bp, y.data_ptr<at::Half>(), wide, sp); break;
     default: TORCH_CHECK(false, "graft::linear: float32, bfloat16 or float16");
   }
   return y.view(sizes);
@@ -956,7 +1018,8 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
                       const c10::optional<at::Tensor>& qn, const c10::optional<at::Tensor>& kn, const at::Tensor& n2,
                       const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const int64_t* rows, const int64_t* slots,
-                      const at::Tensor& mask, const bool* keep, int64_t H, float eps, const T* emb, const T* hn, bool nbr) {
+                      const at::Tensor& mask, const bool* keep, int64_t H, float eps, const T* emb, const T* hn, bool nbr,
+                      const float* const* sc) {
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2), M = B * Tq;
   const int64_t Hkv = kc.size(1), D = kc.size(3), S = mask.size(3), I = wg.size(0);
   const int64_t NQ = H * D, NK = Hkv * D, Din = wq.size(1);         // Din: 2 Dm for an EAGLE-3 head's layer
@@ -996,9 +1059,9 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   } else {
     rms_norm(xp, n1.data_ptr<T>(), h.get(), Mr, Dm, eps);
   }
-  lin(h.get(), Mr, wq, bq, qr.get(), wide);
-  lin(h.get(), Mr, wk, bk, kr.get(), wide);
-  lin(h.get(), Mr, wv, bv, vr.get(), wide);
+  lin(h.get(), Mr, wq, bq, qr.get(), wide, sc[0]);
+  lin(h.get(), Mr, wk, bk, kr.get(), wide, sc[1]);
+  lin(h.get(), Mr, wv, bv, vr.get(), wide, sc[2]);
   // every row's q, k, v (B, Tq, ...), a padding row's zeros: attention and the cache read them by position
   auto spread = [&](std::unique_ptr<T[]>& src, int64_t w) {
     if (all) return std::move(src);
@@ -1037,14 +1100,14 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   attend<T>({q.get(), Tq * NQ, D, NQ}, {kp, ks[0], ks[1], ks[2]}, {vp, vs[0], vs[1], vs[2]}, slots,
             {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
             1.f / std::sqrt(float(D)));
-  lin(gather(att.get(), NQ, ag), Mr, wo, nullptr, h.get(), wide);    // h: o_proj's output
+  lin(gather(att.get(), NQ, ag), Mr, wo, nullptr, h.get(), wide, sc[3]);    // h: o_proj's output
   add(res, h.get(), x1.get(), Mr * Dm);
   // 4. the MLP: norm, SwiGLU, down, the residual
   rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), Mr, Dm, eps);
-  lin(h.get(), Mr, wg, nullptr, g.get(), wide);
-  lin(h.get(), Mr, wu, nullptr, u.get(), wide);
+  lin(h.get(), Mr, wg, nullptr, g.get(), wide, sc[4]);
+  lin(h.get(), Mr, wu, nullptr, u.get(), wide, sc[5]);
   swiglu(g.get(), u.get(), Mr * I);
-  lin(g.get(), Mr, wd, nullptr, h.get(), wide);
+  lin(g.get(), Mr, wd, nullptr, h.get(), wide, sc[6]);
   auto out = all ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::zeros_like(x, at::MemoryFormat::Contiguous);
   T* op = out.data_ptr<T>();
   if (all) {
@@ -1061,8 +1124,8 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
                  const c10::optional<at::Tensor>& kn, const at::Tensor& n2, const at::Tensor& wg, const at::Tensor& wu,
                  const at::Tensor& wd, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
                  const at::Tensor& rows, const c10::optional<at::Tensor>& slots, const at::Tensor& mask,
-                 const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps, const c10::optional<at::Tensor>& emb,
-                 const c10::optional<at::Tensor>& hn, bool nbr) {
+                 const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps, at::TensorList scales,
+                 const c10::optional<at::Tensor>& emb, const c10::optional<at::Tensor>& hn, bool nbr) {
   // shapes, dtypes and every index are checked before anything is read or written
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "graft::block: x (B, T, dim), contiguous");
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2);
@@ -1071,7 +1134,18 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
   const int64_t Hkv = kc.size(1), R = kc.size(2), D = kc.size(3), I = wg.size(0);
   TORCH_CHECK(D <= 256 && D % 2 == 0 && n_heads > 0 && n_heads % Hkv == 0, "graft::block: heads");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &wq, &wk, &wv, &wo, &n2, &wg, &wu, &wd, &cos, &sin, &kc, &vc})
-    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device().is_cpu(), "graft::block: one dtype, CPU");
+    TORCH_CHECK(t->device().is_cpu(), "graft::block: CPU tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &n2, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "graft::block: one dtype");
+  // the seven linears' weights: x's dtype, or every one int8 with its scales (q, k, v, o, gate, up, down)
+  TORCH_CHECK(scales.empty() || scales.size() == 7, "graft::block: no scales, or one (N,) for each of the 7 linears");
+  at::Tensor sk[7];
+  const float* sc[7] = {};
+  const at::Tensor* lw[7] = {&wq, &wk, &wv, &wo, &wg, &wu, &wd};
+  for (int i = 0; i < 7; i++) {
+    TORCH_CHECK(lw[i]->scalar_type() == (scales.empty() ? x.scalar_type() : at::kChar), "graft::block: weights of x's dtype, or int8 with scales");
+    if (!scales.empty()) sc[i] = scale_ptr(*lw[i], scales[i], x.scalar_type(), sk[i], "graft::block");
+  }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&n1, &wq, &wk, &wv, &wo, &n2, &wg, &wu, &wd})
     TORCH_CHECK(t->is_contiguous(), "graft::block: contiguous weights");
   const bool draft = emb.has_value() && emb->defined();
@@ -1118,7 +1192,7 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
               "graft::block: bias shapes");
   switch (x.scalar_type()) {
 #define GRAFT_BLOCK(T) block_impl<T>(x, n1, wq, bq_, wk, bk_, wv, bv_, wo, qn, kn, n2, wg, wu, wd, cs, sn, kc, vc, rp, sp, m, keepp, n_heads, \
-                                     (float)eps, draft ? emb->data_ptr<T>() : nullptr, draft ? hn->data_ptr<T>() : nullptr, nbr)
+                                     (float)eps, draft ? emb->data_ptr<T>() : nullptr, draft ? hn->data_ptr<T>() : nullptr, nbr, sc)
     case at::kFloat: return GRAFT_BLOCK(float);
     case at::kBFloat16: return GRAFT_BLOCK(at::BFloat16);
     case at::kHalf: return GRAFT_BLOCK(at::Half);
@@ -1138,8 +1212,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layers(
     const c10::List<std::optional<at::Tensor>>& kn, at::TensorList n2, at::TensorList wg, at::TensorList wu,
     at::TensorList wd, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kc, at::TensorList vc,
     const at::Tensor& rows, const std::optional<at::Tensor>& slots, const at::Tensor& mask,
-    const std::optional<at::Tensor>& keep, int64_t n_heads, double eps, at::IntArrayRef capture) {
+    const std::optional<at::Tensor>& keep, int64_t n_heads, double eps, at::IntArrayRef capture, at::TensorList scales) {
   const int64_t L = (int64_t)n1.size();
+  TORCH_CHECK(scales.empty() || (int64_t)scales.size() == 7 * L, "graft::layers: no scales, or 7 a layer (int8 weights)");
   for (size_t i : {wq.size(), bq.size(), wk.size(), bk.size(), wv.size(), bv.size(), wo.size(), qn.size(), kn.size(),
                    n2.size(), wg.size(), wu.size(), wd.size(), kc.size(), vc.size()})
     TORCH_CHECK((int64_t)i == L, "graft::layers: one entry a layer in every list");
@@ -1151,7 +1226,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layers(
     if (i == L) break;
     at::Tensor kci = kc[i], vci = vc[i];
     h = block(h, n1[i], wq[i], bq.get(i), wk[i], bk.get(i), wv[i], bv.get(i), wo[i], qn.get(i), kn.get(i), n2[i], wg[i],
-              wu[i], wd[i], cos, sin, kci, vci, rows, slots, mask, keep, n_heads, eps, std::nullopt, std::nullopt, false);
+              wu[i], wd[i], cos, sin, kci, vci, rows, slots, mask, keep, n_heads, eps,
+              scales.empty() ? scales : scales.slice(7 * i, 7), std::nullopt, std::nullopt, false);
   }
   return {h, got};
 }
@@ -1427,15 +1503,15 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("layers(Tensor x, Tensor[] n1, Tensor[] wq, Tensor?[] bq, Tensor[] wk, Tensor?[] bk, Tensor[] wv, Tensor?[] bv, "
           "Tensor[] wo, Tensor?[] qn, Tensor?[] kn, Tensor[] n2, Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor cos, "
           "Tensor sin, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, "
-          "int n_heads, float eps, int[] capture) -> (Tensor, Tensor[])");
+          "int n_heads, float eps, int[] capture, Tensor[] scales) -> (Tensor, Tensor[])");
   lib.def("graft_trees(Tensor d_tok, Tensor d_par, Tensor kept, Tensor r_tok, Tensor r_score, Tensor t_par, "
           "Tensor t_depth, Tensor t_rank, Tensor anchor, Tensor free) -> (Tensor, Tensor, Tensor, Tensor)");
-  lib.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  lib.def("linear(Tensor x, Tensor w, Tensor? bias, Tensor? scale=None) -> Tensor");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "
           "Tensor? qn, Tensor? kn, Tensor n2, Tensor wg, Tensor wu, Tensor wd, Tensor cos, Tensor sin, Tensor(a!) kc, "
-          "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps, Tensor? emb=None, "
-          "Tensor? hn=None, bool nbr=False) -> Tensor");
+          "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps, Tensor[] scales, "
+          "Tensor? emb=None, Tensor? hn=None, bool nbr=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graft, CPU, lib) {

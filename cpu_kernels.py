@@ -9,7 +9,8 @@ output of these kernels is one fixed sequence of float32 operations whatever the
 (cpu_kernels.cpp says how), which makes a verified node's logits plain decoding's, bit for bit, in every
 dtype; and the one-row linear streams its weight once, widened in registers.
 
-    linear(x (..., K), W (N, K), b (N,) | None) -> (..., N)      x.dtype: float32, bfloat16 or float16
+    linear(x (..., K), W (N, K), b (N,) | None, scale (N,) | None) -> (..., N)
+                                        x.dtype: float32, bfloat16 or float16; W: x's dtype, or int8 with a scale
     attention(q (B, H, T, D), k, v (B, H_kv, S, D), mask (B|1, 1, T, S) bool, scale) -> (B, H, T, D)
     block(x (B, T, dim), the layer's weights, cos, sin (B|1, T, D), k/v caches (B_c, H_kv, R, D) written at
           rows (B, T) of requests slots (B,) | None, mask (B|1, 1, T, S) bool, keep (B, T) | None, ...) -> (B, T, dim)
@@ -77,7 +78,7 @@ def ready() -> bool:
 
 def _register_shapes():
     @torch.library.register_fake("graft::linear")
-    def _(x, w, bias):
+    def _(x, w, bias, scale=None):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
     @torch.library.register_fake("graft::block")
@@ -109,7 +110,7 @@ def _register_shapes():
 
     @torch.library.register_fake("graft::layers")
     def _(x, *rest):
-        return torch.empty_like(x, memory_format=torch.contiguous_format), [x.new_empty(x.shape) for _ in rest[-1]]
+        return torch.empty_like(x, memory_format=torch.contiguous_format), [x.new_empty(x.shape) for _ in rest[24]]
 
     @torch.library.register_fake("graft::attention")
     def _(q, k, v, mask, scale):
@@ -129,8 +130,12 @@ def peak(dtype: torch.dtype, seconds: float = 0.05) -> float:
     return torch.ops.graft.peak(dtype, seconds)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.graft.linear(x, w, b)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) W^T (+ b): (..., N). W (N, K) of x's dtype, or int8 (quant.py) with its float32 scale (N,):
+    y = sum_k x W[n, k] * scale[n] + b[n], the scale applied to the finished sum, after the same sequence of
+    float32 operations a float W runs (its integers widened in registers). Errors: RuntimeError for dtypes
+    or shapes that do not fit."""
+    return torch.ops.graft.linear(x, w, b, scale)
 
 
 def move_rows(caches: list, src: torch.Tensor, dst: torch.Tensor):
@@ -168,17 +173,18 @@ def attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return torch.ops.graft.attention(q, k, v, mask, scale)
 
 
-def layers(x, *weights_and_step) -> tuple:
+def layers(x, *weights_and_step, scales=()) -> tuple:
     """Every decoder layer of a target in one call (model.Transformer.fused_layers): block() layer after
     layer, each weight a list with one entry a layer, then the RoPE rows, the caches (lists), rows, slots,
-    mask, keep, the head count, eps, and the layers whose input to return (capture). Returns (x,
-    [captured])."""
-    return torch.ops.graft.layers(x, *weights_and_step)
+    mask, keep, the head count, eps, and the layers whose input to return (capture). scales: int8 weights'
+    scales, 7 a layer in block()'s order (empty: float weights). Returns (x, [captured])."""
+    return torch.ops.graft.layers(x, *weights_and_step, list(scales))
 
 
-def block(x, *weights_and_step, emb=None, hn=None, nbr=False) -> torch.Tensor:
+def block(x, *weights_and_step, emb=None, hn=None, nbr=False, scales=()) -> torch.Tensor:
     """One decoder layer (model.Block with a dense MLP), exact, in one call: model.Block.fused_forward
     passes its weights, the RoPE rows, the KV cache (written at `rows`), the mask and the head count. An
     EAGLE-3 head's layer (draft.DraftLayer.fused_forward) adds emb (B, T, dim), the token embeddings its
-    attention reads beside hidden_norm(x), that norm's weight hn (dim,), and nbr (norm_before_residual)."""
-    return torch.ops.graft.block(x, *weights_and_step, emb, hn, nbr)
+    attention reads beside hidden_norm(x), that norm's weight hn (dim,), and nbr (norm_before_residual).
+    scales: with int8 weights (quant.py), their float32 scales (N,) for q, k, v, o, gate, up, down."""
+    return torch.ops.graft.block(x, *weights_and_step, list(scales), emb, hn, nbr)

@@ -672,6 +672,7 @@ class Pacer:
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}    # plain? -> seconds
+        self.batch = Slot()           # at B > 1, the batch's own plain run (plain, backoff)
 
     def cost(self, plain: bool) -> float | None:
         """Seconds of a plain round (plain) or a drafting one: the lower quartile of the window; None before
@@ -681,19 +682,22 @@ class Pacer:
 
     def plan(self, eng, method) -> list:
         """Per slot, whether it drafts this round (an empty slot: False). At B > 1 a tree pass costs every
-        request: it must pay for the batch (a non-drafter's tokens: 1), else the would-be drafters back
-        off, unless one is a probe after a plain run (so that no slot's plain run outgrows PLAIN_RUN)."""
+        request, so the batch is paced too (self.batch: its plain run): a round drafts where the drafters'
+        MAT pays for the whole batch (a non-drafter's tokens: 1), or as a probe after the batch's plain run.
+        A head whose pending rows are full (PLAIN_RUN plain steps) drafts in any case."""
         live = [s.request is not None for s in eng.slots]
         if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
-        tp, tt, n = self.cost(True), self.cost(False), sum(live)
+        full = [x and s.pend >= PLAIN_RUN for x, s in zip(live, eng.slots)]
+        tp, tt, n, b = self.cost(True), self.cost(False), sum(live), self.batch
         tokens = sum((s.mat or 1.0) if w else 1.0 for w, x, s in zip(want, live, eng.slots) if x)
-        if (n > 1 and tp and tt and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)
-                and not any(w and s.backoff for w, s in zip(want, eng.slots))):
-            [self.back_off(s) for w, s in zip(want, eng.slots) if w]
-            return [False] * eng.B
-        return want
+        if n > 1 and tp and tt and (b.plain or not b.backoff and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)):
+            if not b.plain:
+                self.back_off(b)
+            b.plain -= 1
+            return full
+        return [w or f for w, f in zip(want, full)]
 
     def back_off(self, s: Slot):
         """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to PLAIN_RUN."""
@@ -720,6 +724,12 @@ class Pacer:
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
         t_plain, t_tree = self.cost(True), self.cost(False)
+        n, got = sum(o is not None for o in out), sum(len(o[0]) + 1 for o in out if o is not None)
+        if n > 1 and not plain and t_plain and t_tree:    # did this tree pass pay for the batch?
+            if got * t_plain < t_tree * n * (1 + self.MARGIN):
+                self.back_off(self.batch)
+            else:
+                self.batch.backoff = 0
         for s, g, o in zip(eng.slots, grow, out):
             if o is None:
                 continue

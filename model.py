@@ -478,7 +478,7 @@ class Block(nn.Module):
         a, m = self.self_attn, self.mlp
         return (self.exact and self.fuse and isinstance(m, MLP) and mask is not None and mask.dtype == torch.bool
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and use_kernels(x)
-                and x.dtype == m.gate_proj.weight.dtype and not (a._forward_hooks or m._forward_hooks))
+                and m.gate_proj.weight.dtype in (x.dtype, torch.int8) and not (a._forward_hooks or m._forward_hooks))
 
     def fused_weights(self) -> tuple:
         a, m = self.self_attn, self.mlp
@@ -487,10 +487,16 @@ class Block(nn.Module):
                 a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, qn, kn, self.post_attention_layernorm.weight,
                 m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
 
+    def fused_scales(self) -> list:
+        """An int8 layer's scales (quant.py), q k v o gate up down; [] for float weights."""
+        a, m = self.self_attn, self.mlp
+        lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        return [p.scale for p in lins] if getattr(a.q_proj, "scale", None) is not None else []
+
     def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
         cache, i = kv
-        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows,
-                                 slots, mask, keep, self.self_attn.n_heads, self.input_layernorm.eps)
+        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
+                                 mask, keep, self.self_attn.n_heads, self.input_layernorm.eps, scales=self.fused_scales())
 
 
 class Transformer(nn.Module):
@@ -526,7 +532,8 @@ class Transformer(nn.Module):
         layers), with the inputs of the layers `points` (capture). Returns (x, [captured])."""
         per = zip(*(b.fused_weights() for b in self.layers))                  # each weight: a list, a layer each
         return cpu_kernels.layers(x, *map(list, per), rope[0][:, 0], rope[1][:, 0], cache.k, cache.v, rows, slots, mask,
-                                  keep, self.args.n_heads, self.args.norm_eps, list(points))
+                                  keep, self.args.n_heads, self.args.norm_eps, list(points),
+                                  scales=[s for b in self.layers for s in b.fused_scales()])
 
     def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None, slots=None):
         """tokens (B, T); positions (B, T) absolute positions for RoPE ((T,): the same for every row).

@@ -15,7 +15,8 @@ A cell is `cell` filled from the row's figures, formatted: speedup, decode_speed
 mat, mat_drafting (MAT of the rounds that drafted), plain_share and verify_peak_share (percentages),
 tokens_per_s, decode_tokens_per_s, tokens_per_cpu_s, budget, policy. The baseline method (ar) gets
 `base_cell`. A column says whether every output equalled ar's (bench's lossless check). kind "lossless"
-instead counts, over several reports, the outputs identical to ar's.
+instead counts, over several reports, the outputs identical to ar's; kind "weights" sets reports of one
+command with and without --quantization side by side, each with the quality bench measured (meta.quality).
 """
 import argparse
 import datetime
@@ -34,7 +35,7 @@ class Section:
     heading: str
     files: list                     # reports, relative to the repository root (one, or several for "lossless")
     note: str = ""                  # what the table measures (words only: the numbers are the table's)
-    kind: str = "pivot"             # "pivot" or "lossless"
+    kind: str = "pivot"             # "pivot", "lossless" or "weights"
     methods: list | None = None     # the columns, in order (default: every method, as the report lists them)
     cell: str = "{decode_speedup} ({mat})"
     base_cell: str = "{decode_tokens_per_s}"
@@ -72,6 +73,14 @@ SECTIONS = [
             "exact mode, every method calibrated by its warm-up. Measured before the CPU speedup (the kernels' "
             "multi-row tiles, small budgets, cost-aware rounds): the table above is today's.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
+    Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
+            "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
+            "it and its lm_head in int8 with one scale a row (the head float), each run with its own warm-up. "
+            "Perplexity: on 2,048 held-out tokens (Python's reference documentation); greedy agreement: the "
+            "tokens before each int8 output first parts from the bfloat16 target's on the same prompt. The "
+            "one-token step reads half the bytes; a prefill or a tree pass does twice the bfloat16 dot products "
+            "(docs/cpu.md), so TTFT grows and the pacer takes more plain steps.",
+            kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread: a "
             "target small enough that a one-token step costs little, so trees rarely pay on this CPU; MAT "
@@ -225,9 +234,31 @@ def lossless(s: Section, reports: list) -> str:
     return "\n".join(out)
 
 
+def weights(s: Section, reports: list) -> str:
+    """One row per (report, dataset): the weights (the dtype, or --quantization), the methods' cells, and
+    the quantized report's quality: held-out perplexity and greedy agreement with the float target."""
+    methods = s.methods or list(dict.fromkeys(r["method"] for _, rep in reports for r in rep["rows"]))
+    head = ["data set", "weights"] + [f"`{m}`" for m in methods] + ["lossless", "perplexity", "greedy agreement"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, rep in reports:
+        meta, q = rep["meta"], rep["meta"].get("quality")
+        kind = meta.get("quantization", "none")
+        w = meta["dtype"] if kind == "none" else f"{kind} ({meta['dtype']} activations)"
+        for d in dict.fromkeys(r["dataset"] for r in rep["rows"]):
+            got = {r["method"]: r for r in rep["rows"] if r["dataset"] == d}
+            cells = [cell(s.base_cell if m == "ar" else s.cell, got[m]) if m in got else "-" for m in methods]
+            ok = "yes" if all(got[m]["lossless"] is True for m in got) else "no"
+            ppl = f"{q['perplexity'][kind]} ({meta['dtype']}: {q['perplexity'][meta['dtype']]})" if q else "-"
+            agree = (f"median {q['median_common_prefix']:g} of {meta['max_new_tokens']} tokens, {q['identical']} of "
+                     f"{q['prompts']} identical") if q else "-"
+            out.append("| " + " | ".join([DATASETS.get(d, d), w] + cells + [ok, ppl, agree]) + " |")
+    return "\n".join(out) + f"\n\n({s.legend})"
+
+
 def section(s: Section) -> str:
     reports = [(p, load(p)) for p in s.files]
-    body = pivot(s, reports[0][1]) if s.kind == "pivot" else lossless(s, reports)
+    body = (pivot(s, reports[0][1]) if s.kind == "pivot" else weights(s, reports) if s.kind == "weights"
+            else lossless(s, reports))
     runs = where([r["meta"] for _, r in reports])
     cmds = "\n".join(command(r["meta"], p, s.fix) for p, r in reports)
     return f"## {s.heading}\n\n{s.note}\n\n{body}\n\nRan {runs}.\n\n```bash\n{cmds}\n```\n"

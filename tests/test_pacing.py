@@ -103,19 +103,23 @@ def test_each_request_of_a_batch_is_paced_on_its_own():
 def test_at_b_above_one_a_drafting_round_must_pay_for_the_batch():
     """Slot 1 alone would pay (2.5 tokens a round against a round costing 2 plain steps), but its tree
     pass costs all three requests: 1 + 2.5 + 1 tokens against 3 x 2 plain steps' worth does not pay, so
-    the round is plain and slot 1 backs off; after that plain run its probe drafts regardless (so that
-    plain runs never outgrow PLAIN_RUN, what the drafter's pending rows hold)."""
+    the batch takes MIN_RUN plain rounds, then probes; a probe that does not pay doubles the batch's run.
+    A head whose pending rows are full drafts even then."""
     p, eng = Pacer(), fake_engine(3)
     for _ in range(8):
         p.times[True].append(0.010)
         p.times[False].append(0.020)
     p.seen(eng, None, [True] * 3, [([0] * a, 0, [], 0) for a in (0, 4, 0)], 0.020, False)
+    assert p.batch.plain == 0                              # 7 tokens >= 6 x 1.03: that pass paid
     eng.slots[1].mat = 2.5
-    assert p.plan(eng, None) == [False, False, False] and eng.slots[1].plain == Pacer.MIN_RUN
-    eng.slots[1].plain = 0
-    assert p.plan(eng, None) == [False, True, False]       # the probe after the plain run
-    eng.slots[1].mat, eng.slots[1].backoff = 7.0, 0        # 1 + 7 + 1 >= 6: it pays for the batch
-    assert p.plan(eng, None) == [False, True, False]
+    plans = [p.plan(eng, None) for _ in range(Pacer.MIN_RUN + 1)]
+    assert plans == [[False] * 3] * Pacer.MIN_RUN + [[False, True, False]]       # the probe
+    p.seen(eng, None, plans[-1], [([], 0, [], 0), ([0], 0, [], 0), ([], 0, [], 0)], 0.020, False)
+    assert p.batch.plain == 2 * Pacer.MIN_RUN              # 4 tokens did not pay: twice the run
+    eng.slots[2].pend = PLAIN_RUN
+    assert p.plan(eng, None) == [False, False, True]
+    p.batch.plain, p.batch.backoff, eng.slots[1].mat = 0, 0, 7.0
+    assert p.plan(eng, None) == [False, True, True]        # 1 + 7 + 1 >= 6: it pays for the batch
 
 
 # ----------------------------------------------------------------------------- the rounds
