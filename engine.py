@@ -665,14 +665,16 @@ class Pacer:
     only adds time). Where it does not pay (MARGIN: by a clear margin), the request takes plain steps
     (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once to see whether it pays
     again (a probe), the plain run doubling each time it does not, up to graft.PLAIN_RUN (what a drafter's
-    pending rows hold). When no request drafts, the round is a plain step (Method.plain_round); at B > 1 the
-    others keep their roots alone (Engine.grow). Costs are measured, never assumed: until a plain step's
-    is known, the first rounds draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
+    pending rows hold); a new request starts where the last one left off (its mat, its plain run). When
+    no request drafts, the round is a plain step (Method.plain_round); at B > 1 the others keep their roots
+    alone (Engine.grow). Costs are measured, never assumed: until a plain step's is known, the first rounds
+    draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES = 16, 0.03, 4, 0.3, 2
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}    # plain? -> seconds
         self.batch = Slot()           # at B > 1, the batch's own plain run (plain, backoff)
+        self.prior = None             # (mat, backoff) of the request seen last: where a new request starts
 
     def cost(self, plain: bool) -> float | None:
         """Seconds of a plain round (plain) or a drafting one: the lower quartile of the window; None before
@@ -688,20 +690,21 @@ class Pacer:
         live = [s.request is not None for s in eng.slots]
         if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
+        for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
+            (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= PLAIN_RUN for x, s in zip(live, eng.slots)]
         tp, tt, n, b = self.cost(True), self.cost(False), sum(live), self.batch
         tokens = sum((s.mat or 1.0) if w else 1.0 for w, x, s in zip(want, live, eng.slots) if x)
         if n > 1 and tp and tt and (b.plain or not b.backoff and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)):
-            if not b.plain:
-                self.back_off(b)
-            b.plain -= 1
+            b.plain = (b.plain or self.back_off(b)) - 1             # (a new run when none is on)
             return full
         return [w or f for w, f in zip(want, full)]
 
-    def back_off(self, s: Slot):
+    def back_off(self, s: Slot) -> int:
         """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to PLAIN_RUN."""
         s.backoff = s.plain = min(PLAIN_RUN, 2 * s.backoff if s.backoff else self.MIN_RUN)
+        return s.plain
 
     def explain(self, s: Slot, drafted: bool) -> str:
         """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
@@ -742,6 +745,7 @@ class Pacer:
                 self.back_off(s)
             else:
                 s.backoff = 0
+            self.prior = (s.mat, s.backoff)
 
 
 class PlainSteps(Pacer):
