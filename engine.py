@@ -665,7 +665,7 @@ class Pacer:
     only adds time). Where it does not pay (MARGIN: by a clear margin), the request takes plain steps
     (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once to see whether it pays
     again (a probe), the plain run doubling each time it does not, up to graft.PLAIN_RUN (what a drafter's
-    pending rows hold); a new request starts where the last one left off (its mat, its plain run). When
+    pending rows hold); a new request starts where the last one left off (its mat; its plain run, <= 8). When
     no request drafts, the round is a plain step (Method.plain_round); at B > 1 the others keep their roots
     alone (Engine.grow). Costs are measured, never assumed: until a plain step's is known, the first rounds
     draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
@@ -745,7 +745,7 @@ class Pacer:
                 self.back_off(s)
             else:
                 s.backoff = 0
-            self.prior = (s.mat, s.backoff)
+            self.prior = (s.mat, min(s.backoff, 2 * self.MIN_RUN))   # (capped: the next text may differ)
 
 
 class PlainSteps(Pacer):
