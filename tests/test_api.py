@@ -79,8 +79,10 @@ def test_the_readme_server_example_runs_as_written(env):
 
 @pytest.fixture(scope="module")
 def pair():
-    """graft on the stdlib pair with 2 slots, and plain decoding beside it (float32)."""
-    g = api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="graft", batch=2, warmup=1, no_cache=True)
+    """graft on the stdlib pair with 2 slots, and plain decoding beside it (float32). Unpaced: every round
+    drafts (conftest's engine.PACE=False does not reach a module-scoped fixture; on these tiny models the
+    pacer would take plain steps, and the tests here examine drafting rounds)."""
+    g = api.load(STDLIB_CKPT, draft=STDLIB_DRAFT, method="graft", batch=2, warmup=1, no_cache=True, pace=False)
     return g, api.load(STDLIB_CKPT, method="ar")
 
 
