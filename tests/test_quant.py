@@ -5,15 +5,13 @@ import torch
 
 import api
 import cpu_kernels
-import engine as E
 import model as M
 import quant
 from calibrate import state_path_for
 from cli import ArgumentParser, add_engine_flags, build_engine
-from conftest import NO_BLOCK, ROOT
-from graft import Config
+from conftest import ROOT
 from model import GraftError
-from test_exact import rows_differ, sampling, stream, tiny
+from test_exact import not_ar, rows_differ, tiny
 from test_lossless import random_head
 
 kernels = pytest.mark.skipif(not cpu_kernels.ready(), reason="graft's CPU kernels did not build here")
@@ -189,15 +187,7 @@ def test_every_method_equals_ar_on_an_int8_target(dtype):
     eng = engines[1]
     assert eng.model.quantization == "int8" and eng.model.lm_head.weight.dtype == torch.int8
     assert eng.drafter.head.fc.weight.dtype != torch.int8                  # the head stays float
-    prompts = stream(eng)
-    want = [E.generate(eng, eng.make("ar"), p, 12, sampling(i)).tokens for i, p in enumerate(prompts)]
-    bad = []
-    for B, e in engines.items():
-        for name in NO_BLOCK:
-            got = E.run(e, e.make(name, Config(budget=16, recycle_size=24)),
-                        [E.Request(p, sampling(i), i) for i, p in enumerate(prompts)], 12)
-            bad += [(name, B, i) for i, r in enumerate(got.requests) if r.tokens != want[i]]
-    assert bad == []
+    assert not_ar(engines) == []
     float_eng = build_engine(f"{ck}/stdlib-qwen3", dtype=dtype, max_seq_len=128, exact=True)
     assert state_path_for(float_eng) != state_path_for(eng)
 
