@@ -304,7 +304,7 @@ class Slot:
     pend: int = 0            # rows the head's next extend reads (the method's pend_n[b])
     mat: float | None = None  # tokens a drafting round of this request commits (an exponential average)
     plain: int = 0           # plain rounds left before it drafts again
-    backoff: int = 0         # the next plain run's length (Pacer.MIN_RUN, doubling to PLAIN_RUN while none pays)
+    backoff: int = 0         # the next plain run's length (Pacer.MIN_RUN, doubling to Pacer.cap while none pays)
     idle: bool = False       # its last round was a plain step: its next drafting round catches up the head
 
 
@@ -611,7 +611,14 @@ class Engine:
         self.steps.mark()                     # the last round's step outputs are dead from here on
         t0 = time.perf_counter()
         grow = method.pacer.plan(self, method) if method.pacer is not None and not (record or full) else None
-        if grow is not None and not any(grow):
+        plain = grow is not None and not any(grow)
+        # a long plain run: a drafter with PLAIN_RUN pending rows reads them now (a drafting round reads every
+        # slot's, drafting or not)
+        late = [plain and method.pending and s.request is not None and s.pend >= PLAIN_RUN for s in self.slots]
+        caught = any(late) and method.can_catch_up(self)
+        if caught:
+            method.catch_up(self, late)
+        if plain:
             rnd = method.plain_round(self)
         else:
             self.drafts[:] = grow if grow is not None else [True] * self.B
@@ -638,7 +645,7 @@ class Engine:
             r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
         if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
-            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain)
+            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught)
         return rnd, out
 
     def pending_rows(self, method: Method) -> int:
@@ -664,17 +671,20 @@ class Pacer:
     as it runs (the lower quartile of the last WINDOW of each kind: interference on a shared machine
     only adds time). Where it does not pay (MARGIN: by a clear margin), the request takes plain steps
     (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once to see whether it pays
-    again (a probe), the plain run doubling each time it does not, up to graft.PLAIN_RUN (what a drafter's
-    pending rows hold); a new request starts where the last one left off (its mat; its plain run, <= 8). When
+    again (a probe), the plain run doubling each time it does not, up to MAX_RUN where the method's drafter
+    can read its pending rows outside a drafting round (Method.catch_up: the engine has it do so every
+    graft.PLAIN_RUN plain steps), else up to PLAIN_RUN (what those rows hold: a full drafter then drafts); a
+    new request starts where the last one left off (its mat; its plain run, <= 8). When
     no request drafts, the round is a plain step (Method.plain_round); at B > 1 the others keep their roots
     alone (Engine.grow). Costs are measured, never assumed: until a plain step's is known, the first rounds
     draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
-    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES = 16, 0.03, 4, 0.3, 2
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.3, 2, 128
 
     def __init__(self):
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}    # plain? -> seconds
         self.batch = Slot()           # at B > 1, the batch's own plain run (plain, backoff)
         self.prior = None             # (mat, backoff) of the request seen last: where a new request starts
+        self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
 
     def cost(self, plain: bool) -> float | None:
         """Seconds of a plain round (plain) or a drafting one: the lower quartile of the window; None before
@@ -686,14 +696,17 @@ class Pacer:
         """Per slot, whether it drafts this round (an empty slot: False). At B > 1 a tree pass costs every
         request, so the batch is paced too (self.batch: its plain run): a round drafts where the drafters'
         MAT pays for the whole batch (a non-drafter's tokens: 1), or as a probe after the batch's plain run.
-        A head whose pending rows are full (PLAIN_RUN plain steps) drafts in any case."""
+        A head whose pending rows are full (PLAIN_RUN plain steps) drafts in any case, unless the method can
+        catch up without a tree (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
+        catch = method is not None and method.can_catch_up(eng)
+        self.cap = self.MAX_RUN if catch else PLAIN_RUN
         if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
             (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
-        full = [x and s.pend >= PLAIN_RUN for x, s in zip(live, eng.slots)]
+        full = [x and s.pend >= PLAIN_RUN and not catch for x, s in zip(live, eng.slots)]
         tp, tt, n, b = self.cost(True), self.cost(False), sum(live), self.batch
         tokens = sum((s.mat or 1.0) if w else 1.0 for w, x, s in zip(want, live, eng.slots) if x)
         if n > 1 and tp and tt and (b.plain or not b.backoff and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)):
@@ -702,8 +715,8 @@ class Pacer:
         return [w or f for w, f in zip(want, full)]
 
     def back_off(self, s: Slot) -> int:
-        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to PLAIN_RUN."""
-        s.backoff = s.plain = min(PLAIN_RUN, 2 * s.backoff if s.backoff else self.MIN_RUN)
+        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to self.cap."""
+        s.backoff = s.plain = min(self.cap, 2 * s.backoff if s.backoff else self.MIN_RUN)
         return s.plain
 
     def explain(self, s: Slot, drafted: bool) -> str:
@@ -718,11 +731,12 @@ class Pacer:
                                 f"{1 + self.MARGIN:.2f})" if s.mat is not None and tp and tt else ""))
         return f"{'drafted' if drafted else 'plain step'}; {mat}; {costs}; {nxt}"
 
-    def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool):
+    def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False):
         """After a round: its cost, and per request what its drafting committed; a request whose trees
         do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
-        sample of a tree's cost: its head first reads the features of the plain steps it missed."""
-        if plain or not any(g and s.idle for s, g in zip(eng.slots, grow)):
+        sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
+        round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
+        if (plain and not caught) or (not plain and not caught and not any(g and s.idle for s, g in zip(eng.slots, grow))):
             self.times[plain].append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g

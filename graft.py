@@ -34,8 +34,9 @@ KEEP = (8, 24, 40)               # draft nodes kept when pruned at those checkpo
 
 MAX_TEMPLATE_DEPTH = 9
 
-# The most plain rounds in a row (engine.Pacer) before a drafting method's next round: its drafter's
-# pending rows (the accepted path, then one row a plain round) have room for that many.
+# The most plain rounds in a row (engine.Pacer) before a drafting method's drafter reads its pending rows
+# (the accepted path, then one row a plain round: room for that many): in a drafting round, or where the
+# method can (Method.catch_up), without one.
 PLAIN_RUN = 32
 
 # On a CPU with graft's kernels, graft_trees runs as one C++ call (cpu_kernels.graft_trees, the same
@@ -551,6 +552,17 @@ class Method:
         whose eng.grow is False this round (engine.Pacer) keeps its root alone."""
         raise NotImplementedError
 
+    def can_catch_up(self, eng) -> bool:
+        """Whether a long plain run needs no drafting round: no drafter reads pending rows, or its drafter
+        can read them outside one (catch_up)."""
+        return not self.pending
+
+    def catch_up(self, eng, which: list):
+        """Let the drafter of each slot in `which` (B bools) read its pending rows now, outside a drafting
+        round (engine.Pacer: a plain run longer than PLAIN_RUN then needs no tree pass). Only where
+        can_catch_up."""
+        raise NotImplementedError
+
     def plain_round(self, eng) -> Round:
         """A round without trees, when none pays (engine.Pacer): plain decoding's step for every slot
         (no draft, no head), and what the method keeps in step learns from it (plain_learn), so that its
@@ -775,6 +787,27 @@ class Eagle3Tree(Method):
         self.pend_n[b] = 1
         self._last = None
 
+    def can_catch_up(self, eng) -> bool:
+        return not eng.compiling          # (a compiled extend reads every pending row, a static shape)
+
+    def catch_up(self, eng, which):
+        """The head reads each chosen slot's pending rows but the last (an extend whose level-1 draft nobody
+        reads), which then becomes its first pending row: the rows its next drafting round's extend would
+        have written, the same keys in the same order, so it drafts the same tree."""
+        n = [s.pend - 1 if w and s.request is not None else 0 for w, s in zip(which, eng.slots)]
+        w = max(n)
+        if w <= 0:
+            return
+        nt = torch.tensor(n, device=self.pend_n.device)
+        eng.steps.extend(self.pend_feats[:, :w], self.pend_ids[:, :w], nt, eng.cols(w, head=True), 1)
+        for b, c in enumerate(n):
+            if c:
+                self.pend_feats[b, 0] = self.pend_feats[b, c]
+                self.pend_ids[b, 0] = self.pend_ids[b, c]
+                eng.slots[b].Ld += c
+                eng.slots[b].pend -= c
+        self.pend_n.sub_(nt)
+
     # -- one round
     def round(self, eng, record=False, full=False) -> Round:
         st = eng.steps
@@ -906,17 +939,25 @@ def learn(m: Method, tree: Tree, v, active: torch.Tensor):
 def plain_learn(m: Method, tree: Tree, v, active: torch.Tensor):
     """A plain round's step 6 (Method.plain_round): each request's matrix learns its root's top-k, its
     context grows by the new token, and a drafter's pending rows by the root's features and the token
-    after it (its next extend reads them all: PLAIN_RUN rounds fit)."""
-    if m.matrix is not None:
-        update(m.M, m.written, tree.tokens, v.logits, tree.valid)
-    nxt = v.bonus[:, None]                                                               # (B, 1)
-    if m.ctx is not None:
-        context_append(m.ctx, m.clen, nxt, active)
+    after it (its next extend reads them all: PLAIN_RUN rounds fit). What update, context_append and
+    learn's writes do for one node a request, as one indexed write each: a plain round is most rounds
+    where trees do not pay, and one node has no repeated token to order (update's sort)."""
+    bi = torch.arange(active.shape[0], device=active.device)                            # (B,)
+    nxt = v.bonus                                                                        # (B,)
+    if m.matrix is not None:             # an empty slot (valid False) writes the spare row V
+        V, k = m.M.shape[1] - 1, m.M.shape[2]
+        tok = torch.where(tree.valid[:, 0], tree.tokens[:, 0], V)                        # (B,)
+        fast = use_kernels(v.logits) and not torch.compiler.is_compiling()
+        m.M[bi, tok] = (cpu_kernels.topk_rows(v.logits[:, 0], k)[1] if fast else v.logits[:, 0].topk(k, dim=-1).indices).int()
+        m.written[bi, tok] = True
+    if m.ctx is not None:                # (a slot not active writes the spare last column)
+        S = m.ctx.shape[1]
+        m.ctx[bi, torch.where(active > 0, m.clen, S - 1).clamp(max=S - 1)] = nxt
+        m.clen.add_(active)
     if m.pending:
-        at = m.pend_n[:, None]                                                           # (B, 1) the next free row
-        m.pend_feats.scatter_(1, at[:, :, None].expand(-1, 1, v.feats.shape[-1]), v.feats)
+        m.pend_feats[bi, m.pend_n] = v.feats[:, 0]
         if m.needs_head:
-            m.pend_ids.scatter_(1, at, nxt)
+            m.pend_ids[bi, m.pend_n] = nxt
         m.pend_n.add_(active)
 
 

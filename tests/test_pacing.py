@@ -5,9 +5,10 @@ commit, times a plain step's seconds, fall short of a drafting round's seconds (
 runs double while drafting keeps failing to pay, up to what a drafter's pending rows hold, and reset when
 it pays; a plain step's cost is measured before it is compared. The rounds themselves, on the demo pair
 (checkpoints/stdlib-qwen3 and its head): every method, with rounds forced plain, some slots drafting and
-others not, and runs of plain steps as long as PLAIN_RUN (a drafter's pending rows then full), emits
-exactly what plain decoding emits, greedy and sampled, at B = 1 and B = 3; the head catches up on every
-row it missed; and the default, paced, runs every method losslessly with what the costs decide.
+others not, and runs of plain steps as long as PLAIN_RUN (a drafter's pending rows then full) or longer (its
+head reading them outside a drafting round), emits exactly what plain decoding emits, greedy and sampled,
+at B = 1 and B = 3; the head catches up on every row it missed; and the default, paced, runs every method
+losslessly with what the costs decide.
 """
 import dataclasses
 from pathlib import Path
@@ -88,6 +89,30 @@ def test_plain_runs_double_up_to_plain_run_and_reset_when_drafting_pays():
     assert s.plain == 0 and s.backoff == 0
 
 
+class CatchesUp:
+    """A method whose drafter can read its pending rows outside a drafting round (graft.Method.catch_up)."""
+    can_catch_up = lambda self, eng: True                  # noqa: E731
+
+
+def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
+    """A method that catches up (an EAGLE-3 head, eager) is not bound by its pending rows: the runs go on
+    doubling to Pacer.MAX_RUN, and a slot whose rows are full is not made to draft."""
+    p, eng = Pacer(), fake_engine(1)
+    for _ in range(8):
+        p.times[True].append(0.010)
+        p.times[False].append(0.030)
+    s, runs, m = eng.slots[0], [], CatchesUp()
+    for _ in range(7):
+        assert p.plan(eng, m) == [True]
+        p.seen(eng, m, [True], [([], 0, [], 0)], 0.030, False)
+        runs.append(s.plain)
+        while s.plain:
+            s.pend = PLAIN_RUN                             # (full: the engine has the head catch up)
+            assert p.plan(eng, m) == [False]
+            p.seen(eng, m, [False], [([], 0, [], 0)], 0.010, True)
+    assert runs == [4, 8, 16, 32, 64, 128, 128] and Pacer.MAX_RUN == 128
+
+
 def test_each_request_of_a_batch_is_paced_on_its_own():
     p, eng = Pacer(), fake_engine(3)
     for _ in range(8):
@@ -120,6 +145,39 @@ def test_at_b_above_one_a_drafting_round_must_pay_for_the_batch():
     assert p.plan(eng, None) == [False, False, True]
     p.batch.plain, p.batch.backoff, eng.slots[1].mat = 0, 0, 7.0
     assert p.plan(eng, None) == [False, True, True]        # 1 + 7 + 1 >= 6: it pays for the batch
+
+
+def test_a_plain_rounds_learn_is_the_general_one_for_one_node():
+    """graft.plain_learn (one indexed write each) leaves what update, context_append and learn's pending
+    writes leave for trees of one node: the matrix rows (an empty slot's on the spare row V), the context
+    (an empty slot's token on its spare column), the pending rows and counts."""
+    from types import SimpleNamespace as NS
+
+    import graft as G
+    from verify import Tree
+    torch.manual_seed(0)
+    B, V, k, F, S, R = 4, 50, 3, 6, 20, 9
+    active = torch.tensor([1, 0, 1, 1])
+    tree = Tree(torch.randint(0, V, (B, 1)), torch.full((B, 1), -1), active[:, None] > 0)
+    v = NS(logits=torch.randn(B, 1, V), bonus=torch.randint(0, V, (B,)), feats=torch.randn(B, 1, F))
+
+    def state():
+        g = torch.Generator().manual_seed(1)
+        return NS(matrix=True, pending=True, needs_head=True,
+                  M=torch.randint(0, V, (B, V + 1, k), generator=g, dtype=torch.int32),
+                  written=torch.rand(B, V + 1, generator=g) < 0.5, ctx=torch.randint(0, V, (B, S), generator=g),
+                  clen=torch.tensor([3, 0, S - 1, 7]), pend_feats=torch.randn(B, R, F, generator=g),
+                  pend_ids=torch.randint(0, V, (B, R), generator=g), pend_n=torch.tensor([1, 0, 4, 8]))
+    a, b = state(), state()
+    G.plain_learn(a, tree, v, active)
+    G.update(b.M, b.written, tree.tokens, v.logits, tree.valid)
+    G.context_append(b.ctx, b.clen, v.bonus[:, None], active)
+    at = b.pend_n[:, None]
+    b.pend_feats.scatter_(1, at[:, :, None].expand(-1, 1, F), v.feats)
+    b.pend_ids.scatter_(1, at, v.bonus[:, None])
+    b.pend_n.add_(active)
+    for name in ("M", "written", "ctx", "clen", "pend_feats", "pend_ids", "pend_n"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 # ----------------------------------------------------------------------------- the rounds
@@ -185,23 +243,29 @@ def test_plain_rounds_and_partial_rounds_are_lossless(engines, baselines, name, 
             assert 0 < st["plain_share"] < 1 and st["rounds"] >= st["requests"]
 
 
-def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engines, baselines):
-    """After PLAIN_RUN plain steps the drafting round's extend reads every pending row at once: the head's
-    rows then hold what a prefill of those tokens leaves, bit for bit (the target's features and the
-    head's layer are row-invariant), so it drafts the very tree a request whose prompt already held them
-    drafts first."""
+@pytest.mark.parametrize("run", [PLAIN_RUN - 1, PLAIN_RUN, 2 * PLAIN_RUN + 5])
+def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engines, baselines, run):
+    """After a run of plain steps the head reads the rows it missed: the drafting round's extend reads every
+    pending row at once, and a run of PLAIN_RUN or more has the head read all but the last outside a
+    drafting round first (Method.catch_up, once every PLAIN_RUN plain steps). Either way the head's rows
+    then hold what a prefill of those tokens leaves, bit for bit (the target's features and the head's
+    layer are row-invariant), so it drafts the very tree a request whose prompt already held them drafts."""
     eng = engines[1]
     ids, base = baselines["greedy"]
-    first = {}
-    for tag, prompt, pacer in (("plain run", ids[0], Forced(lambda n, b: n > PLAIN_RUN)),
-                               ("prefilled", ids[0] + base[0][:PLAIN_RUN], None)):
+    first, caught = {}, []
+    want = generate(eng, eng.make("ar"), ids[0], run + 8).tokens
+    for tag, prompt, pacer in (("plain run", ids[0], Forced(lambda n, b: n > run)),
+                               ("prefilled", ids[0] + want[:run], None)):
         m = eng.make("eagle3", Config(budget=6, pace=True))
         m.pacer = pacer
+        catch_up = m.catch_up
+        m.catch_up = lambda e, which: (caught.append(e.slots[0].pend), catch_up(e, which))
         got = []
-        E.run(eng, m, [Request(prompt)], 40 if pacer else 8,
+        E.run(eng, m, [Request(prompt)], run + 8 if pacer else 8,
               on_round=lambda rnd, c: got.append(rnd.tree.tokens[0].tolist()) if not rnd.plain else None)
         first[tag] = got[0]
     assert first["plain run"] == first["prefilled"] and len(first["prefilled"]) > 1
+    assert caught == [PLAIN_RUN] * (run // PLAIN_RUN)      # each time its rows were full
 
 
 class FixedCosts(Pacer):
@@ -210,22 +274,35 @@ class FixedCosts(Pacer):
     cost = lambda self, plain: 0.010 if plain else 0.020       # noqa: E731
 
 
-def test_a_batch_whose_trees_never_pay_stays_within_the_pending_rows(engines, baselines):
-    """The batch rule (Pacer.plan) backs drafters off again and again: each slot's plain runs stay within
-    PLAIN_RUN (the drafter's pending rows: one more would not fit), and the tokens are plain decoding's."""
+class NeverPays(Pacer):
+    """The real pacer where a drafting round costs ten plain steps: no tree the tiny pair drafts pays."""
+    cost = lambda self, plain: 0.010 if plain else 0.100       # noqa: E731
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_a_batch_whose_trees_never_pay_stays_within_the_pending_rows(engines, baselines, catch_up):
+    """The batch rule (Pacer.plan) backs drafters off again and again: each slot's pending rows stay within
+    PLAIN_RUN (one more would not fit): where the head can catch up outside a drafting round
+    (Method.catch_up) the plain runs go past it, where it cannot a full head drafts (and that round reads
+    every slot's rows); and the tokens are plain decoding's."""
     eng = engines[3]
     ids, _ = baselines["greedy"]
     want = [generate(engines[1], engines[1].make("ar"), x, 120).tokens for x in ids[:3]]
     m = eng.make("graft", Config(budget=6, pace=True))
-    m.pacer, runs = FixedCosts(), [[0] for _ in range(3)]
+    m.pacer, runs, pend = NeverPays(), [[0] for _ in range(3)], []
+    if not catch_up:
+        m.can_catch_up = lambda e: False
 
     def count(rnd, commits):
+        pend.append(max(s.pend for s in eng.slots))
         for b in range(3):
             drafted = not rnd.plain and (rnd.grow is None or rnd.grow[b])
             runs[b].append(0 if drafted else runs[b][-1] + 1)
     res = E.run(eng, m, [Request(x) for x in ids[:3]], 120, on_round=count)
     assert [r.tokens for r in res.requests] == want
-    assert 0 < res.stats()["plain_share"] < 1 and max(max(r) for r in runs) <= PLAIN_RUN, [max(r) for r in runs]
+    longest = max(max(r) for r in runs)
+    assert 0 < res.stats()["plain_share"] < 1 and max(pend) <= PLAIN_RUN
+    assert longest > PLAIN_RUN or not catch_up, [max(r) for r in runs]
 
 
 def test_paced_by_default_every_method_is_lossless(engines, baselines):
