@@ -26,7 +26,7 @@ from draft import select
 from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MATCH, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_CONTEXT_RATES, PRIOR_HIT_RATES, Calibration,
                    Config, ContinuationMatrix,
-                   Template, build_template, graft_trees, with_root)
+                   Template, build_template, graft_trees, match_cols, with_root)
 from verify import Sampling, Tree, sampling_mode
 
 
@@ -746,6 +746,7 @@ def assembly_samples(eng: Engine, cfg: Config, rates, repeats: int = 5, pause=No
     # tree, cli.room) need not hold graft's deeper retrieval paths
     g = METHODS["graft"](eng, dataclasses.replace(cfg, policy="stop"), Calibration(hit_rates=rates), eng.matrix.copy())
     eng.steps.static(*g.tensors())
+    g.ctx_cols = match_cols(g, eng)                  # what a round's match reads (as Eagle3Tree.round sets it)
 
     def one(_):
         eng.steps.mark()

@@ -256,7 +256,7 @@ def context_match(ctx: torch.Tensor, clen: torch.Tensor, G: int, T: int) -> tupl
     dev = ctx.device
     i = torch.arange(G, device=dev)
     at = clen[:, None] - 1 - i[None]                                        # (B, G) the suffix, newest first
-    tail = ctx.gather(1, at.clamp(min=0))
+    tail = ctx.gather(1, at.clamp(0, S - 1))           # (an empty slot's clen may exceed a narrowed ctx)
     src = torch.arange(S, device=dev)[None] - i[:, None]                    # (G, S) compared with tail[i]
     eq = (ctx[:, src.clamp(min=0)] == tail[:, :, None]) & (src >= 0)[None] & (at >= 0)[:, :, None]   # (B, G, S)
     run = eq.long().cumprod(1).sum(1)                                       # (B, S) match length ending there
@@ -496,6 +496,7 @@ class Method:
             self.clen = torch.zeros(eng.B, dtype=torch.long, device=eng.device)
             self.log_q = torch.tensor([math.log(q) if q > 0 else float("-inf") for q in self.cal.context_rates],
                                       device=eng.device)
+        self.ctx_cols = None              # the context columns this round's match reads (None: all; see match_cols)
 
     @classmethod
     def configure(cls, cfg: Config, drafter=None, batch: int = 1) -> Config:
@@ -660,6 +661,7 @@ class Recycle(Method):
 
     def round(self, eng, record=False, full=False) -> Round:
         st = eng.steps
+        self.ctx_cols = match_cols(self, eng)
         tree = st.recycle_tree(self, eng.root, eng.active, eng.grow)
         eng.clock.mark("assemble")
         v = st.verify(tree, eng.L, eng.active, eng.cols(self.N), eng.smp, eng.mode, self.P, False, eng.root)
@@ -680,6 +682,16 @@ def recycle_tree(m: Recycle, root: torch.Tensor, active: torch.Tensor, grow: tor
                                         torch.full_like(root, n), r_score), active > 0, grow)
 
 
+def match_cols(m: Method, eng) -> int | None:
+    """The context columns a round's match needs (Method.ctx_cols): eager, those of the longest live
+    request (its tokens so far, the root last: L + 1), so that a match costs G x its length, not G x the
+    longest context the engine allows (~0.7 ms a round at 4,096 on a CPU); compiled, all (a static
+    shape). What a match returns for real positions does not depend on it."""
+    if m.ctx is None or eng.compiling:
+        return None
+    return min(m.ctx.shape[1], 2 + max([0] + [s.L for s in eng.slots if s.request is not None]))
+
+
 def retrieval(m: Method, under: torch.Tensor) -> tuple:
     """Every request's retrieval tree (m.rtpl): the template's tokens from its own matrix under `under`
     (B,), then its context chain after its longest context match; and their log scores (a source the
@@ -692,7 +704,8 @@ def retrieval(m: Method, under: torch.Tensor) -> tuple:
         r_score = torch.full((B, n), float("-inf"), device=under.device)
     if m.ctx is None:
         return r_tok, r_score
-    c_tok, real, mlen = context_match(m.ctx, m.clen, MATCH, m.rtpl.size - n)
+    ctx = m.ctx if m.ctx_cols is None else m.ctx[:, :m.ctx_cols]
+    c_tok, real, mlen = context_match(ctx, m.clen, MATCH, m.rtpl.size - n)
     return torch.cat([r_tok, c_tok], 1), torch.cat([r_score, context_scores(real, mlen, m.log_q)], 1)
 
 
@@ -817,6 +830,7 @@ class Eagle3Tree(Method):
         stages, forwards, syncs, conf = self.draft(eng, record or full, full)
         eng.clock.mark("draft")
         # 2-4. keep the best draft nodes, retrieve from each request's matrix, graft: one tree each
+        self.ctx_cols = match_cols(self, eng)
         tree = st.assemble(self, eng.root, eng.active, eng.grow)
         eng.clock.mark("assemble")
         # 5. verify: one target pass over every tree, exact acceptance, KV compaction (the one verifier)

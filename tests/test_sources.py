@@ -39,6 +39,9 @@ def test_device_match_is_the_host_reference():
         want, wm = CAL.match_context(r, G, n)
         assert int(m[b]) == wm and tok[b][real[b]].tolist() == want, (r, tok[b], real[b], m[b])
     assert m.tolist()[-3:] == [3, 4, 0] and tok[-3, :3].tolist() == [8, 5, 6]
+    w = max(len(r) for r in rows) + 1             # eager rounds read the live columns only (graft.match_cols)
+    tok2, real2, m2 = GR.context_match(ctx[:, :w], T([len(r) for r in rows]), G, n)
+    assert torch.equal(real2, real) and torch.equal(m2, m) and torch.equal(tok2[real], tok[real])
 
 
 def test_context_append_writes_each_requests_accepted_tokens():
