@@ -737,7 +737,12 @@ class Eagle3Tree(Method):
         self.drafted = torch.tensor([k + (s if s is not None else cfg.depth - 1) * k * k for s in stops], device=dev)
         self.taus = torch.tensor([self.thresholds[c] for c in stops[:-1]], dtype=torch.float64, device=dev)
         self.log_tau = self.slot_thresholds().to(dev)
-        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if cfg.retrieve else None
+        fills = cfg.retrieve and (cfg.ablation is not None or any(t > 0 for t in self.thresholds.values()))
+        if cfg.retrieve and not fills:
+            # thresholds that never prune free no slot for retrieval to fill (the warm-up calibrates so where
+            # trees are small): then graft is prune, and keeps no matrix or context that nothing would read
+            self.matrix = self.M = self.written = self.ctx = self.clen = None
+        self.tpl = build_template(self.cal.hit_rates, n).to(dev) if fills else None
         self.rtpl = with_chain(self.tpl, MAX_TEMPLATE_DEPTH).to(self.tpl.parents.device) if self.ctx is not None else self.tpl
         self.anchor = "deepest" if cfg.ablation == "tail" or self.policy == "replace" else "root"
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)

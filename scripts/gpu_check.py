@@ -351,8 +351,9 @@ def engine_pair(args, *compiled: bool) -> tuple:
     out = []
     for c in compiled:
         eng = engine(model, head, c, backend, args.chunk)
-        ar, graft = eng.make("ar"), eng.make("graft", Config(budget=BUDGET, thresholds=dict.fromkeys(CHECKPOINTS, 0.0),
+        ar, graft = eng.make("ar"), eng.make("graft", Config(budget=BUDGET, thresholds=dict.fromkeys(CHECKPOINTS, 0.5),
                                                                  pace=False))     # (plain rounds: placement's)
+        # (thresholds that can prune: graft keeps its retrieval; force() sets each run's in place)
         out.append((eng, {"ar": (ar, None), **{f"graft@{'full' if s is None else f'stage{s}'}": (graft, s) for s in STAGES}}))
     return out, torch.randint(0, a.vocab_size, (150,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -62,11 +62,12 @@ def test_the_model_file_is_the_model():
     # 450 + 80 for exact mode (the padded Linear, exact_attention), which lives beside what it replaces,
     # + 25 for Block's fused route (when one cpu_kernels.block call computes the layer, and its arguments),
     # + 15 for every layer in one cpu_kernels.layers call and KV compaction in one cpu_kernels.move_rows,
-    # + 5 for an int8 layer's scales beside its weights on the fused route (quant.py)
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 575
+    # + 5 for an int8 layer's scales beside its weights on the fused route (quant.py),
+    # + 4 for reading that route's weights from the modules' dicts (nn.Module.__getattr__: ~1.5 ms a step)
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 579
 
 
-def test_the_algorithm_fits_in_2890_lines():
+def test_the_algorithm_fits_in_2965_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -85,12 +86,15 @@ def test_the_algorithm_fits_in_2890_lines():
     log-probs at the accepted path's rows, brought in the round's one transfer; new prompts prefilled
     together in one pass), and the pacer's plain rounds compiled at warm-up and timed on rank 0's clock
     when sharded, and the batch paced as a whole (a tree pass must pay for every request: +30); and int8
-    weights (model.py: the fused route's scales, +5)."""
+    weights (model.py: the fused route's scales, +5); and the CPU pacing's second pass (+75: a head reading
+    its pending rows outside a drafting round, so plain runs outgrow them; the context match over the live
+    columns; a plain round's learn as one write each; graft without a matrix where its thresholds never
+    prune; the fused route's weights read from the modules' dicts)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2890, lines
+    assert lines <= 2965, lines
 
 
 def test_no_batched_twins():

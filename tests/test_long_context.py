@@ -50,7 +50,7 @@ def seeded(eng, method: str, ids: list, slot: int = 0) -> ContinuationMatrix:
     """A fresh matrix after prefilling `ids` into `slot` (the engine's prefill chunks): the request
     learns into its own copy, which becomes the matrix when it ends."""
     m = ContinuationMatrix(eng.model.args.vocab_size, 8)
-    p = eng.make(method, matrix=m)
+    p = eng.make(method, Config(thresholds={0: 0.5}), matrix=m)    # (a graft that prunes: it keeps a matrix)
     eng.admit(slot, E.Request(ids), p)
     eng.free(slot, p)
     return m

@@ -196,6 +196,23 @@ def test_stop_policy_stops_at_every_checkpoint(engines, cal):
             assert seen == stages, (B, policy, seen)
 
 
+def test_graft_whose_thresholds_never_prune_is_prune(engines):
+    """Thresholds of 0 (what the warm-up calibrates where trees are small) free no slot for retrieval:
+    graft then keeps no matrix or context and its rounds are prune's, tree for tree, at B = 1 and 3."""
+    never = {0: 0.0, 1: 0.0, 5: 0.0}
+    for B in (1, 3):
+        eng, trees = engines[B], {}
+        for name in ("graft", "prune"):
+            m = eng.make(name, config(thresholds=never))
+            got = trees[name] = []
+            E.run(eng, m, requests("greedy"), N_NEW, (),
+                  on_round=lambda rnd, c: got.append((rnd.tree.tokens.tolist(), rnd.tree.valid.tolist())))
+            if name == "graft":
+                assert m.matrix is None and m.ctx is None and m.tpl is None
+        assert trees["graft"] == trees["prune"] and len(trees["graft"]) > 0, B
+    assert engines[1].make("graft", config(thresholds={0: 0.1, 1: 0.0, 5: 0.0})).tpl is not None
+
+
 @pytest.mark.parametrize("name", ["ar", "graft", "pld"])
 def test_copies_of_a_prompt_draw_their_own_outputs(engines, cal, name):
     """Four copies of one prompt at temperature 1, seeds 0..3: four different outputs, each what the
