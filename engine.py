@@ -736,7 +736,7 @@ class Pacer:
         do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
         sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
         round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
-        if (plain and not caught) or (not plain and not caught and not any(g and s.idle for s, g in zip(eng.slots, grow))):
+        if not caught and (plain or not any(g and s.idle for s, g in zip(eng.slots, grow))):
             self.times[plain].append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g

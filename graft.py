@@ -159,12 +159,17 @@ def update(M: torch.Tensor, written: torch.Tensor, tokens: torch.Tensor, logits:
     t_sorted = tok.gather(1, order)
     last = torch.cat([t_sorted[:, 1:] != t_sorted[:, :-1], torch.ones_like(t_sorted[:, :1], dtype=torch.bool)], 1)
     rows = torch.where(last, t_sorted, V)
-    fast = use_kernels(logits) and not torch.compiler.is_compiling()          # one pass a row, no sort
-    top = (cpu_kernels.topk_rows(logits, k)[1] if fast else logits.topk(k, dim=-1).indices).int()
-    top = top.gather(1, order[:, :, None].expand(-1, -1, k))
+    top = top_ids(logits, k).gather(1, order[:, :, None].expand(-1, -1, k))
     bi = (torch.arange(B, device=dev) if slots is None else slots)[:, None]
     M[bi, rows] = top
     written[bi, rows] = True
+
+
+def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best tokens of each row of logits (..., V), best first, int32: on a CPU with graft's kernels
+    one pass a row, no sort (cpu_kernels.topk_rows)."""
+    fast = use_kernels(logits) and not torch.compiler.is_compiling()
+    return (cpu_kernels.topk_rows(logits, k)[1] if fast else logits.topk(k, dim=-1).indices).int()
 
 
 def matrix_ranks(M: torch.Tensor, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -966,8 +971,7 @@ def plain_learn(m: Method, tree: Tree, v, active: torch.Tensor):
     if m.matrix is not None:             # an empty slot (valid False) writes the spare row V
         V, k = m.M.shape[1] - 1, m.M.shape[2]
         tok = torch.where(tree.valid[:, 0], tree.tokens[:, 0], V)                        # (B,)
-        fast = use_kernels(v.logits) and not torch.compiler.is_compiling()
-        m.M[bi, tok] = (cpu_kernels.topk_rows(v.logits[:, 0], k)[1] if fast else v.logits[:, 0].topk(k, dim=-1).indices).int()
+        m.M[bi, tok] = top_ids(v.logits[:, 0], k)
         m.written[bi, tok] = True
     if m.ctx is not None:                # (a slot not active writes the spare last column)
         S = m.ctx.shape[1]
