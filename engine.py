@@ -666,52 +666,78 @@ class Pacer:
     """Cost-aware rounds [ours]: each round, which requests draft a tree and which take a plain step.
 
     A tree pays when the tokens a round commits outweigh what the round costs more than a plain step:
-    mat * t_plain > t_tree, mat the tokens this request's drafting rounds commit (an exponential
-    average, AVERAGE the newest round's weight) and t_tree, t_plain this method's rounds on this engine
-    as it runs (the lower quartile of the last WINDOW of each kind: interference on a shared machine
-    only adds time). Where it does not pay (MARGIN: by a clear margin), the request takes plain steps
-    (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once to see whether it pays
-    again (a probe), the plain run doubling each time it does not, up to MAX_RUN where the method's drafter
-    can read its pending rows outside a drafting round (Method.catch_up: the engine has it do so every
-    graft.PLAIN_RUN plain steps), else up to PLAIN_RUN (what those rows hold: a full drafter then drafts); a
-    new request starts where the last one left off (its mat; its plain run, <= 8). When
-    no request drafts, the round is a plain step (Method.plain_round); at B > 1 the others keep their roots
-    alone (Engine.grow). Costs are measured, never assumed: until a plain step's is known, the first rounds
-    draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
-    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.3, 2, 128
+    mat * t_plain > t_tree, mat the tokens this request's drafting rounds commit (an exponential average,
+    AVERAGE the newest round's weight: ~20 rounds' memory, as a round commits 1 to budget + 1 tokens and a
+    shorter memory let two short rounds send a request whose trees paid into plain runs) and t_tree,
+    t_plain this method's rounds on this engine as it runs (cost(k): k slots drafting, the lower quartile
+    of the last WINDOW of each count: interference on a shared machine only adds time). Where it does not
+    pay (MARGIN: by a clear margin), the request takes plain steps (no draft, no head: plain decoding's
+    cost), MIN_RUN of them, then drafts once to see whether it pays again (a probe), the plain run doubling
+    each time it does not, up to MAX_RUN where the method's drafter can read its pending rows outside a
+    drafting round (Method.catch_up: the engine has it do so every graft.PLAIN_RUN plain steps), else up to
+    PLAIN_RUN (what those rows hold: a full drafter then drafts); a new request starts where the last one
+    left off (its mat; its plain run, <= 8). At B > 1 a tree pass costs every request, so the batch is
+    paced as one (plan): its drafters are the requests of highest mat, as many as pay, and its probes
+    one request's tree beside the others' roots (Engine.grow; a CPU skips a padding row's arithmetic). When
+    no request drafts, the round is a plain step (Method.plain_round). Costs are measured, never assumed:
+    until a plain step's is known, the first rounds draft, then PLAIN_SAMPLES plain steps measure it, once
+    per method."""
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 2, 128
 
     def __init__(self):
-        self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}    # plain? -> seconds
+        self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
         self.batch = Slot()           # at B > 1, the batch's own plain run (plain, backoff)
         self.prior = None             # (mat, backoff) of the request seen last: where a new request starts
         self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
+        self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
+        self.probed = False           # at B > 1, the last drafting round was a probe (plan)
 
-    def cost(self, plain: bool) -> float | None:
-        """Seconds of a plain round (plain) or a drafting one: the lower quartile of the window; None before
-        two of them."""
-        xs = sorted(self.times[plain])
-        return xs[len(xs) // 4] if len(xs) >= 2 else None
+    def cost(self, k: int) -> float | None:
+        """Seconds of a round in which k slots draft (0: a plain step): the lower quartile of its window
+        once two are known; else the line through the nearest counts measured below and above k (above
+        the largest: through it and the plain step; a tree pass grows with its rows). None before that."""
+        known = {j: sorted(x)[len(x) // 4] for j, x in self.times.items() if len(x) >= 2}
+        if k in known or 0 not in known or len(known) < 2:
+            return known.get(k)
+        lo, hi = max(j for j in known if j < k), min((j for j in known if j > k), default=None)
+        lo, hi = (0, lo) if hi is None else (lo, hi)
+        return known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo)
 
     def plan(self, eng, method) -> list:
         """Per slot, whether it drafts this round (an empty slot: False). At B > 1 a tree pass costs every
-        request, so the batch is paced too (self.batch: its plain run): a round drafts where the drafters'
-        MAT pays for the whole batch (a non-drafter's tokens: 1), or as a probe after the batch's plain run.
-        A head whose pending rows are full (PLAIN_RUN plain steps) drafts in any case, unless the method can
-        catch up without a tree (Method.catch_up, which the engine then runs)."""
+        request, so the batch is paced too (self.batch: its plain run): the drafters are the requests of
+        highest MAT, as many as make the batch's tokens a second highest (a non-drafter's tokens: 1; the
+        cost of k drafters: cost(k)), none where no count pays; after the batch's plain run, one request's
+        tree beside the others' roots probes (the requests in turn). A head whose pending rows are full
+        (PLAIN_RUN plain steps) drafts in any case, unless the method can catch up without a tree
+        (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
-        if len(self.times[True]) < self.PLAIN_SAMPLES and len(self.times[False]) >= 2 * self.PLAIN_SAMPLES:
+        trees = sum(len(x) for j, x in self.times.items() if j)
+        if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and trees >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
             (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= PLAIN_RUN and not catch for x, s in zip(live, eng.slots)]
-        tp, tt, n, b = self.cost(True), self.cost(False), sum(live), self.batch
-        tokens = sum((s.mat or 1.0) if w else 1.0 for w, x, s in zip(want, live, eng.slots) if x)
-        if n > 1 and tp and tt and (b.plain or not b.backoff and any(want) and tokens * tp < tt * n * (1 + self.MARGIN)):
-            b.plain = (b.plain or self.back_off(b)) - 1             # (a new run when none is on)
-            return full
+        n, b, tp = sum(live), self.batch, self.cost(0)
+        if n > 1 and tp and any(want) and self.cost(sum(want)):
+            if b.plain:                                    # the batch's plain run
+                b.plain -= 1
+                return full
+            order = sorted((b_ for b_ in range(eng.B) if want[b_]), key=lambda b_: -(eng.slots[b_].mat or 1.0))
+            if b.backoff and not self.probed:              # the run is over: a probe, one request's tree
+                pick = min(order, key=lambda b_: (b_ - self.turn) % eng.B)
+                self.turn, self.probed = (pick + 1) % eng.B, True
+                return [f or b_ == pick for b_, f in enumerate(full)]
+            gain = [sum((eng.slots[b_].mat or 1.0) - 1 for b_ in order[:k]) for k in range(len(order) + 1)]
+            k = max(range(len(order) + 1), key=lambda k: (n + gain[k]) / (self.cost(k) * (1 + self.MARGIN * (k > 0))))
+            self.probed, b.backoff = False, b.backoff if k == 0 else 0
+            if k == 0:                                     # no count pays: a plain run (twice the last after a probe)
+                b.plain = self.back_off(b) - 1
+                return full
+            want = [b_ in order[:k] for b_ in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
 
     def back_off(self, s: Slot) -> int:
@@ -721,7 +747,7 @@ class Pacer:
 
     def explain(self, s: Slot, drafted: bool) -> str:
         """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
-        tp, tt = self.cost(True), self.cost(False)
+        tp, tt = self.cost(0), self.cost(1)
         costs = (f"plain step {tp * 1000:.1f} ms, drafting round {tt * 1000:.1f} ms" if tp and tt else
                  "costs not measured yet (plain step: " + (f"{tp * 1000:.1f} ms" if tp else "?") + ", drafting round: " +
                  (f"{tt * 1000:.1f} ms" if tt else "?") + ")")
@@ -736,26 +762,23 @@ class Pacer:
         do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
         sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
         round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
+        k = 0 if plain else sum(grow)
         if not caught and (plain or not any(g and s.idle for s, g in zip(eng.slots, grow))):
-            self.times[plain].append(seconds)
+            self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
-        t_plain, t_tree = self.cost(True), self.cost(False)
-        n, got = sum(o is not None for o in out), sum(len(o[0]) + 1 for o in out if o is not None)
-        if n > 1 and not plain and t_plain and t_tree:    # did this tree pass pay for the batch?
-            if got * t_plain < t_tree * n * (1 + self.MARGIN):
-                self.back_off(self.batch)
-            else:
-                self.batch.backoff = 0
+        t_plain, t_tree = self.cost(0), self.cost(k)
+        n = sum(o is not None for o in out)
         for s, g, o in zip(eng.slots, grow, out):
             if o is None:
                 continue
             if plain or not g:
                 s.plain = max(s.plain - 1, 0)
                 continue
-            n = len(o[0]) + 1
-            s.mat = n if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * n
-            if t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
+            a = len(o[0]) + 1
+            s.mat = a if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * a
+            # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
+            if n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
                 self.back_off(s)
             else:
                 s.backoff = 0

@@ -564,7 +564,8 @@ class Transformer(nn.Module):
         # exact attention gathers a tree's keys into position order; rows that are their positions need not
         pos = None if positions is rows or tokens.shape[1] == 1 else positions.expand(*tokens.shape)
         feats, points = [], self.capture_layers
-        if rows is not None and all(layer.fused(x, mask) for layer in self.layers):    # one kernel call, every layer
+        fused = rows is not None and all(layer.fused(x, mask) for layer in self.layers)
+        if fused:                                                     # one kernel call, every layer
             x, feats = self.fused_layers(x, rope, rows, mask, cache, keep, slots, points if capture else ())
         else:
             for i, layer in enumerate(self.layers):
@@ -573,7 +574,11 @@ class Transformer(nn.Module):
                 x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots, pos)
             if capture:                      # "the input of layer L": the last layer's output, before the norm
                 feats += [x] * points.count(len(self.layers))
-        logits = self.lm_head(self.norm(x))                           # (B, T, V)
+        x, real = self.norm(x), None if not fused or keep is None or bool(keep.all()) else keep.expand(x.shape[:-1])
+        # an eager CPU pass: the real rows' logits only; a padding row left the fused layers zeros (no bias)
+        logits = self.lm_head(x) if real is None else x.new_zeros(*x.shape[:-1], self.args.vocab_size)   # (B, T, V)
+        if real is not None:
+            logits[real] = self.lm_head(x[real])                      # (real rows, V)
         if capture:
             return logits, torch.cat(feats, dim=-1)                   # (B, T, n*dim)
         return logits

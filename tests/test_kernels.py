@@ -256,7 +256,8 @@ def test_move_rows_is_the_indexed_copy():
 def test_every_layer_in_one_call_and_padding_rows_left_out(dtype, monkeypatch):
     """Transformer.fused_layers (one cpu_kernels.layers call) gives the bits and captured features of
     Block.fused_forward layer after layer; padding rows (keep False) are not computed (zeros out) and
-    leave every real row's bits as they are without them."""
+    leave every real row's bits as they are without them; nor are their logits (lm_head reads the real
+    rows only: a tree's padding is free on a CPU)."""
     torch.manual_seed(0)
     m = M.Transformer(M.ModelArgs(vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                                   intermediate_size=96, norm_eps=1e-6)).to(dtype).eval()
@@ -276,9 +277,12 @@ def test_every_layer_in_one_call_and_padding_rows_left_out(dtype, monkeypatch):
             x = b.fused_forward(x, rope, rows, mask, (cache, i), keep, slots)
         return x, feats + [x] * list(points).count(len(self.layers))
 
+    read, head = [], m.lm_head.forward
+    m.lm_head.forward = lambda x: (read.append(x.shape[:-1].numel()), head(x))[1]
     with torch.no_grad():
         one = m(tokens, rows, rows, mask, capture=True, keep=keep)
         full = m(tokens, rows, rows, mask, capture=True)
+        assert read == [int(keep.sum()), T]
         monkeypatch.setattr(M.Transformer, "fused_layers", per_layer)
         each = m(tokens, rows, rows, mask, capture=True, keep=keep)
     assert torch.equal(one[0], each[0]) and torch.equal(one[1], each[1])

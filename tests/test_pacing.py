@@ -11,6 +11,7 @@ at B = 1 and B = 3; the head catches up on every row it missed; and the default,
 losslessly with what the costs decide.
 """
 import dataclasses
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,12 @@ def fake_engine(B: int):
     return eng
 
 
+def costs(p: Pacer, plain: float, **tree):
+    """A synthetic cost table: 8 rounds of each count of drafting slots (k1=0.025: one slot drafting)."""
+    for k, t in [(0, plain)] + [(int(k[1:]), t) for k, t in tree.items()]:
+        p.times[k] = deque([t] * 8, maxlen=Pacer.WINDOW)
+
+
 def feed(p: Pacer, eng, seconds: float, plain: bool, accepted: list):
     """One round's outcome: its cost and, per slot, the tokens it accepted (the bonus comes on top)."""
     grow = p.plan(eng, None)
@@ -53,16 +60,14 @@ def test_a_plain_steps_cost_is_measured_before_anything_is_compared():
     assert p.plan(eng, None) == [False]                    # then a plain step, to measure one
     for _ in range(Pacer.PLAIN_SAMPLES):
         feed(p, eng, 0.010, True, [0])
-    assert p.cost(True) == pytest.approx(0.010) and p.cost(False) == pytest.approx(0.020)
+    assert p.cost(0) == pytest.approx(0.010) and p.cost(1) == pytest.approx(0.020)
 
 
 @pytest.mark.parametrize("tokens, goes_plain", [(1, True), (2, True), (3, False), (4, False)])
 def test_a_request_goes_plain_exactly_when_its_trees_do_not_pay(tokens, goes_plain):
     """A drafting round costs 2.5 plain steps: it pays when it commits 3 tokens or more."""
     p, eng = Pacer(), fake_engine(1)
-    for _ in range(8):
-        p.times[True].append(0.010)
-        p.times[False].append(0.025)
+    costs(p, 0.010, k1=0.025)
     p.seen(eng, None, [True], [([0] * (tokens - 1), 0, [], 0)], 0.025, False)
     s = eng.slots[0]
     assert s.mat == tokens and (s.plain > 0) == goes_plain
@@ -71,9 +76,7 @@ def test_a_request_goes_plain_exactly_when_its_trees_do_not_pay(tokens, goes_pla
 
 def test_plain_runs_double_up_to_plain_run_and_reset_when_drafting_pays():
     p, eng = Pacer(), fake_engine(1)
-    for _ in range(8):
-        p.times[True].append(0.010)
-        p.times[False].append(0.030)
+    costs(p, 0.010, k1=0.030)
     s, runs = eng.slots[0], []
     for _ in range(7):                                     # every probe commits 1 token: never pays
         assert p.plan(eng, None) == [True]                 # (the probe drafts)
@@ -98,9 +101,7 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
     """A method that catches up (an EAGLE-3 head, eager) is not bound by its pending rows: the runs go on
     doubling to Pacer.MAX_RUN, and a slot whose rows are full is not made to draft."""
     p, eng = Pacer(), fake_engine(1)
-    for _ in range(8):
-        p.times[True].append(0.010)
-        p.times[False].append(0.030)
+    costs(p, 0.010, k1=0.030)
     s, runs, m = eng.slots[0], [], CatchesUp()
     for _ in range(7):
         assert p.plan(eng, m) == [True]
@@ -113,38 +114,54 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
     assert runs == [4, 8, 16, 32, 64, 128, 128] and Pacer.MAX_RUN == 128
 
 
-def test_each_request_of_a_batch_is_paced_on_its_own():
-    p, eng = Pacer(), fake_engine(3)
-    for _ in range(8):
-        p.times[True].append(0.010)
-        p.times[False].append(0.020)
-    p.seen(eng, None, [True] * 3, [([0] * a, 0, [], 0) for a in (0, 4, 0)], 0.020, False)
-    assert [s.plain > 0 for s in eng.slots] == [True, False, True]
-    assert p.plan(eng, None) == [False, True, False]
-    eng.slots[1] = Slot()                                   # an empty slot never drafts
-    assert p.plan(eng, None) == [False, False, False]
+def test_a_cost_not_measured_is_read_off_the_line_through_its_neighbours():
+    p = Pacer()
+    assert p.cost(0) is None
+    costs(p, 0.010, k4=0.030)
+    assert p.cost(2) == pytest.approx(0.020) and p.cost(8) == pytest.approx(0.050)     # (above: from plain)
+    costs(p, 0.010, k1=0.014, k4=0.030)
+    assert p.cost(2) == pytest.approx(0.014 + 0.016 / 3) and p.cost(1) == pytest.approx(0.014)
 
 
-def test_at_b_above_one_a_drafting_round_must_pay_for_the_batch():
-    """Slot 1 alone would pay (2.5 tokens a round against a round costing 2 plain steps), but its tree
-    pass costs all three requests: 1 + 2.5 + 1 tokens against 3 x 2 plain steps' worth does not pay, so
-    the batch takes MIN_RUN plain rounds, then probes; a probe that does not pay doubles the batch's run.
-    A head whose pending rows are full drafts even then."""
+def test_a_batch_drafts_the_requests_whose_trees_pay_best_first():
+    """At B = 3, one slot drafting costs 1.2 plain steps, two 1.4, three 1.8 (the whole batch's round):
+    MATs of 3, 1.1 and 2 draw the most tokens a second with slots 0 and 2 drafting (6 tokens / 1.4 = 4.3
+    against 5 / 1.2, 6.1 / 1.8 and 3 / 1); with every MAT 1.1 no count pays: the batch goes plain for
+    MIN_RUN rounds. An empty slot never drafts."""
     p, eng = Pacer(), fake_engine(3)
-    for _ in range(8):
-        p.times[True].append(0.010)
-        p.times[False].append(0.020)
-    p.seen(eng, None, [True] * 3, [([0] * a, 0, [], 0) for a in (0, 4, 0)], 0.020, False)
-    assert p.batch.plain == 0                              # 7 tokens >= 6 x 1.03: that pass paid
-    eng.slots[1].mat = 2.5
-    plans = [p.plan(eng, None) for _ in range(Pacer.MIN_RUN + 1)]
-    assert plans == [[False] * 3] * Pacer.MIN_RUN + [[False, True, False]]       # the probe
-    p.seen(eng, None, plans[-1], [([], 0, [], 0), ([0], 0, [], 0), ([], 0, [], 0)], 0.020, False)
-    assert p.batch.plain == 2 * Pacer.MIN_RUN              # 4 tokens did not pay: twice the run
-    eng.slots[2].pend = PLAIN_RUN
+    costs(p, 0.010, k1=0.012, k2=0.014, k3=0.018)
+    for s, mat in zip(eng.slots, (3.0, 1.1, 2.0)):
+        s.mat = mat
+    assert p.plan(eng, None) == [True, False, True]
+    for s in eng.slots:
+        s.mat = 1.1
+    assert [p.plan(eng, None) for _ in range(Pacer.MIN_RUN)] == [[False] * 3] * Pacer.MIN_RUN
+    p.batch.plain = p.batch.backoff = 0
+    eng.slots[0].mat, eng.slots[2] = 9.0, Slot()
+    assert p.plan(eng, None) == [True, False, False]
+
+
+def test_at_b_above_one_probes_draft_one_tree_in_turn_and_runs_double():
+    """After the batch's plain run a probe drafts one request's tree (the slots in turn); where it still
+    does not pay, the next run is twice as long; where it pays, the batch drafts again. A head whose
+    pending rows are full drafts even in a plain run."""
+    p, eng = Pacer(), fake_engine(3)
+    costs(p, 0.010, k1=0.012, k2=0.015, k3=0.018)
+    for s in eng.slots:
+        s.mat = 1.1
+    runs, probes = [], []
+    for _ in range(4):
+        plans = [p.plan(eng, None)]
+        while not any(plans[-1]):
+            plans.append(p.plan(eng, None))
+        runs.append(len(plans) - 1)
+        probes.append(plans[-1])
+    assert runs == [4, 8, 16, 32] and probes == [[True, False, False], [False, True, False], [False, False, True],
+                                                 [True, False, False]]
+    eng.slots[1].mat = 3.0                                  # the probe's request now pays: 5 tokens / 1.2
+    assert p.plan(eng, None) == [False, True, False] and p.batch.backoff == 0
+    p.batch.plain, eng.slots[1].mat, eng.slots[2].pend = 5, 1.1, PLAIN_RUN
     assert p.plan(eng, None) == [False, False, True]
-    p.batch.plain, p.batch.backoff, eng.slots[1].mat = 0, 0, 7.0
-    assert p.plan(eng, None) == [False, True, True]        # 1 + 7 + 1 >= 6: it pays for the batch
 
 
 def test_a_plain_rounds_learn_is_the_general_one_for_one_node():
@@ -271,12 +288,12 @@ def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engine
 class FixedCosts(Pacer):
     """The real pacer on a machine where a drafting round costs two plain steps: at B = 3 a tree then pays
     only for 6 tokens or more a round, which the tiny pair never commits, so drafters keep backing off."""
-    cost = lambda self, plain: 0.010 if plain else 0.020       # noqa: E731
+    cost = lambda self, k: 0.020 if k else 0.010                # noqa: E731
 
 
 class NeverPays(Pacer):
     """The real pacer where a drafting round costs ten plain steps: no tree the tiny pair drafts pays."""
-    cost = lambda self, plain: 0.010 if plain else 0.100       # noqa: E731
+    cost = lambda self, k: 0.100 if k else 0.010                # noqa: E731
 
 
 @pytest.mark.parametrize("catch_up", [True, False])
