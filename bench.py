@@ -782,13 +782,17 @@ def check_batch(a, methods: list, budgets: list) -> list | None:
     return list(dict.fromkeys(sizes))
 
 
+# --batch runs each method's stream this many times, the methods interleaved (ar, graft, ..., then the
+# reverse), and a row totals them: on a shared machine one stream of a few seconds measures the neighbours
+BATCH_STREAMS = 3
 # the context after which pass_cost times B trees against B tokens under --batch
 BATCH_PASS_CONTEXT = 128
 
 
 def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: list, draft, dtype, t_start: float,
                 argv, quality: dict | None = None) -> dict:
-    """Every method (ar first) on each dataset's whole prompt stream at every batch size B: one engine
+    """Every method (ar first) on each dataset's whole prompt stream at every batch size B, BATCH_STREAMS
+    times, the methods interleaved (a row totals them): one engine
     with B slots per B (cli.batch_engine, on the loaded model; B = 1: the one already built), refilled
     from the stream; each method made once per B with its own copy of the warmed-up matrix, kept
     across datasets. Request i samples with seed --seed + i; its tokens are checked against the same
@@ -824,7 +828,8 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     rows, mismatches, cost, policies, thresholds, nodes, ctx = [], [], {}, {}, {}, None, BATCH_PASS_CONTEXT
     # CPU time on a CPU: on a shared machine a wall clock mostly measures the neighbours
     timer = time.perf_counter if eng.cuda else time.process_time
-    bar = tqdm(total=len(sizes) * len(datasets) * len(methods), unit="stream", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(sizes) * len(datasets) * len(methods) * BATCH_STREAMS, unit="stream", file=sys.stderr,
+               dynamic_ncols=True)
     for B in sizes:                    # one engine at a time: its caches, its compiled steps
         be = eng if B == eng.B else CLI.batch_engine(eng, B, todo)      # (B = 1: the engine already built)
         made = {m: be.make(m, cfgs[m], cal, eng.matrix.copy() if m in E.NEEDS_MATRIX else None) for m in methods}
@@ -838,20 +843,25 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
                     thresholds[str(B)] = {str(c): round(t, 4) for c, t in meth.thresholds.items()}
         for d in datasets:
             ar_tps = ar_cpu = None
+            runs = {m: [] for m in made}
+            for rep in range(BATCH_STREAMS):          # the methods interleaved: a neighbour's load falls on each
+                for m in (list(made) if rep % 2 == 0 else list(made)[::-1]):
+                    bar.set_description(f"{Path(d).name}: {m} at batch {B} ({len(streams[d])} prompts)")
+                    runs[m].append(E.run(be, made[m], [E.Request(x, seeded(i), i) for i, x in enumerate(streams[d])],
+                                         a.max_new_tokens, eos))
+                    bar.update(1)
             for m, meth in made.items():
-                bar.set_description(f"{Path(d).name}: {m} at batch {B} ({len(streams[d])} prompts)")
-                res = E.run(be, meth, [E.Request(x, seeded(i), i) for i, x in enumerate(streams[d])],
-                            a.max_new_tokens, eos)
-                bar.update(1)
+                res = E.Run([r for x in runs[m] for r in x.requests], *(sum(getattr(x, f) for x in runs[m]) for f in
+                            ("seconds", "rounds", "draft_forwards", "prefill_seconds", "cpu_seconds")))
                 st = res.stats()
                 kinds = []
-                for i, (r, t) in enumerate(zip(res.requests, refs[d])):
+                for i, (r, t) in enumerate(zip(res.requests, refs[d] * BATCH_STREAMS)):
                     if r.tokens != t:      # float32, exact mode: always a real difference; bf16/fp16: maybe a near-tie
                         why = ({"kind": "differs", "position": CLI.first_difference(r.tokens, t)}
                                if eng.dtype == torch.float32 or eng.exact else
                                CLI.classify_mismatch(eng, r.ids, t, r.tokens, r.sampling))
                         kinds.append(why["kind"])
-                        mismatches.append({"dataset": d, "method": m, "batch": B, "prompt": i, **why})
+                        mismatches.append({"dataset": d, "method": m, "batch": B, "prompt": i % len(refs[d]), **why})
                 if m == "ar":
                     ar_tps, ar_cpu = st["tokens_per_s"], st["tokens_per_cpu_s"]
                 rows.append({"dataset": d, "batch": B, "method": m, "nodes": meth.N,

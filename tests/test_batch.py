@@ -299,6 +299,7 @@ def test_bench_batch_reports_every_method_and_size(tmp_path, capsys):
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in ("ar", "eagle3", "prune", "graft", "pld")
                                                          for b in (1, 2)}
     assert all(r["lossless"] for r in rows) and not rep["meta"]["mismatches"]
+    assert all(r["requests"] == 3 * bench.BATCH_STREAMS for r in rows)     # each stream run, interleaved, totalled
     for r in rows:
         assert {"tokens_per_s", "latency_median_s", "latency_p90_s", "mat", "draft_forwards_per_round"} <= set(r)
     assert set(rep["meta"]["graft_over_eagle3"]) == {f"p.txt batch {b}" for b in (1, 2)}
