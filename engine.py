@@ -668,7 +668,8 @@ class Pacer:
     A tree pays when the tokens a round commits outweigh what the round costs more than a plain step:
     mat * t_plain > t_tree, mat the tokens this request's drafting rounds commit (an exponential average,
     AVERAGE the newest round's weight: ~20 rounds' memory, as a round commits 1 to budget + 1 tokens and a
-    shorter memory let two short rounds send a request whose trees paid into plain runs) and t_tree,
+    shorter memory let two short rounds send a request whose trees paid into plain runs; a probe's round,
+    after a plain run has left the average stale, weighs PROBE) and t_tree,
     t_plain this method's rounds on this engine as it runs (cost(k): k slots drafting, the lower quartile
     of the last WINDOW of each count: interference on a shared machine only adds time). Where it does not
     pay (MARGIN: by a clear margin), the request takes plain steps (no draft, no head: plain decoding's
@@ -682,7 +683,7 @@ class Pacer:
     no request drafts, the round is a plain step (Method.plain_round). Costs are measured, never assumed:
     until a plain step's is known, the first rounds draft, then PLAIN_SAMPLES plain steps measure it, once
     per method."""
-    WINDOW, MARGIN, MIN_RUN, AVERAGE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 2, 128
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 0.5, 2, 128
 
     def __init__(self):
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
@@ -726,18 +727,18 @@ class Pacer:
             if b.plain:                                    # the batch's plain run
                 b.plain -= 1
                 return full
-            order = sorted((b_ for b_ in range(eng.B) if want[b_]), key=lambda b_: -(eng.slots[b_].mat or 1.0))
+            order = sorted((i for i in range(eng.B) if want[i]), key=lambda i: -(eng.slots[i].mat or 1.0))
             if b.backoff and not self.probed:              # the run is over: a probe, one request's tree
-                pick = min(order, key=lambda b_: (b_ - self.turn) % eng.B)
+                pick = min(order, key=lambda i: (i - self.turn) % eng.B)
                 self.turn, self.probed = (pick + 1) % eng.B, True
-                return [f or b_ == pick for b_, f in enumerate(full)]
-            gain = [sum((eng.slots[b_].mat or 1.0) - 1 for b_ in order[:k]) for k in range(len(order) + 1)]
+                return [f or i == pick for i, f in enumerate(full)]
+            gain = [sum((eng.slots[i].mat or 1.0) - 1 for i in order[:k]) for k in range(len(order) + 1)]
             k = max(range(len(order) + 1), key=lambda k: (n + gain[k]) / (self.cost(k) * (1 + self.MARGIN * (k > 0))))
             self.probed, b.backoff = False, b.backoff if k == 0 else 0
             if k == 0:                                     # no count pays: a plain run (twice the last after a probe)
                 b.plain = self.back_off(b) - 1
                 return full
-            want = [b_ in order[:k] for b_ in range(eng.B)]
+            want = [i in order[:k] for i in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
 
     def back_off(self, s: Slot) -> int:
@@ -762,21 +763,21 @@ class Pacer:
         do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
         sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
         round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
-        k = 0 if plain else sum(grow)
+        k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
         if not caught and (plain or not any(g and s.idle for s, g in zip(eng.slots, grow))):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
         t_plain, t_tree = self.cost(0), self.cost(k)
         n = sum(o is not None for o in out)
-        for s, g, o in zip(eng.slots, grow, out):
+        for s, g, o, fresh in zip(eng.slots, grow, out, probe):
             if o is None:
                 continue
             if plain or not g:
                 s.plain = max(s.plain - 1, 0)
                 continue
-            a = len(o[0]) + 1
-            s.mat = a if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * a
+            a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left the average stale)
+            s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
             if n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
                 self.back_off(s)

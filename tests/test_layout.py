@@ -68,7 +68,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 584
 
 
-def test_the_algorithm_fits_in_2975_lines():
+def test_the_algorithm_fits_in_2995_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -91,12 +91,13 @@ def test_the_algorithm_fits_in_2975_lines():
     its pending rows outside a drafting round, so plain runs outgrow them; the context match over the live
     columns; a plain round's learn as one write each; graft without a matrix where its thresholds never
     prune; the fused route's weights read from the modules' dicts); and a tree's padding rows left out of
-    the lm_head (+5) and the pacer's cheaper probes at B > 1."""
+    the lm_head (+5), and the pacer's cost by how many slots draft, a batch's best drafters, its probes
+    of one tree and a probe's weight (+25)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2975, lines
+    assert lines <= 2995, lines
 
 
 def test_no_batched_twins():
