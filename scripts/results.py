@@ -61,7 +61,7 @@ SECTIONS = [
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread; "
             "each request's tokens checked against the same prompt decoded alone with `ar`; each method's "
-            "stream run three times, the methods interleaved, and totalled.",
+            "stream run three times, interleaved.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
             legend="a cell: total tokens/s over `ar`'s at the same B (MAT of drafting rounds; share of plain "
                    "rounds); `ar`: its tokens/s"),
