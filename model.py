@@ -150,6 +150,12 @@ def use_kernels(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and (cpu_kernels.ON if torch.compiler.is_compiling() else cpu_kernels.ready())
 
 
+def fused_step(x: torch.Tensor, mask) -> bool:
+    """Block.fused's step-wide half: eager, CPU, no gradient, a bool mask."""
+    return (mask is not None and mask.dtype == torch.bool and not torch.compiler.is_compiling()
+            and not torch.is_grad_enabled() and use_kernels(x))
+
+
 class Linear(nn.Linear):
     """nn.Linear through cpu_kernels.linear on a CPU (inference); else F.linear, with rows padded in exact
     mode so that one-row (GEMV) and few-row passes take the batched GEMM kernel."""
@@ -475,26 +481,31 @@ class Block(nn.Module):
         """Whether cpu_kernels.block computes this step: exact mode, eager, CPU, no gradient, a dense MLP, a
         bool mask, and no hooks (tp.py's all-reduces) on the parts. The same arithmetic as the modules
         (cpu_kernels.cpp), minus ~60 small torch ops a layer, which cost more than a token's weights take to read."""
+        return fused_step(x, mask) and self.fusable(x.dtype)
+
+    def fusable(self, dtype) -> bool:
+        """Block.fused's per-layer half: exact mode, a dense MLP of this dtype (or int8), no hooks."""
         a, m = self._modules["self_attn"], self._modules["mlp"]
-        return (self.exact and self.fuse and isinstance(m, MLP) and mask is not None and mask.dtype == torch.bool
-                and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and use_kernels(x)
-                and m._modules["gate_proj"].weight.dtype in (x.dtype, torch.int8) and not (a._forward_hooks or m._forward_hooks))
+        return (self.exact and self.fuse and isinstance(m, MLP) and not (a._forward_hooks or m._forward_hooks)
+                and m._modules["gate_proj"]._parameters["weight"].dtype in (dtype, torch.int8))
 
-    def linears(self) -> list:
-        """q k v o gate up down, from the modules' own dicts, where nn.Module.__getattr__ finds them (its fallback
-        costs ~1 us a lookup: the fused route's ~1,200 a step took ~1.5 ms, a tenth of a token's pass)."""
-        a, m = self._modules["self_attn"]._modules, self._modules["mlp"]._modules
-        return [a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], m["gate_proj"], m["up_proj"], m["down_proj"]]
-
+    # The fused route's arguments are read through the modules' own dicts, as nn.Module.__getattr__ would
+    # find them (so a replaced module or parameter is seen at once): its fallback costs ~1 us a lookup,
+    # and a step made ~1,200 of them (~1.5 ms, a tenth of a token's pass).
     def fused_weights(self) -> tuple:
-        a, (q, k, v, o, g, u, d), n = self._modules["self_attn"], [x._parameters for x in self.linears()], self._modules
-        qn, kn = (a._modules["q_norm"].weight, a._modules["k_norm"].weight) if a.qk_norm else (None, None)
-        return (n["input_layernorm"].weight, q["weight"], q.get("bias"), k["weight"], k.get("bias"), v["weight"],
-                v.get("bias"), o["weight"], qn, kn, n["post_attention_layernorm"].weight, g["weight"], u["weight"], d["weight"])
+        a, m = self._modules["self_attn"], self._modules["mlp"]
+        am, mm = a._modules, m._modules
+        q, k, v, o = (am[n]._parameters for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        qn, kn = (am["q_norm"]._parameters["weight"], am["k_norm"]._parameters["weight"]) if a.qk_norm else (None, None)
+        return (self._modules["input_layernorm"]._parameters["weight"], q["weight"], q.get("bias"), k["weight"],
+                k.get("bias"), v["weight"], v.get("bias"), o["weight"], qn, kn,
+                self._modules["post_attention_layernorm"]._parameters["weight"],
+                mm["gate_proj"]._parameters["weight"], mm["up_proj"]._parameters["weight"], mm["down_proj"]._parameters["weight"])
 
     def fused_scales(self) -> list:
         """An int8 layer's scales (quant.py), q k v o gate up down; [] for float weights."""
-        lins = self.linears()
+        a, m = self._modules["self_attn"]._modules, self._modules["mlp"]._modules
+        lins = (a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], m["gate_proj"], m["up_proj"], m["down_proj"])
         return [p._buffers["scale"] for p in lins] if lins[0]._buffers.get("scale") is not None else []
 
     def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
@@ -564,7 +575,7 @@ class Transformer(nn.Module):
         # exact attention gathers a tree's keys into position order; rows that are their positions need not
         pos = None if positions is rows or tokens.shape[1] == 1 else positions.expand(*tokens.shape)
         feats, points = [], self.capture_layers
-        fused = rows is not None and all(layer.fused(x, mask) for layer in self.layers)
+        fused = rows is not None and fused_step(x, mask) and all(b.fusable(x.dtype) for b in self.layers)
         if fused:                                                     # one kernel call, every layer
             x, feats = self.fused_layers(x, rope, rows, mask, cache, keep, slots, points if capture else ())
         else:

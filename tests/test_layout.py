@@ -64,11 +64,12 @@ def test_the_model_file_is_the_model():
     # + 15 for every layer in one cpu_kernels.layers call and KV compaction in one cpu_kernels.move_rows,
     # + 5 for an int8 layer's scales beside its weights on the fused route (quant.py),
     # + 4 for reading that route's weights from the modules' dicts (nn.Module.__getattr__: ~1.5 ms a step),
-    # + 5 for the real rows' logits only (a tree's padding rows cost the lm_head ~0.4 ms each on SmolLM2)
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 584
+    # + 5 for the real rows' logits only (a tree's padding rows cost the lm_head ~0.4 ms each on SmolLM2),
+    # + 11 for the fused route's test in two halves: the step's (fused_step, once) and each layer's (fusable)
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 595
 
 
-def test_the_algorithm_fits_in_2995_lines():
+def test_the_algorithm_fits_in_3005_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -92,12 +93,13 @@ def test_the_algorithm_fits_in_2995_lines():
     columns; a plain round's learn as one write each; graft without a matrix where its thresholds never
     prune; the fused route's weights read from the modules' dicts); and a tree's padding rows left out of
     the lm_head (+5), and the pacer's cost by how many slots draft, a batch's best drafters, its probes
-    of one tree and a probe's weight (+25)."""
+    of one tree and a probe's weight (+25); and the fused route's test in its two halves again, the step's
+    once and each layer's (+6)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 2995, lines
+    assert lines <= 3005, lines
 
 
 def test_no_batched_twins():
