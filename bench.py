@@ -332,7 +332,8 @@ def calibration_meta(cal) -> dict:
         return {"thresholds": {}, "calibrations": {}, "expected_tokens_per_s_by_budget": {}, "cost_spread": None,
                 "hit_rates": None}
     return {"thresholds": {str(c): round(t, 4) for c, t in cal.thresholds.items()},
-            "calibrations": {n: {m: {"budget": c["budget"], "expected_tokens_per_s": c["rate"],
+            "calibrations": {n: {m: {"budget": c["budget"], **({"depth": c["depth"]} if "depth" in c else {}),
+                                     "expected_tokens_per_s": c["rate"],
                                      "thresholds": {str(k): round(t, 4) for k, t in c["thresholds"].items()}}
                                  for m, c in per.items()} for n, per in cal.methods.items()},
             "expected_tokens_per_s_by_budget": {m: {str(b): r for b, r in c.items()} for m, c in cal.budget_curve.items()},

@@ -26,7 +26,7 @@ from draft import select
 from engine import CALIBRATED, CPU_COMPILE, Engine, Request, compile_warmup, run, sync
 from graft import (CHECKPOINTS, MATCH, MAX_TEMPLATE_DEPTH, METHODS, PRIOR_CONTEXT_RATES, PRIOR_HIT_RATES, Calibration,
                    Config, ContinuationMatrix,
-                   Template, build_template, graft_trees, match_cols, with_root)
+                   Template, build_template, context_scores, graft_trees, match_cols, with_chain, with_root)
 from verify import Sampling, Tree, sampling_mode
 
 
@@ -175,12 +175,13 @@ def tie_tolerance(spread: float, floor: float = MIN_TIE) -> float:
 
 
 def choose_budget(options: dict, checkpoints=CHECKPOINTS, spread: float = 0.0, floor: float = 0.0) -> tuple:
-    """--budget auto: options {budget: (rounds, cost)} as throughput_thresholds reads them, one per
-    candidate budget (its keep sizes, its verify pass). Returns (budget, taus, rate, {budget: rate}):
-    the smallest budget whose expected rate (tokens/s) is within tie_tolerance(spread, floor) of the
-    best one's (spread: the cost measurement's relative spread, a fraction, from robust_costs; 0 and no
-    floor: exact ties only), and the whole curve, for the log and the report. Budgets that close are what the
-    timing's noise tells apart, so they go to the smaller one, the same way every time."""
+    """--budget auto: options {shape: (rounds, cost)} as throughput_thresholds reads them, one per
+    candidate shape (a budget, or a (budget, draft depth) pair: its keep sizes, its verify pass, its
+    draft forwards). Returns (shape, taus, rate, {shape: rate}): the smallest shape whose expected rate
+    (tokens/s) is within tie_tolerance(spread, floor) of the best one's (spread: the cost measurement's
+    relative spread, a fraction, from robust_costs; 0 and no floor: exact ties only), and the whole
+    curve, for the log and the report. Shapes that close are what the timing's noise tells apart, so
+    they go to the smaller one (the smaller budget, then the shallower draft), the same way every time."""
     fits, curve, tol = {}, {}, tie_tolerance(spread, floor)
     for b in sorted(options):
         fits[b] = throughput_thresholds(*options[b], checkpoints, tol=tol)
@@ -203,11 +204,13 @@ def accepted_by(tree: Tree, truth: list) -> int:
     return max(depth)
 
 
-def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
+def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int, log_q: torch.Tensor | None = None) -> Tree:
     """The tree a warm-up round would have verified had it ended in `stage` (None: full depth) with K
     draft nodes kept and R retrieved: its candidates (rec["scores"/"tokens"/"parents"], slots past the
     stage's levels left out), grafted with the first K + R nodes of its retrieval (rec["retrieved"],
-    best-first, so a smaller template is a prefix of a larger one)."""
+    best-first, so a smaller template is a prefix of a larger one) and, with log_q (the context hit
+    rates' logs, graft.context_scores), the context chain graft's round would offer beside them
+    (rec["context"]: match_context's tokens and match length), the R best by score taking the slots."""
     scores = rec["scores"].clone()[None]
     if stage is not None:
         scores[:, k + stage * k * k:] = float("-inf")                # levels not drafted by then
@@ -217,13 +220,26 @@ def stage_tree(rec: dict, stage, K: int, R: int, rates, k: int) -> Tree:
     if not R:
         return with_root(root, *graft_trees(d_tok, d_par, kept, None, None, None, None), yes)
     tpl = _template(tuple(rates), K + R)
-    return with_root(root, *graft_trees(d_tok, d_par, kept, rec["retrieved"][None, :K + R], tpl, torch.tensor([-1]),
-                                        torch.tensor([R])), yes)
+    r_tok, r_score = rec["retrieved"][None, :K + R], None
+    if log_q is not None and rec.get("context") is not None:         # the chain after the template's nodes
+        chain, m = rec["context"]
+        T = MAX_TEMPLATE_DEPTH
+        real = (torch.arange(T) < len(chain))[None]                                # (1, T)
+        r_tok = torch.cat([r_tok, torch.tensor(chain + [0] * (T - len(chain)), dtype=torch.long)[None]], 1)
+        r_score = torch.cat([tpl.score[None], context_scores(real, torch.tensor([m]), log_q)], 1)
+        tpl = _chained(tuple(rates), K + R)
+    return with_root(root, *graft_trees(d_tok, d_par, kept, r_tok, tpl, torch.tensor([-1]), torch.tensor([R]), r_score),
+                     yes)
 
 
 @lru_cache(maxsize=256)
 def _template(rates: tuple, n: int) -> Template:
     return build_template(rates, n)
+
+
+@lru_cache(maxsize=256)
+def _chained(rates: tuple, n: int) -> Template:
+    return with_chain(_template(rates, n), MAX_TEMPLATE_DEPTH)
 
 
 # ----------------------------------------------------------------------------- the warm-up
@@ -409,6 +425,8 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     for r in records:              # what the target generated after each round's root: its truth
         full = r["request"].ids + r["request"].tokens
         r["truth"] = full[r["L"] + 1:r["L"] + 1 + d.depth + MAX_TEMPLATE_DEPTH]
+        # the context chain graft's retrieval would have offered under this root (graft.context_match)
+        r["context"] = match_context(full[:r["L"] + 1], MATCH, MAX_TEMPLATE_DEPTH) if "context" in cfg.sources else None
     engine.matrix.refresh_fallback()
     rates = engine.matrix.hit_rates()
     rates = tuple(rates.tolist()) if rates is not None else PRIOR_HIT_RATES
@@ -428,19 +446,22 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
         timings = measure_costs(engine, cfg, budgets or (cfg.budget,), rates, phases, pause)
-        options, spread = calibration_options(engine, cfg, records, timings, budgets or (cfg.budget,), show, pause)
+        options, spread = calibration_options(engine, cfg, records, timings, shapes(budgets or (cfg.budget,), cfg, d,
+                                                                                    auto_budget), show, pause, q)
         log(f"warm-up: verify timings' spread {spread:.2%}: rates within {tie_tolerance(spread):.1%} of the best "
-            f"are ties, which go to the smaller budget and to never pruning")
+            f"are ties, which go to the smaller budget, the shallower draft and to never pruning")
         calibrations = {"throughput": {}, "youden": {}}
         for method, opts in options.items():
-            b, taus, rate, curve[method] = choose_budget(opts, checkpoints if method != "eagle3" else (), spread, MIN_TIE)
-            calibrations["throughput"][method] = {"budget": b, "thresholds": taus if method != "eagle3" else {},
-                                                  "rate": round(rate, 3)}
+            (b, depth), taus, rate, by_shape = choose_budget(opts, checkpoints if method != "eagle3" else (), spread, MIN_TIE)
+            taus = {c: (t if c < depth else 0.0) for c, t in taus.items()}     # a checkpoint never reached
+            curve[method] = {x: max(r for (y, _), r in by_shape.items() if y == x) for x, _ in by_shape}
+            calibrations["throughput"][method] = {"budget": b, "depth": depth, "rate": round(rate, 3),
+                                                  "thresholds": taus if method != "eagle3" else {}}
             calibrations["youden"][method] = {"budget": cfg.budget, "rate": None,
                                               "thresholds": youden if method != "eagle3" else {}}
-            log(f"warm-up: {method}: expected tokens/s by budget: " +
+            log(f"warm-up: {method}: expected tokens/s by budget (its best draft depth): " +
                 ", ".join(f"{x}: {r:.1f}" for x, r in curve[method].items()) +
-                f" -> budget {b}, thresholds { {c: round(t, 3) for c, t in taus.items()} }")
+                f" -> budget {b}, depth {depth}, thresholds { {c: round(t, 3) for c, t in taus.items()} }")
         log(f"warm-up: Youden's J thresholds { {c: round(t, 3) for c, t in youden.items()} } "
             f"(--calibration youden, budget {cfg.budget})")
     log(f"warm-up: {ran} of {len(prompts)} generations ran")
@@ -578,7 +599,8 @@ def read_calibrations(meta: dict, checkpoints) -> tuple | None:
     fit (checkpoints None: a warm-up without a head, which calibrates nothing)."""
     try:
         cal = {n: {m: {"budget": int(c["budget"]), "rate": None if c.get("rate") is None else float(c["rate"]),
-                       "thresholds": {int(k): float(t) for k, t in c["thresholds"].items()}}
+                       "thresholds": {int(k): float(t) for k, t in c["thresholds"].items()},
+                       **({"depth": int(c["depth"])} if "depth" in c else {})}
                    for m, c in per.items()} for n, per in meta.get("calibrations", {}).items()}
         curve = {m: {int(b): float(r) for b, r in c.items()} for m, c in meta.get("budget_curve", {}).items()}
     except (TypeError, ValueError, KeyError, AttributeError):
@@ -587,7 +609,7 @@ def read_calibrations(meta: dict, checkpoints) -> tuple | None:
         return (cal, curve) if not cal else None
     ok = set(cal) == set(CALIBRATIONS) and all(
         set(per) == {c.calibrated for c in METHODS.values() if c.calibrated} and all(
-            c["budget"] >= 1 and set(c["thresholds"]) == (set() if m == "eagle3" else set(checkpoints))
+            c["budget"] >= 1 and c.get("depth", 1) >= 1 and set(c["thresholds"]) == (set() if m == "eagle3" else set(checkpoints))
             and all(math.isfinite(t) and 0 <= t <= 1 + 1e-6 for t in c["thresholds"].values())
             for m, c in per.items()) for per in cal.values())
     return (cal, curve) if ok else None
@@ -689,53 +711,71 @@ def robust_round_costs(timings: dict) -> tuple:
             monotone(ver), spread)
 
 
+def shapes(budgets, cfg: Config, drafter, auto_budget: bool) -> list:
+    """The (budget, draft depth) pairs the calibration prices: at each budget the depth its tree
+    reaches (min(--depth, budget), graft.Method.configure), and under --budget auto every shallower
+    one too (a head forward saved per level against the tokens the deeper levels would have added:
+    on the CPU at budget 3, depth 2 ran 1.16x ar where depth 3 ran 1.08x, mt_bench, interleaved)."""
+    top = lambda b: min(drafter.depth, cfg.depth, b)
+    return [(b, D) for b in budgets for D in (range(1, top(b) + 1) if auto_budget else (top(b),))]
+
+
 @torch.no_grad()
-def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, budgets, show: bool = False,
-                        pause=None) -> tuple:
-    """({method: {budget: (rounds, cost)}}, spread): the options as choose_budget reads them, for
-    eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
+def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, shapes: list, show: bool = False,
+                        pause=None, context_rates=None) -> tuple:
+    """({method: {(budget, depth): (rounds, cost)}}, spread): the options as choose_budget reads them,
+    for eagle3, prune and graft, and the relative spread of the verify timings (a fraction, its
     tolerance). rounds: each usable warm-up round's confidences and, per stage, the tokens its tree
     would have accepted (stage_tree, matched against what the target generated); cost: seconds per
     round per stage, from this engine's own steps, robust statistics of `timings` (measure_costs, or a
-    replay of a saved run): the draft forwards, the assembly, the verify pass at B + 1 nodes, the update."""
+    replay of a saved run): the draft forwards, the assembly, the verify pass at B + 1 nodes, the update.
+    context_rates: q(m) (context_hit_rates): graft's trees then hold the context chain too. A draft of depth D drafts levels 1..D; a checkpoint at or past D is never reached, so a round
+    "stopped" there is the round drafted to depth D."""
     d = eng.drafter
-    k, D = d.top_k, d.depth
-    costs, spread = stage_costs(eng, cfg, timings, budgets)
-    usable = usable_records(records, D)
+    k = d.top_k
+    costs, spread = stage_costs(eng, cfg, timings, shapes)
+    usable = usable_records(records, d.depth)
     memo = {}
+    log_q = None if context_rates is None else torch.tensor([math.log(x) if x > 0 else float("-inf")
+                                                              for x in context_rates])
 
-    def acc(i, s, K, R):          # a tree that two methods share (full depth, no retrieval) is matched once
+    def acc(i, s, K, R):          # a tree that two options share is matched once
         if (i, s, K, R) not in memo:
             r = usable[i]
-            memo[(i, s, K, R)] = accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k), r["truth"])
+            memo[(i, s, K, R)] = accepted_by(stage_tree(r, s, K, R, PRIOR_HIT_RATES, k, log_q), r["truth"])
         return memo[(i, s, K, R)]
 
     out = {"eagle3": {}, "prune": {}, "graft": {}}
-    for b in tqdm(budgets, desc="calibration", unit="budget", file=sys.stderr, dynamic_ncols=True, disable=not show):
+    for b, D in tqdm(shapes, desc="calibration", unit="shape", file=sys.stderr, dynamic_ncols=True, disable=not show):
         if pause:
             pause()
         for method in out:
-            stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d).stages()
-            rounds = [(r["conf"], {s: acc(i, s, K, R) for s, (K, R) in stages.items()}) for i, r in enumerate(usable)]
-            out[method][b] = (rounds, costs[method][b])
+            stages = METHODS[method].configure(dataclasses.replace(cfg, budget=b, depth=D, keep=None, policy="stop"),
+                                               d).stages()
+            full = stages[None]
+            at = {s: (s, *KR) if s is not None and s < D else (D - 1, *full) for s, KR in stages.items()}
+            rounds = [(r["conf"], {s: acc(i, *at[s]) for s in stages}) for i, r in enumerate(usable)]
+            out[method][(b, D)] = (rounds, costs[method][(b, D)])
     return out, spread
 
 
-def stage_costs(eng: Engine, cfg: Config, timings: dict, budgets) -> tuple:
-    """({method: {budget: {stage: seconds a round}}}, spread) for eagle3, prune and graft: per stage a
-    round ends in, its draft forwards, the assembly, the verify pass over budget + 1 nodes and the
-    update, robust statistics of `timings` (robust_round_costs)."""
+def stage_costs(eng: Engine, cfg: Config, timings: dict, shapes: list) -> tuple:
+    """({method: {(budget, depth): {stage: seconds a round}}}, spread) for eagle3, prune and graft: per
+    stage a round ends in, its draft forwards (a checkpoint at or past the depth is never reached: the
+    full draft's), the assembly, the verify pass over budget + 1 nodes and the update, robust
+    statistics of `timings` (robust_round_costs)."""
     d = eng.drafter
     t_fwd, t_upd, t_asm, t_ver, spread = robust_round_costs(timings)
     # a draft forward at a budget's beam width: measured (level_samples), else the warm-up's full-width one
     t_lvl = {k: min(xs) for k, xs in timings.get("level", {}).items() if xs}
     out = {}
     for method in ("eagle3", "prune", "graft"):
-        for b in budgets:
-            c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, keep=None, policy="stop"), d)
+        for b, D in shapes:
+            c = METHODS[method].configure(dataclasses.replace(cfg, budget=b, depth=D, keep=None, policy="stop"), d)
             fwd = t_lvl.get(c.top_k, t_fwd)
-            out.setdefault(method, {})[b] = {s: (c.depth if s is None else s + 1) * fwd + t_asm + t_ver[b + 1] + t_upd
-                                             for s in c.stages()}
+            out.setdefault(method, {})[(b, D)] = {
+                s: (c.depth if s is None or s >= c.depth else s + 1) * fwd + t_asm + t_ver[b + 1] + t_upd
+                for s in c.stages()}
     return out, spread
 
 
@@ -891,7 +931,7 @@ def method_config(cal: Calibration | None, name: str, cfg: Config, auto_budget: 
     if calibration and cfg.thresholds is None and got["thresholds"]:
         cfg = dataclasses.replace(cfg, thresholds=dict(got["thresholds"]))
     if auto_budget:
-        cfg = dataclasses.replace(cfg, budget=got["budget"])
+        cfg = dataclasses.replace(cfg, budget=got["budget"], depth=min(cfg.depth, got.get("depth", cfg.depth)))
     return cfg
 
 
@@ -944,7 +984,7 @@ def state_path_for(engine: Engine, *settings) -> str:
     return os.path.join(cache_dir(), "warmup-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".safetensors")
 
 
-WARMUP_FORMAT = 7        # bump when what the warm-up computes changes: old cache files are then ignored
+WARMUP_FORMAT = 8        # bump when what the warm-up computes changes: old cache files are then ignored
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -382,7 +382,7 @@ class Config:
     of the dense tree, under the root or under the best deepest draft node."""
     budget: int = 60                   # candidate nodes under the root
     top_k: int = 10                    # draft children per expansion
-    depth: int = 8                     # draft levels (draft forwards per round when not pruned)
+    depth: int = 8                     # draft levels at most (forwards a round when not pruned; --budget auto picks it)
     checkpoints: tuple = CHECKPOINTS
     keep: tuple | None = None          # draft nodes kept when pruned at each checkpoint (default scaled 8/24/40)
     thresholds: dict | None = None     # tau per checkpoint (default: calibrated in warm-up)
@@ -428,7 +428,8 @@ class Config:
 @dataclass
 class Calibration:
     """What the warm-up measured (calibrate.warm_up), handed to the methods that read it (make_method):
-    per calibration ("throughput", "youden") and calibrated method, {"budget", "thresholds", "rate"};
+    per calibration ("throughput", "youden") and calibrated method, {"budget", "thresholds", "rate"}
+    and, for "throughput", the draft "depth" --budget auto runs with;
     `chosen`: the calibration a "stop" method reads (--calibration); the matrix's per-rank hit rates;
     the expected tokens/s by budget; the cost timings' relative spread. Empty: nothing calibrated."""
     methods: dict = field(default_factory=dict)
@@ -508,7 +509,7 @@ class Method:
         """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B."""
         cfg = replace(cfg, **cls.settings)
         if drafter is not None and cls.needs_head:      # a tree of n nodes needs no wider beam, no deeper level:
-            cfg = replace(cfg, top_k=min(drafter.top_k, cfg.budget), depth=min(drafter.depth, cfg.budget))
+            cfg = replace(cfg, top_k=min(drafter.top_k, cfg.budget), depth=min(drafter.depth, cfg.depth, cfg.budget))
         if cfg.prune:
             cfg = replace(cfg, policy=cfg.policy or ("stop" if batch == 1 else "replace"))
         return cfg

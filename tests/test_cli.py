@@ -224,16 +224,17 @@ def pair(tmp_path_factory):
 
 def test_budget_auto_calibrates_eagle3(pair, monkeypatch, capsys):
     """--method eagle3 --budget auto (the default): the warm-up runs and eagle3 verifies the budget it
-    chose (here forced to 12), not the CPU default of 16."""
+    chose (here forced to 12, drafted to depth 3), not the CPU default of 16."""
     import calibrate as CAL
     import generate as GEN
     monkeypatch.setenv("GRAFT_CACHE", str(pair[0].parent / "cache"))
     monkeypatch.setattr(CAL, "choose_budget", lambda options, checkpoints, spread=0.0, floor=0.0:
-                        (12, {c: 0.0 for c in checkpoints}, 1.0, {12: 1.0}))
+                        ((12, 3), {c: 0.0 for c in checkpoints}, 1.0, {(12, 3): 1.0}))
     out = GEN.main(["--ckpt", str(pair[0]), "--draft", str(pair[1]), "--method", "eagle3", "--warmup", "1",
                   "--no-cache", "--max-new-tokens", "4", "--prompt", "Hello"])
-    assert "warm-up: eagle3: expected tokens/s by budget: 12: 1.0 -> budget 12" in capsys.readouterr().err
-    assert out["budget"] == 12 and out["padded_per_round"] == 12
+    assert "warm-up: eagle3: expected tokens/s by budget (its best draft depth): 12: 1.0 -> budget 12, depth 3" \
+        in capsys.readouterr().err
+    assert out["budget"] == 12 and out["padded_per_round"] == 12 and 0 < out["draft_forwards_per_round"] <= 3
 
 
 def test_show_tree_for_plain_decoding(pair, capsys):

@@ -1011,6 +1011,14 @@ def test_stage_tree_keeps_only_levels_drafted_by_the_stage():
     early = CAL.stage_tree(rec, 0, 2, 2, (0.5, 0.25), k)        # stage 0: level 1 only, then 2 retrieved
     assert early.tokens.tolist() == [[99, 10, 11, 20, 21]] and early.retrieved.tolist() == [[False] * 3 + [True] * 2]
     assert CAL.accepted_by(full, [10, 12, 5]) == 2 and CAL.accepted_by(early, [20, 7]) == 1
+    # with the context chain graft's round offers (a match of 3 tokens, then 30, 31) scored above the
+    # matrix's nodes (q(3) = 0.9 > 0.5): the 2 free slots take the chain, as the round's retrieval would
+    log_q = torch.tensor([float("-inf"), 0.5, 0.7, 0.9]).log()
+    chained = CAL.stage_tree({**rec, "context": ([30, 31], 3)}, 0, 2, 2, (0.5, 0.25), k, log_q)
+    assert chained.tokens.tolist() == [[99, 10, 11, 30, 31]] and chained.parents.tolist() == [[-1, 0, 0, 0, 3]]
+    assert CAL.accepted_by(chained, [30, 31, 5]) == 2 and CAL.accepted_by(early, [30, 31, 5]) == 0
+    assert CAL.stage_tree({**rec, "context": ([], 0)}, 0, 2, 2, (0.5, 0.25), k, log_q).tokens.tolist() == \
+        early.tokens.tolist()                                    # no match: the matrix's nodes, as before
 
 
 # ----------------------------------------------------------------------------- --show-tree
@@ -1044,7 +1052,7 @@ def test_render_round_labels_prompt_lookup_nodes_as_copied():
 # ----------------------------------------------------------------------------- cached calibrations
 
 def good_meta():
-    per = lambda taus: {"eagle3": {"budget": 24, "rate": 50.0, "thresholds": {}},
+    per = lambda taus: {"eagle3": {"budget": 24, "depth": 3, "rate": 50.0, "thresholds": {}},
                         "prune": {"budget": 12, "rate": 60.0, "thresholds": taus},
                         "graft": {"budget": 8, "rate": 70.0, "thresholds": taus}}
     return {"calibrations": {"throughput": per({"0": 1.0, "1": 0.0, "5": 0.0}),
@@ -1057,6 +1065,7 @@ def test_read_calibrations_round_trip():
     cal, curve = read_calibrations(good_meta(), (0, 1, 5))
     assert cal["throughput"]["graft"] == {"budget": 8, "rate": 70.0, "thresholds": {0: 1.0, 1: 0.0, 5: 0.0}}
     assert cal["youden"]["eagle3"]["thresholds"] == {} and curve == {"graft": {8: 70.0, 16: 65.0}}
+    assert cal["throughput"]["eagle3"]["depth"] == 3
 
 
 @pytest.mark.parametrize("spoil", [
@@ -1066,6 +1075,7 @@ def test_read_calibrations_round_trip():
     lambda m: m["calibrations"]["youden"]["graft"]["thresholds"].update({"1": 7.0}),     # not a probability
     lambda m: m["calibrations"]["throughput"]["graft"].update({"budget": 0}),
     lambda m: m["calibrations"]["throughput"]["graft"].update({"budget": "many"}),
+    lambda m: m["calibrations"]["throughput"]["eagle3"].update({"depth": 0}),
     lambda m: m.update({"budget_curve": {"graft": {"x": 1.0}}}),
 ])
 def test_read_calibrations_refuses_what_does_not_fit(spoil):
@@ -1090,7 +1100,7 @@ def test_method_config_uses_each_methods_own_calibration():
     assert method_config(cal, "graft", cfg, False, calibration="youden").thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
     given = GR.Config(budget=16, thresholds={0: 0.5, 1: 0.5, 5: 0.5})                  # --thresholds wins
     assert method_config(cal, "graft", given, False, calibration="youden").thresholds == given.thresholds
-    assert method_config(cal, "eagle3", cfg, auto_budget=True) == GR.Config(budget=24)
+    assert method_config(cal, "eagle3", cfg, auto_budget=True) == GR.Config(budget=24, depth=3)   # its calibrated depth
     assert method_config(cal, "pld", cfg, auto_budget=True) == cfg                   # not calibrated
     assert method_config(None, "graft", cfg, auto_budget=True) == cfg                # nothing calibrated
     assert cal.budget == 8 and cal.thresholds == {0: 1.0, 1: 0.0, 5: 0.0}

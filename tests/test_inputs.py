@@ -295,14 +295,14 @@ def warmup_rounds():
 
 
 def choices(rounds, timings, floor: float, exact: bool = False) -> tuple:
-    """Every calibrated method's (budget, thresholds) from these timings; exact: no tie rule at all.
+    """Every calibrated method's ((budget, depth), thresholds) from these timings; exact: no tie rule at all.
     (The rounds' accepted tokens do not depend on the timings: matched once, costs swapped in.)"""
-    eng, cfg, records, _, budgets = rounds
+    eng, cfg, records, _, shapes = rounds
     # the budgets these runs measured (they were recorded before budgets 2-6 joined AUTO_BUDGETS)
-    budgets = tuple(b for b in budgets if b + 1 in timings["verify"] and b in timings["assemble"])
+    shapes = tuple((b, D) for b, D in shapes if b + 1 in timings["verify"] and b in timings["assemble"])
     if "opts" not in rounds_cache:
-        rounds_cache["opts"] = CAL.calibration_options(eng, cfg, records, timings, budgets)[0]
-    costs, spread = CAL.stage_costs(eng, cfg, timings, budgets)
+        rounds_cache["opts"] = CAL.calibration_options(eng, cfg, records, timings, shapes)[0]
+    costs, spread = CAL.stage_costs(eng, cfg, timings, shapes)
     out = []
     for m, o in rounds_cache["opts"].items():
         opts = {b: (rounds, costs[m][b]) for b, (rounds, _) in o.items()}
