@@ -284,71 +284,35 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda it: COMPILE_TESTS in it.nodeid)
 
 
-def _start_compile_checks() -> str:
-    """tests/compile_check.py in a process of its own, one thread; its exit status lands in <out>.rc."""
-    import os
-    import shlex
-    import subprocess
-    import tempfile
-    out = os.path.join(tempfile.mkdtemp(), "compile.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT / 'tests' / 'compile_check.py'))} {shlex.quote(out)}"
-    _COMPILE["proc"] = subprocess.Popen(["sh", "-c", f"{cmd}; echo $? > {shlex.quote(out + '.rc')}"], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _COMPILE["out"] = out
-    return out
-
-
-def _xdist_controller(config) -> bool:
-    """The process that hands tests to pytest-xdist's workers (pytest.ini runs the suite so)."""
-    return config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput")
-
-
-def pytest_sessionstart(session):
-    """Under pytest-xdist the controller starts the compile checks, before the workers start (they
-    inherit where the results go: GRAFT_COMPILE_OUT), unless the command names test files without
-    tests/test_engine.py (it alone reads them)."""
-    import os
-    cfg = session.config
-    files = [a for a in cfg.args if ".py" in a]
-    if _xdist_controller(cfg) and (not files or any("test_engine.py" in a for a in files)):
-        os.environ["GRAFT_COMPILE_OUT"] = _start_compile_checks()
-
-
 def pytest_collection_finish(session):
     """Start tests/compile_check.py when a test reading it is selected: compiling takes minutes, so it
-    runs beside the rest of the suite (in one process: on the second core; under pytest-xdist the
-    controller started it, pytest_sessionstart)."""
+    runs on the second core while the rest of the suite runs (the suite itself is one thread)."""
     import os
-    if os.environ.get("GRAFT_COMPILE_OUT") or hasattr(session.config, "workerinput"):
-        return
+    import subprocess
+    import tempfile
     if any(COMPILE_TESTS in item.nodeid for item in session.items):
-        _start_compile_checks()
+        out = os.path.join(tempfile.mkdtemp(), "compile.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        _COMPILE["proc"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "compile_check.py"), out],
+                                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _COMPILE["out"] = out
 
 
 def pytest_sessionfinish(session, exitstatus):
     """A session that ends before reading the compile checks (-x, a selection, Ctrl-C) stops them: they
     would otherwise compile on, orphaned, for minutes."""
-    import os
-    import signal
     proc = _COMPILE.get("proc")
     if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)         # the shell and the check under it
+        proc.kill()
         proc.wait()
 
 
 def compile_result(section: str) -> dict:
     """One section of the compile checks' results (waits for them)."""
-    import os
-    import time
-    out = os.environ.get("GRAFT_COMPILE_OUT") or _COMPILE.get("out")
-    if out is None:
+    proc = _COMPILE.get("proc")
+    if proc is None:
         pytest.skip("the compile checks were not started")
-    t0 = time.time()
-    while not Path(out + ".rc").is_file():          # (a worker under pytest-xdist: the controller's process)
-        assert time.time() - t0 < 1800, "the compile checks ran past 30 minutes"
-        time.sleep(1)
-    assert Path(out).is_file(), f"the compile checks wrote nothing (exit status {Path(out + '.rc').read_text().strip()})"
-    got = json.loads(Path(out).read_text()).get(section, {"error": "section did not run"})
+    proc.wait(timeout=1800)
+    got = json.loads(Path(_COMPILE["out"]).read_text()).get(section, {"error": "section did not run"})
     assert "error" not in got, got["error"]
     return got
