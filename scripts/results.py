@@ -50,7 +50,7 @@ PACED = ("a cell: decode-only speedup over `ar` (MAT of the rounds that drafted;
 SECTIONS = [
     Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/cpu_smollm2.json"],
             "The demo pair (`python generate.py`'s), greedy, bfloat16, one thread, exact mode, 128 tokens a "
-            "prompt, as a user runs it: every method's budget and thresholds from its warm-up (`--budget auto`), "
+            "prompt, as a user runs it: every method's budget, draft depth and thresholds from its warm-up (`--budget auto`), "
             "rounds paced (a request whose trees do not pay takes plain steps: docs/graft.md section 12).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
     Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
@@ -68,13 +68,12 @@ SECTIONS = [
     Section("Two threads", ["results/cpu_smollm2_t2.json"],
             "The demo pair on both cores (`--threads 2`): the second core adds arithmetic, not bandwidth, "
             "yet here both steps ran no faster than on one (the kernels split a linear's outputs over threads, "
-            "and the two cores share the memory's bandwidth). Measured with the pacer before a new request "
-            "inherited the last one's plain run.",
+            "and the two cores share the memory's bandwidth). Measured with an earlier pacer and calibration.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "
-            "exact mode, every method calibrated by its warm-up. Measured before the CPU speedup (the kernels' "
-            "multi-row tiles, small budgets, cost-aware rounds): the table above is today's.",
+            "exact mode, every method calibrated by its warm-up. Measured before the CPU speedup: the table above "
+            "is today's.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
             "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
