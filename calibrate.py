@@ -446,8 +446,8 @@ def calibrate_now(engine: Engine, cfg: Config, prompts=None, rounds: int = 5, ma
     if d:
         youden = calibrate([(r["conf"], r["accepted"]) for r in records], checkpoints)
         timings = measure_costs(engine, cfg, budgets or (cfg.budget,), rates, phases, pause)
-        options, spread = calibration_options(engine, cfg, records, timings, shapes(budgets or (cfg.budget,), cfg, d,
-                                                                                    auto_budget), show, pause, q)
+        options, spread = calibration_options(engine, cfg, records, timings,
+                                              candidate_shapes(budgets or (cfg.budget,), cfg, d, auto_budget), show, pause, q)
         log(f"warm-up: verify timings' spread {spread:.2%}: rates within {tie_tolerance(spread):.1%} of the best "
             f"are ties, which go to the smaller budget, the shallower draft and to never pruning")
         calibrations = {"throughput": {}, "youden": {}}
@@ -711,7 +711,7 @@ def robust_round_costs(timings: dict) -> tuple:
             monotone(ver), spread)
 
 
-def shapes(budgets, cfg: Config, drafter, auto_budget: bool) -> list:
+def candidate_shapes(budgets, cfg: Config, drafter, auto_budget: bool) -> list:
     """The (budget, draft depth) pairs the calibration prices: at each budget the depth its tree
     reaches (min(--depth, budget), graft.Method.configure), and under --budget auto every shallower
     one too (a head forward saved per level against the tokens the deeper levels would have added:
@@ -729,8 +729,9 @@ def calibration_options(eng: Engine, cfg: Config, records: list, timings: dict, 
     would have accepted (stage_tree, matched against what the target generated); cost: seconds per
     round per stage, from this engine's own steps, robust statistics of `timings` (measure_costs, or a
     replay of a saved run): the draft forwards, the assembly, the verify pass at B + 1 nodes, the update.
-    context_rates: q(m) (context_hit_rates): graft's trees then hold the context chain too. A draft of depth D drafts levels 1..D; a checkpoint at or past D is never reached, so a round
-    "stopped" there is the round drafted to depth D."""
+    context_rates: q(m) (context_hit_rates): graft's trees then hold the context chain too. A draft of
+    depth D drafts levels 1..D; a checkpoint at or past D is never reached, so a round "stopped" there
+    is the round drafted to depth D."""
     d = eng.drafter
     k = d.top_k
     costs, spread = stage_costs(eng, cfg, timings, shapes)
