@@ -42,7 +42,7 @@ class ArgumentParser(argparse.ArgumentParser):
 # Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
 # uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
-# The most nodes a verified tree may hold (--budget, --recycle-size): 16x the paper's largest budget (60);
+# The most nodes a verified tree may hold (--budget, --recycle-size, --pld-tokens): 16x the paper's largest budget (60);
 # a pass over more costs far more than the tokens it could accept.
 MAX_TREE_NODES = 1024
 
@@ -114,6 +114,8 @@ def add_engine_flags(p, compare_calibrations: bool = False):
                         "reads --calibration) or replace (the full tree, nodes below their checkpoint's threshold "
                         "replaced by retrieval; reads Youden's J); default: stop for one request, replace for a batch")
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
+    p.add_argument("--pld-tokens", type=int, default=Config.pld_tokens,
+                   help="tokens of the pld method's chain (a longer chain costs little on a GPU, a row each on a CPU)")
     p.add_argument("--sources", default=",".join(SOURCES),
                    help="what graft's freed slots and recycle's tree retrieve from, comma-separated: matrix (the "
                         "continuation matrix), context (the continuation of the longest earlier match of the recent "
@@ -166,6 +168,7 @@ def check_args(a, budgets=None):
     need(1 <= a.draft_top_k <= MAX_DRAFT_TOP_K, f"--draft-top-k must be in [1, {MAX_DRAFT_TOP_K}], got {a.draft_top_k}")
     need(1 <= a.depth <= MAX_DEPTH, f"--depth must be in [1, {MAX_DEPTH}], got {a.depth}")
     need(1 <= a.recycle_size <= MAX_TREE_NODES, f"--recycle-size must be in [1, {MAX_TREE_NODES}], got {a.recycle_size}")
+    need(1 <= a.pld_tokens <= MAX_TREE_NODES, f"--pld-tokens must be in [1, {MAX_TREE_NODES}], got {a.pld_tokens}")
     need(a.warmup is None or a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
     need(a.dtype is None or a.dtype in DTYPES, f"unknown --dtype {a.dtype}: use float32, bfloat16 or float16")
     need(a.prefill_chunk >= 1, f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
@@ -245,7 +248,7 @@ def numbers(flag: str, text: str, kind=int) -> list:
 def config_from_args(a) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
     cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size,
-                 policy=getattr(a, "policy", None), sources=sources(getattr(a, "sources", ",".join(SOURCES))))
+                 pld_tokens=a.pld_tokens, policy=getattr(a, "policy", None), sources=sources(getattr(a, "sources", ",".join(SOURCES))))
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
@@ -416,7 +419,7 @@ def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chu
     free = free_memory(device)
     if free is not None and batch * per + work > free:
         raise GraftError(f"--batch {batch} with --max-seq-len {max_seq_len}, trees of {nodes} nodes (--budget, "
-                         f"--recycle-size) and --prefill-chunk {chunk} needs {(batch * per + work) / 2**30:.1f} GiB "
+                         f"--recycle-size, --pld-tokens) and --prefill-chunk {chunk} needs {(batch * per + work) / 2**30:.1f} GiB "
                          f"({batch * per / 2**30:.1f} GiB of caches, {work / 2**30:.1f} GiB for one pass), more than "
                          f"the {free / 2**30:.1f} GiB free on {device}: lower one of them")
 

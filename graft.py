@@ -394,7 +394,7 @@ class Config:
     recycle_size: int = 80
     sources: tuple = tuple(SOURCES)    # what retrieval draws from (--sources): the matrix, context matches
     pld_ngram: int = 3
-    pld_tokens: int = 10
+    pld_tokens: int = 5                # prompt lookup's chain (--pld-tokens): on a CPU each node is a row of the pass
     block: int = 16                    # a DFlash block: the root + block - 1 guesses (set from the drafter)
     tail_threshold: float | None = None   # graft-tail's cut (default: calibrated in the warm-up)
     pace: bool | None = None           # cost-aware rounds: plain steps where no tree pays (engine.Pacer; None: engine.PACE)

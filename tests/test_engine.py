@@ -269,6 +269,23 @@ def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt, batch, m
         assert r.rounds > 0 and st["verified_per_round"] == 3 and st["padded_per_round"] == 16
 
 
+
+def test_pld_tokens_flag_sizes_the_chain(tiny_ckpt):
+    """--pld-tokens 2: the flag reaches the method, whose pass is 3 wide (root + 2) and whose rounds copy
+    at most 2 tokens, emitting what ar emits; the default chain is 5 (a row each on a CPU)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    CLI.add_engine_flags(p)
+    assert CLI.config_from_args(p.parse_args([])).pld_tokens == 5
+    cfg = CLI.config_from_args(p.parse_args(["--pld-tokens", "2", "--no-pace"]))
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=96, methods=[("pld", cfg)])
+    prompt = [1, 9, 13, 5, 9, 13, 5, 9, 13, 5, 9, 13]           # a pattern that recurs: lookup always finds one
+    res = E.run(eng, eng.make("pld", cfg), [E.Request(prompt)], 24)
+    ar = E.run(eng, eng.make("ar"), [E.Request(prompt)], 24)
+    st = res.requests[0].stats()
+    assert eng.make("pld", cfg).N == 3 and st["padded_per_round"] == 2 and 0 < st["verified_per_round"] <= 2
+    assert res.requests[0].tokens == ar.requests[0].tokens
+
 def test_a_run_that_raised_leaves_the_engine_usable(tiny_ckpt, monkeypatch):
     """An error in the middle of a run (here: the third verify step raises) leaves requests in their
     slots; the next run frees them and serves its own requests only, each what it is alone."""

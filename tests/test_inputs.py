@@ -132,6 +132,7 @@ def test_seed_plus_request_index_must_stay_below_2_63(tiny_ckpt, tmp_path, monke
     (["--budget", "700", "--method", "graft-fixed", "--draft-top-k", "4"], "--draft-top-k 4"),
     (["--prefill-chunk", "100000000"], "--prefill-chunk 100000000"),
     (["--recycle-size", "10000000", "--method", "recycle"], "--recycle-size must be in [1, 1024]"),
+    (["--pld-tokens", "0", "--method", "pld"], "--pld-tokens must be in [1, 1024]"),
 ])
 def test_sizes_from_input_are_checked_before_anything_is_allocated(tiny_ckpt, monkeypatch, flags, fragment):
     """Row 6: a budget larger than the draft tree can hold was an IndexError mid-generation; a huge
@@ -147,7 +148,7 @@ def test_memory_check_names_every_size_it_counted(tiny_ckpt, monkeypatch):
     msg = refused_before_weights(GEN.main, ["--ckpt", str(tiny_ckpt("llama31")), "--prompt", "x", "--warmup", "0",
                                             "--method", "recycle", "--recycle-size", "1000", "--prefill-chunk", "200"],
                                  monkeypatch)
-    assert "trees of 1001 nodes (--budget, --recycle-size) and --prefill-chunk 200" in msg and "GiB" in msg
+    assert "trees of 1001 nodes (--budget, --recycle-size, --pld-tokens) and --prefill-chunk 200" in msg and "GiB" in msg
 
 
 def test_batch_beyond_memory_is_refused_before_weights(tiny_ckpt, tmp_path, monkeypatch):
