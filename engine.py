@@ -723,9 +723,18 @@ class Pacer:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
             (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
+        n, b, tp = sum(live), self.batch, self.cost(0)
+        shadow = method.shadow(eng) if getattr(method, "shadows", False) else None
+        if shadow is not None:       # the method scores its proposals in plain rounds too: no plain runs, no probes,
+            for s, got in zip(eng.slots, shadow):                # each round decides from a MAT kept fresh
+                for a in got:
+                    s.mat = a if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * a
+                    self.prior = (s.mat, 0)
+            if n == 1 and tp and self.cost(1):
+                return [x and (s.mat is None or s.mat * tp >= self.cost(1) * (1 + self.MARGIN))
+                        for x, s in zip(live, eng.slots)]
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= PLAIN_RUN and not catch for x, s in zip(live, eng.slots)]
-        n, b, tp = sum(live), self.batch, self.cost(0)
         if n > 1 and tp and any(want) and self.cost(sum(want)):
             if b.plain:                                    # the batch's plain run
                 b.plain -= 1
@@ -739,7 +748,7 @@ class Pacer:
             k = max(range(len(order) + 1), key=lambda k: (n + gain[k]) / (self.cost(k) * (1 + self.MARGIN * (k > 0))))
             self.probed, b.backoff = False, b.backoff if k == 0 else 0
             if k == 0:                                     # no count pays: a plain run (twice the last after a probe)
-                b.plain = self.back_off(b) - 1
+                b.plain = self.back_off(b) - 1 if shadow is None else 0
                 return full
             want = [i in order[:k] for i in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
@@ -756,9 +765,12 @@ class Pacer:
                  "costs not measured yet (plain step: " + (f"{tp * 1000:.1f} ms" if tp else "?") + ", drafting round: " +
                  (f"{tt * 1000:.1f} ms" if tt else "?") + ")")
         mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
+        pays = s.mat is None or not (tp and tt) or s.mat * tp >= tt * (1 + self.MARGIN)
         nxt = (f"plain for {s.plain} more round(s), then a probe" if s.plain else
-               "drafts next" + (f" (it pays: {s.mat:.2f} x {tp * 1000:.1f} ms >= {tt * 1000:.1f} ms x "
-                                f"{1 + self.MARGIN:.2f})" if s.mat is not None and tp and tt else ""))
+               ("drafts next" if pays else "plain next") + (
+                   f" (it {'pays' if pays else 'does not pay'}: {s.mat:.2f} x {tp * 1000:.1f} ms "
+                   f"{'>=' if pays else '<'} {tt * 1000:.1f} ms x {1 + self.MARGIN:.2f})"
+                   if s.mat is not None and tp and tt else ""))
         return f"{'drafted' if drafted else 'plain step'}; {mat}; {costs}; {nxt}"
 
     def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False):
@@ -767,7 +779,8 @@ class Pacer:
         sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
         round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
         k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
-        if not caught and (plain or not any(g and s.idle for s, g in zip(eng.slots, grow))):
+        shadows, pending = getattr(method, "shadows", False), getattr(method, "pending", True)   # (None: a test's)
+        if not caught and (plain or not pending or not any(g and s.idle for s, g in zip(eng.slots, grow))):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
@@ -779,10 +792,12 @@ class Pacer:
             if plain or not g:
                 s.plain = max(s.plain - 1, 0)
                 continue
-            a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left the average stale)
+            stale = fresh and not shadows          # a plain run left the average stale (unless it scored itself)
+            a, w = len(o[0]) + 1, self.PROBE if stale else self.AVERAGE
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
-            if n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
+            if (n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN)
+                    and not shadows):
                 self.back_off(s)
             else:
                 s.backoff = 0

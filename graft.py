@@ -484,6 +484,7 @@ class Method:
     source = "draft"          # what proposes the nodes the matrix does not (--show-tree)
     settings: dict = {}       # what it sets in the round's Config
     paced = True              # its rounds may be plain steps where no tree pays (engine.Pacer)
+    shadows = False           # its proposals can be scored without a pass (shadow): the pacer needs no probes
     pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
@@ -570,6 +571,12 @@ class Method:
         can_catch_up."""
         raise NotImplementedError
 
+    def shadow(self, eng) -> list:
+        """Probes that cost no pass (engine.Pacer; only where `shadows`): per slot, the tokens a drafting round
+        would have committed (accepted + 1) for each proposal this method made while the slot took plain
+        steps, once the tokens decoded since settle it; [] where none settled."""
+        raise NotImplementedError
+
     def plain_round(self, eng) -> Round:
         """A round without trees, when none pays (engine.Pacer): plain decoding's step for every slot
         (no draft, no head), and what the method keeps in step learns from it (plain_learn), so that its
@@ -616,12 +623,14 @@ class PromptLookup(Method):
     context; the chains reach the device as one asynchronous copy from pinned memory into a static
     buffer (row 0 tokens, row 1 whether the node is real)."""
     source = "copied"
+    shadows = True
 
     def __init__(self, eng, cfg, cal=None, matrix=None):
         super().__init__(eng, cfg, cal, matrix)
         self.host = torch.zeros(2, eng.B, self.N, dtype=torch.long, pin_memory=eng.cuda)
         self.chains = torch.zeros(2, eng.B, self.N, dtype=torch.long, device=eng.device)
         self.parents = (torch.arange(self.N, device=eng.device) - 1).expand(eng.B, -1).contiguous()
+        self.guess = [None] * eng.B      # per slot, a plain round's proposal not yet settled: (request, tokens, chain)
 
     @classmethod
     def shape(cls, cfg):
@@ -630,9 +639,33 @@ class PromptLookup(Method):
     def tensors(self):
         return [self.chains, self.parents]
 
+    def shadow(self, eng) -> list:
+        """A chain depends on the committed tokens alone, so one proposed at a plain round is scored against
+        the tokens decoded after it: its matching prefix + 1, as the drafting round would have committed,
+        settled at the first mismatch or when all of it was decoded (one proposal a slot at a time, the next
+        from where it settled, as drafting rounds would follow each other). No match: 1 token."""
+        out = []
+        for b, r in enumerate(eng.requests()):
+            got, g = [], self.guess[b]
+            if g is not None and g[0] is r:
+                chain = g[2]
+                seen = r.tokens[g[1]:g[1] + max(len(chain), 1)]
+                a = next((i for i, (x, y) in enumerate(zip(seen, chain)) if x != y), min(len(seen), len(chain)))
+                if a < len(seen) or a == len(chain) and seen:
+                    got, g = [a + 1], None
+            else:
+                g = None
+            if g is None and r is not None:
+                g = (r, len(r.tokens), lookup(r.ids + r.tokens, self.cfg.pld_ngram, self.cfg.pld_tokens))
+            self.guess[b] = g
+            out.append(got)
+        return out
+
     def round(self, eng, record=False, full=False) -> Round:
         self.host.zero_()            # free to write: the last round's commit waited for its copy
         for b, r in enumerate(eng.requests()):
+            if eng.drafts[b]:             # a drafting round scores itself: no proposal of a plain round pending
+                self.guess[b] = None
             if r is not None:             # (a slot that drafts nothing this round: its root alone)
                 ids = [r.tokens[-1]] + (lookup(r.ids + r.tokens, self.cfg.pld_ngram, self.cfg.pld_tokens)
                                         if eng.drafts[b] else [])

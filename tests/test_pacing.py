@@ -114,6 +114,62 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
     assert runs == [4, 8, 16, 32, 64, 128, 128] and Pacer.MAX_RUN == 128
 
 
+
+class ScoresItself:
+    """A method whose proposals are scored in plain rounds (graft.Method.shadow, as pld's): each plan reads
+    the next of `scores` (the tokens a drafting round would have committed, settled this round)."""
+    shadows, pending = True, False
+    can_catch_up = lambda self, eng: True                  # noqa: E731
+
+    def __init__(self, scores):
+        self.scores = iter(scores)
+
+    def shadow(self, eng):
+        return [[next(self.scores)]]
+
+
+def test_a_method_that_scores_its_plain_rounds_never_probes():
+    """A drafting round costs 2.5 plain steps (pays at 2.5 x 1.03 tokens). Plain rounds whose proposals
+    would have committed 1 token: plain every round, no probe ever; then proposals of 5: it drafts within
+    a few rounds, as its MAT passes the line, and at once where a drafting round scores itself."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.010, k1=0.025)
+    m, s = ScoresItself([1] * 300 + [5] * 20), eng.slots[0]
+    for _ in range(300):
+        assert p.plan(eng, m) == [False]
+        p.seen(eng, m, [False], [([], 0, [], 0)], 0.010, True)
+    assert s.mat == pytest.approx(1.0) and s.plain == 0 and s.backoff == 0
+    plans = []
+    for _ in range(20):
+        plans.append(p.plan(eng, m)[0])
+        p.seen(eng, m, [plans[-1]], [([0] * 4, 0, [], 0)], 0.025 if plans[-1] else 0.010, not plans[-1])
+    first = plans.index(True)
+    assert 0 < first < 10 and all(plans[first:])
+
+
+def test_pld_scores_a_plain_rounds_chain_against_the_tokens_decoded_after_it():
+    """PromptLookup.shadow: the chain proposed at a plain round settles at its first mismatch (its matching
+    prefix + 1) or when all of it was decoded (its length + 1); no match: 1 token, a round later. A
+    drafting round drops the proposal (it scores itself)."""
+    import types
+    import graft as GR
+    r = Request([7, 1, 2, 3, 4, 5, 6, 1, 2])                # "1 2" recurs: the chain is 3 4 5 6 1
+    eng = types.SimpleNamespace(requests=lambda: [r])
+    m = types.SimpleNamespace(cfg=Config(pld_tokens=5), guess=[None])
+    shadow = lambda: GR.PromptLookup.shadow(m, eng)       # noqa: E731
+    assert shadow() == [[]] and m.guess[0][2] == [3, 4, 5, 6, 1]
+    r.tokens += [3, 4]
+    assert shadow() == [[]]                                # two of five decoded, both match: not settled
+    r.tokens += [9]
+    assert shadow() == [[3]]                               # a mismatch at the third: 2 + 1 tokens
+    assert m.guess[0] == (r, 3, [])                        # "... 4 9": no earlier 9, no 4 9: no chain
+    r.tokens += [5]
+    assert shadow() == [[1]]                               # (settled a round later: 1 token)
+    r.tokens[:] = [3, 4, 5, 6, 1]
+    m.guess[0] = (r, 0, [3, 4, 5, 6, 1])
+    assert shadow() == [[6]]                               # all five decoded: 5 + 1
+    assert GR.PromptLookup.shadows and not GR.Method.shadows
+
 def test_a_cost_not_measured_is_read_off_the_line_through_its_neighbours():
     p = Pacer()
     assert p.cost(0) is None
