@@ -618,6 +618,14 @@ class Engine:
         caught = any(late) and method.can_catch_up(self)
         if caught:
             method.catch_up(self, late)
+        # a request drafting again after plain steps (a probe): its head reads the rows it missed first, outside
+        # the round's time, so the round is a sample of a tree's cost (else probes never refresh cost(k), and a
+        # window left dear by a noisy spell kept eagle3 plain in 97% of its rounds)
+        behind = [bool(g) and s.idle and s.pend > 1 for g, s in zip(grow or [], self.slots)]
+        clean = not plain and method.pending and any(behind) and method.can_catch_up(self)
+        if clean:
+            method.catch_up(self, behind)
+            t0 = time.perf_counter()
         if plain:
             rnd = method.plain_round(self)
         else:
@@ -645,7 +653,7 @@ class Engine:
             r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
         if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
-            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught)
+            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught, clean)
         return rnd, out
 
     def pending_rows(self, method: Method) -> int:
@@ -773,14 +781,17 @@ class Pacer:
                    if s.mat is not None and tp and tt else ""))
         return f"{'drafted' if drafted else 'plain step'}; {mat}; {costs}; {nxt}"
 
-    def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False):
+    def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False,
+             clean: bool = False):
         """After a round: its cost, and per request what its drafting committed; a request whose trees
         do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
-        sample of a tree's cost (its head first reads the features of the plain steps it missed), nor a
-        round in which a drafter caught up (caught: Method.catch_up) one of a plain step's."""
+        sample of a tree's cost (its head first reads the features of the plain steps it missed) unless
+        the head read them before the round was timed (clean: Engine.step), nor a round in which a drafter
+        caught up (caught: Method.catch_up) one of a plain step's."""
         k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
         shadows, pending = getattr(method, "shadows", False), getattr(method, "pending", True)   # (None: a test's)
-        if not caught and (plain or not pending or not any(g and s.idle for s, g in zip(eng.slots, grow))):
+        resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
+        if not caught and (plain or clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g

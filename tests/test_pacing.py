@@ -318,9 +318,9 @@ def test_plain_rounds_and_partial_rounds_are_lossless(engines, baselines, name, 
 
 @pytest.mark.parametrize("run", [PLAIN_RUN - 1, PLAIN_RUN, 2 * PLAIN_RUN + 5])
 def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engines, baselines, run):
-    """After a run of plain steps the head reads the rows it missed: the drafting round's extend reads every
-    pending row at once, and a run of PLAIN_RUN or more has the head read all but the last outside a
-    drafting round first (Method.catch_up, once every PLAIN_RUN plain steps). Either way the head's rows
+    """After a run of plain steps the head reads the rows it missed: all but the last just before the drafting
+    round (Method.catch_up, outside the round's time, so that the round samples a tree's cost), and during
+    a run of PLAIN_RUN or more every PLAIN_RUN plain steps. Either way the head's rows
     then hold what a prefill of those tokens leaves, bit for bit (the target's features and the head's
     layer are row-invariant), so it drafts the very tree a request whose prompt already held them drafts."""
     eng = engines[1]
@@ -338,7 +338,9 @@ def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engine
               on_round=lambda rnd, c: got.append(rnd.tree.tokens[0].tolist()) if not rnd.plain else None)
         first[tag] = got[0]
     assert first["plain run"] == first["prefilled"] and len(first["prefilled"]) > 1
-    assert caught == [PLAIN_RUN] * (run // PLAIN_RUN)      # each time its rows were full
+    full, resume = caught[:run // PLAIN_RUN], caught[run // PLAIN_RUN:]
+    assert full == [PLAIN_RUN] * (run // PLAIN_RUN)         # each time its rows were full
+    assert len(resume) == 1 and 1 < resume[0] <= PLAIN_RUN  # and as it drafts again (outside the timed round)
 
 
 class FixedCosts(Pacer):
