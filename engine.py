@@ -690,9 +690,10 @@ class Pacer:
     left off (its mat; its plain run, <= 8). At B > 1 a tree pass costs every request, so the batch is
     paced as one (plan): its drafters are the requests of highest mat, as many as pay, and its probes
     one request's tree beside the others' roots (Engine.grow; a CPU skips a padding row's arithmetic). When
-    no request drafts, the round is a plain step (Method.plain_round). Costs are measured, never assumed:
-    until a plain step's is known, the first rounds draft, then PLAIN_SAMPLES plain steps measure it, once
-    per method."""
+    no request drafts, the round is a plain step (Method.plain_round). A method that scores its proposals
+    in plain rounds (Method.shadow: pld's chains) takes no plain runs and no probes: every round decides
+    from its fresh mat. Costs are measured, never assumed: until a plain step's is known, the first rounds
+    draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 0.5, 2, 128
     QUANTILE = 0.5
 

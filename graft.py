@@ -19,6 +19,7 @@ variant, whose shapes do not depend on any request's confidence).
 """
 import heapq
 import math
+from array import array
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -608,12 +609,16 @@ class Plain(Method):
 
 def lookup(ctx: list, ngram: int, n_tokens: int) -> list:
     """Prompt lookup: up to n_tokens tokens that followed the newest earlier occurrence of the last
-    ngram, ngram-1, ..., 1 tokens of ctx (a host list of token ids); [] when none recurs."""
+    ngram, ngram-1, ..., 1 tokens of ctx (a host list of token ids); [] when none recurs. The search is
+    bytes.rfind over the ids as int32 (a match must start on a 4-byte boundary): it runs every plain round
+    too (PromptLookup.shadow), and a Python loop took 1.3 ms at 4,096 tokens."""
+    data = array("i", ctx).tobytes()
     for n in range(min(ngram, len(ctx) - 1), 0, -1):
-        tail = ctx[-n:]
-        for s in range(len(ctx) - n - 1, -1, -1):
-            if ctx[s:s + n] == tail:
-                return ctx[s + n:s + n + n_tokens]
+        tail, end = data[-4 * n:], 4 * (len(ctx) - 1)           # (the occurrence ends before the last token)
+        while (i := data.rfind(tail, 0, end)) >= 0:
+            if i % 4 == 0:
+                return ctx[i // 4 + n:i // 4 + n + n_tokens]
+            end = i + 4 * n - 1                                  # (misaligned: look further back)
     return []
 
 

@@ -67,8 +67,8 @@ SECTIONS = [
                    "rounds); `ar`: its tokens/s"),
     Section("Two threads", ["results/cpu_smollm2_t2.json"],
             "The demo pair on both cores (`--threads 2`): the second core adds arithmetic, not bandwidth, "
-            "yet here both steps ran no faster than on one (the kernels split a linear's outputs over threads, "
-            "and the two cores share the memory's bandwidth). Measured with an earlier pacer and calibration.",
+            "yet here plain steps and trees ran about as fast as on one (the kernels split a linear's outputs "
+            "over threads, and the two cores share the memory's bandwidth), so the speedups are one thread's.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "

@@ -406,3 +406,27 @@ def test_block_methods_paced(baselines):
                     m.pacer = Forced(PATTERNS[pattern])
                     res = E.run(eng, m, requests(ids, kind), N_NEW)
                     assert [r.tokens for r in res.requests] == base, (name, pattern, kind, B)
+
+
+def test_prompt_lookup_finds_the_newest_aligned_occurrence():
+    """graft.lookup searches the ids' bytes: a match must start on a token, not inside one (ids whose
+    bytes straddle: 0x01000000 then 1 holds 0x01 0x00 0x00 0x00 where 256 would), and it agrees with the
+    plain search (the newest earlier occurrence of the last 3, 2, 1 tokens) on random contexts."""
+    import random
+    from graft import lookup
+
+    def plain(ctx, ngram, n_tokens):
+        for n in range(min(ngram, len(ctx) - 1), 0, -1):
+            for s in range(len(ctx) - n - 1, -1, -1):
+                if ctx[s:s + n] == ctx[-n:]:
+                    return ctx[s + n:s + n + n_tokens]
+        return []
+
+    assert lookup([256, 9, 0x01000000, 1, 5, 256], 1, 2) == [9, 0x01000000]
+    assert lookup([7, 1, 2, 3, 4, 1, 2], 3, 5) == [3, 4, 1, 2] and lookup([1, 2, 3], 3, 5) == []
+    rng = random.Random(0)
+    for _ in range(2000):
+        pool = rng.choice([[0, 1, 2], list(range(40)), [0x01000000, 1, 0x01010101, 0x00010000, 256, 2 ** 31 - 1]])
+        ctx = [rng.choice(pool) for _ in range(rng.randrange(0, 40))]
+        for ngram in (1, 2, 3):
+            assert lookup(ctx, ngram, 5) == plain(ctx, ngram, 5), (ctx, ngram)
