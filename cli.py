@@ -42,8 +42,8 @@ class ArgumentParser(argparse.ArgumentParser):
 # Limits of the draft tree's shape: the beam is top_k wide and each level scores top_k^2 paths (EAGLE
 # uses 10, SGLang up to 16); a deeper draft than this never pays for its forwards.
 MAX_DRAFT_TOP_K, MAX_DEPTH = 64, 32
-# The most nodes a verified tree may hold (--budget, --recycle-size, --pld-tokens): 16x the paper's largest budget (60);
-# a pass over more costs far more than the tokens it could accept.
+# The most nodes a verified tree may hold (--budget, --recycle-size, --pld-tokens): 16x the paper's largest
+# budget (60); a pass over more costs far more than the tokens it could accept.
 MAX_TREE_NODES = 1024
 
 
@@ -248,7 +248,8 @@ def numbers(flag: str, text: str, kind=int) -> list:
 def config_from_args(a) -> Config:
     cps = tuple(numbers("--checkpoints", a.checkpoints))
     cfg = Config(budget=a.budget, top_k=a.draft_top_k, depth=a.depth, checkpoints=cps, recycle_size=a.recycle_size,
-                 pld_tokens=a.pld_tokens, policy=getattr(a, "policy", None), sources=sources(getattr(a, "sources", ",".join(SOURCES))))
+                 pld_tokens=a.pld_tokens, policy=getattr(a, "policy", None),
+                 sources=sources(getattr(a, "sources", ",".join(SOURCES))))
     if a.keep:
         cfg.keep = tuple(numbers("--keep", a.keep))
     if a.thresholds:
@@ -419,7 +420,8 @@ def check_batch_memory(args, max_seq_len: int, head, batch: int, nodes: int, chu
     free = free_memory(device)
     if free is not None and batch * per + work > free:
         raise GraftError(f"--batch {batch} with --max-seq-len {max_seq_len}, trees of {nodes} nodes (--budget, "
-                         f"--recycle-size, --pld-tokens) and --prefill-chunk {chunk} needs {(batch * per + work) / 2**30:.1f} GiB "
+                         f"--recycle-size, --pld-tokens) and --prefill-chunk {chunk} needs "
+                         f"{(batch * per + work) / 2**30:.1f} GiB "
                          f"({batch * per / 2**30:.1f} GiB of caches, {work / 2**30:.1f} GiB for one pass), more than "
                          f"the {free / 2**30:.1f} GiB free on {device}: lower one of them")
 

@@ -796,6 +796,9 @@ class Eagle3Tree(Method):
         self.pend_feats = torch.zeros(eng.B, self.P + PLAIN_RUN, F, dtype=eng.dtype, device=dev)
         self.pend_ids = torch.zeros(eng.B, self.P + PLAIN_RUN, dtype=torch.long, device=dev)
         self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
+        # catch_up's row counts: from pinned memory into a static buffer, one asynchronous copy (no host sync)
+        self.caught_host = torch.zeros(eng.B, dtype=torch.long, pin_memory=torch.device(dev).type == "cuda")
+        self.caught = torch.zeros(eng.B, dtype=torch.long, device=dev)
 
     @classmethod
     def shape(cls, cfg):
@@ -806,7 +809,7 @@ class Eagle3Tree(Method):
 
     def tensors(self):
         return super().tensors() + [self.keep, self.drafted, self.taus, self.log_tau, self.conf, self.pend_feats,
-                                    self.pend_ids, self.pend_n] + (
+                                    self.pend_ids, self.pend_n, self.caught] + (
             self.tpl.tensors() + self.rtpl.tensors() if self.tpl is not None else [])
 
     def slot_thresholds(self) -> torch.Tensor:
@@ -860,7 +863,8 @@ class Eagle3Tree(Method):
         w = max(n)
         if w <= 0:
             return
-        nt = torch.tensor(n, device=self.pend_n.device)
+        # (free to write: the last round's commit waited for any earlier copy out of caught_host)
+        nt = self.caught.copy_(self.caught_host.copy_(torch.tensor(n)), non_blocking=True)
         eng.steps.extend(self.pend_feats[:, :w], self.pend_ids[:, :w], nt, eng.cols(w, head=True), 1)
         for b, c in enumerate(n):
             if c:

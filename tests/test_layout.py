@@ -69,7 +69,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 595
 
 
-def test_the_algorithm_fits_in_3070_lines():
+def test_the_algorithm_fits_in_3072_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -94,14 +94,15 @@ def test_the_algorithm_fits_in_3070_lines():
     prune; the fused route's weights read from the modules' dicts); and a tree's padding rows left out of
     the lm_head (+5), and the pacer's cost by how many slots draft, a batch's best drafters, its probes
     of one tree and a probe's weight (+25); and the fused route's test in its two halves again, the step's
-    once and each layer's (+6); and the pacer's third pass (+65: pld's chains scored in plain rounds against
+    once and each layer's (+6); and the pacer's third pass (+67: pld's chains scored in plain rounds against
     the tokens decoded after them, so it needs no probes (Method.shadow); a probe's head catch-up outside
-    the timed round; prompt lookup as a byte search; the cost's median)."""
+    the timed round, its row counts copied without a host sync; prompt lookup as a byte search; the cost's
+    median)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3070, lines
+    assert lines <= 3072, lines
 
 
 def test_no_batched_twins():
