@@ -947,11 +947,14 @@ def cli(argv=None):
         report = main(argv)
     except GraftError as e:
         print(f"error: {e}", file=sys.stderr)
+        tp.end(2)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-    if any(m["kind"] == "differs" for m in report["meta"]["mismatches"]):
-        sys.exit(1)
+    code = int(any(m["kind"] == "differs" for m in report["meta"]["mismatches"]))
+    tp.end(code)                     # under torchrun: every rank leaves the group, then exits at once
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

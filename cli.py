@@ -613,9 +613,12 @@ def run(main, argv=None):
     Under torchrun only rank 0 prints (tp.quiet)."""
     tp.quiet()
     try:
-        return main(argv)
+        out = main(argv)
     except GraftError as e:
         print(f"error: {e}", file=sys.stderr)
+        tp.end(2)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    tp.end(0)                              # under torchrun: every rank leaves the group, then exits at once
+    return out

@@ -73,6 +73,22 @@ def leave():
         dist.destroy_process_group()
 
 
+def end(code: int = 0):
+    """Under torchrun: leave the group (leave), then end this rank's process at once (os._exit, stdio
+    flushed first), so that the interpreter's teardown never destroys c10d's and gloo's C++ objects
+    itself: in that teardown a rank once aborted ("terminate called without an active exception", CI,
+    rank 1 of the compiled TP test) after all its work was done. A plain process: returns."""
+    if world()[1] == 1:
+        return
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    leave()
+    os._exit(code)
+
+
 def same(obj):
     """Rank 0's `obj` on every rank (pickled): what a rank decides from its own clock must agree."""
     if world()[1] == 1:

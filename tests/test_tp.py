@@ -44,7 +44,8 @@ def torchrun(n: int, *argv, timeout=300) -> subprocess.CompletedProcess:
 def sharded(n: int, spec: dict, tmp_path) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     p = torchrun(n, ROOT / "tests" / "tp_worker.py", tmp_path / "spec.json", tmp_path / "out.json")
-    assert p.returncode == 0, p.stderr[-3000:]
+    written = (tmp_path / "out.json").exists()      # rank 0 writes it once every rank has done its work
+    assert p.returncode == 0, f"(out.json {'written' if written else 'not written'}) " + p.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text())
 
 
