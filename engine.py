@@ -675,25 +675,21 @@ class Pacer:
 
     A tree pays when the tokens a round commits outweigh what the round costs more than a plain step:
     mat * t_plain > t_tree, mat the tokens this request's drafting rounds commit (an exponential average,
-    AVERAGE the newest round's weight: ~20 rounds' memory, as a round commits 1 to budget + 1 tokens and a
-    shorter memory let two short rounds send a request whose trees paid into plain runs; a probe's round,
-    after a plain run has left the average stale, weighs PROBE) and t_tree,
+    AVERAGE the newest round's weight: ~20 rounds, as a shorter memory let two short rounds send a request
+    whose trees paid into plain runs; a probe, after a plain run left it stale, weighs PROBE) and t_tree,
     t_plain this method's rounds on this engine as it runs (cost(k): k slots drafting, the median of the
-    last WINDOW of each count: robust to interference, and not, as a lower quartile was, the cost of a
-    count's smallest trees, which a tree's size varying round to round makes cheaper than its typical
-    one: pld at B = 4 drafted where it lost, 0.80-0.96x ar). Where it does not
-    pay (MARGIN: by a clear margin), the request takes plain steps (no draft, no head: plain decoding's
-    cost), MIN_RUN of them, then drafts once to see whether it pays again (a probe), the plain run doubling
-    each time it does not, up to MAX_RUN where the method's drafter can read its pending rows outside a
-    drafting round (Method.catch_up: the engine has it do so every graft.PLAIN_RUN plain steps), else up to
-    PLAIN_RUN (what those rows hold: a full drafter then drafts); a new request starts where the last one
-    left off (its mat; its plain run, <= 8). At B > 1 a tree pass costs every request, so the batch is
-    paced as one (plan): its drafters are the requests of highest mat, as many as pay, and its probes
-    one request's tree beside the others' roots (Engine.grow; a CPU skips a padding row's arithmetic). When
-    no request drafts, the round is a plain step (Method.plain_round). A method that scores its proposals
-    in plain rounds (Method.shadow: pld's chains) takes no plain runs and no probes: every round decides
-    from its fresh mat. Costs are measured, never assumed: until a plain step's is known, the first rounds
-    draft, then PLAIN_SAMPLES plain steps measure it, once per method."""
+    last WINDOW of each count: robust to interference; a lower quartile priced a count's smallest trees,
+    and pld at B = 4 drafted where it lost). Where it does not pay (by MARGIN), the request takes plain
+    steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
+    plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
+    outside a drafting round (Method.catch_up, every graft.PLAIN_RUN plain steps), else up to PLAIN_RUN; a
+    new request starts where the last one left off (its mat; its plain run, <= 8). At B > 1 a tree pass
+    costs every request, so the batch is paced as one (plan): its drafters are the requests of highest mat,
+    as many as pay, its probes one request's tree beside the others' roots (Engine.grow; a CPU skips a
+    padding row's arithmetic); no drafter, a plain step (Method.plain_round). A method that scores every
+    proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each round reads the mat of its
+    proposal's kind (self.kinds). Costs are measured, never assumed: the first rounds draft, then
+    PLAIN_SAMPLES plain steps measure t_plain, once per method."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 0.5, 2, 128
     QUANTILE = 0.5
 
@@ -704,6 +700,7 @@ class Pacer:
         self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
+        self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -734,11 +731,14 @@ class Pacer:
             (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
         n, b, tp = sum(live), self.batch, self.cost(0)
         shadow = method.shadow(eng) if getattr(method, "shadows", False) else None
-        if shadow is not None:       # the method scores its proposals in plain rounds too: no plain runs, no probes,
-            for s, got in zip(eng.slots, shadow):                # each round decides from a MAT kept fresh
-                for a in got:
-                    s.mat = a if s.mat is None else (1 - self.AVERAGE) * s.mat + self.AVERAGE * a
-                    self.prior = (s.mat, 0)
+        if shadow is not None:       # the method scores every proposal, drafted or not: no plain runs, no probes;
+            settled, kinds = shadow              # each round decides from the MAT of its proposal's kind
+            for kind, a in [x for got in settled for x in got]:
+                m = self.kinds.get(kind)
+                self.kinds[kind] = a if m is None else (1 - self.AVERAGE) * m + self.AVERAGE * a
+            for s, x, kind in zip(eng.slots, live, kinds):
+                s.mat = 1.0 if kind is None else self.kinds.get(kind)     # (no proposal: a round commits 1)
+            live = [x and kind is not None for x, kind in zip(live, kinds)]     # (none: nothing to draft)
             if n == 1 and tp and self.cost(1):
                 return [x and (s.mat is None or s.mat * tp >= self.cost(1) * (1 + self.MARGIN))
                         for x, s in zip(live, eng.slots)]
@@ -801,15 +801,13 @@ class Pacer:
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):
             if o is None:
                 continue
-            if plain or not g:
+            if plain or not g or shadows:          # (a shadowing method scored its drafted proposals too: plan)
                 s.plain = max(s.plain - 1, 0)
                 continue
-            stale = fresh and not shadows          # a plain run left the average stale (unless it scored itself)
-            a, w = len(o[0]) + 1, self.PROBE if stale else self.AVERAGE
+            a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left it stale)
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
-            if (n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN)
-                    and not shadows):
+            if n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
                 self.back_off(s)
             else:
                 s.backoff = 0

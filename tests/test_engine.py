@@ -262,7 +262,7 @@ def test_verified_counts_real_nodes_and_padded_the_pass_size(tiny_ckpt, batch, m
     """A tree of 3 real candidates padded to 16 slots: 3 verified a round, 16 the pass ran at."""
     eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64, batch=batch,
                            methods=[("pld", GR.Config(pld_tokens=16))])
-    monkeypatch.setattr(GR, "lookup", lambda ctx, ngram, n: [5, 6, 7])   # prompt lookup always "finds" 3 tokens
+    monkeypatch.setattr(GR, "lookup", lambda ctx, ngram, n: (3, [5, 6, 7]))   # prompt lookup always "finds" 3 tokens
     res = E.run(eng, eng.make("pld", GR.Config(pld_tokens=16)), [E.Request([1, 9, 13]), E.Request([1, 2])], 6)
     for r in res.requests:
         st = r.stats()

@@ -116,25 +116,26 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
 
 
 class ScoresItself:
-    """A method whose proposals are scored in plain rounds (graft.Method.shadow, as pld's): each plan reads
-    the next of `scores` (the tokens a drafting round would have committed, settled this round)."""
+    """A method whose every proposal is scored (graft.Method.shadow, as pld's): each plan settles the next
+    of `scores` (kind, tokens a drafting round of it commits) and proposes one of kind `kinds` (next)."""
     shadows, pending = True, False
     can_catch_up = lambda self, eng: True                  # noqa: E731
 
-    def __init__(self, scores):
-        self.scores = iter(scores)
+    def __init__(self, scores, kinds=None):
+        self.scores, self.kinds = iter(scores), iter(kinds) if kinds is not None else None
 
     def shadow(self, eng):
-        return [[next(self.scores)]]
+        kind = next(self.kinds) if self.kinds is not None else "n"
+        return [[next(self.scores)]], [kind]
 
 
-def test_a_method_that_scores_its_plain_rounds_never_probes():
-    """A drafting round costs 2.5 plain steps (pays at 2.5 x 1.03 tokens). Plain rounds whose proposals
-    would have committed 1 token: plain every round, no probe ever; then proposals of 5: it drafts within
-    a few rounds, as its MAT passes the line, and at once where a drafting round scores itself."""
+def test_a_method_that_scores_its_proposals_never_probes():
+    """A drafting round costs 2.5 plain steps (pays at 2.5 x 1.03 tokens). Proposals that would have
+    committed 1 token: plain every round, no probe ever; then proposals of 5: it drafts within a few
+    rounds, as its MAT passes the line, and stays drafting."""
     p, eng = Pacer(), fake_engine(1)
     costs(p, 0.010, k1=0.025)
-    m, s = ScoresItself([1] * 300 + [5] * 20), eng.slots[0]
+    m, s = ScoresItself([("n", 1)] * 300 + [("n", 5)] * 20), eng.slots[0]
     for _ in range(300):
         assert p.plan(eng, m) == [False]
         p.seen(eng, m, [False], [([], 0, [], 0)], 0.010, True)
@@ -147,27 +148,47 @@ def test_a_method_that_scores_its_plain_rounds_never_probes():
     assert 0 < first < 10 and all(plans[first:])
 
 
-def test_pld_scores_a_plain_rounds_chain_against_the_tokens_decoded_after_it():
-    """PromptLookup.shadow: the chain proposed at a plain round settles at its first mismatch (its matching
-    prefix + 1) or when all of it was decoded (its length + 1); no match: 1 token, a round later. A
-    drafting round drops the proposal (it scores itself)."""
+def test_a_shadowing_method_drafts_the_kinds_of_proposal_that_pay():
+    """Each round decides from the MAT of its own proposal's kind (pld: the n-gram that matched): kind 3
+    commits 4 tokens a round, kind 1 one, and a round without a proposal never drafts. At B = 1 the plan
+    follows the kinds round by round; at B = 2 the batch drafts the slot whose kind pays."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.010, k1=0.020)
+    kinds = [3, 1] * 20 + [None, 3, 1]
+    m = ScoresItself([(3, 4), (1, 1)] * 22, kinds)
+    plans = [p.plan(eng, m)[0] for _ in range(len(kinds))]
+    assert plans[-3:] == [False, True, False] and plans[2:40] == [True, False] * 19
+    assert p.kinds[3] == pytest.approx(4.0) and p.kinds[1] == pytest.approx(1.0)
+
+    class Two(ScoresItself):
+        def shadow(self, eng):
+            return [[], []], [3, 1]
+    p2, eng2 = Pacer(), fake_engine(2)
+    costs(p2, 0.010, k1=0.013, k2=0.016)
+    p2.kinds = {3: 4.0, 1: 1.0}
+    assert p2.plan(eng2, Two([])) == [True, False]
+
+
+def test_pld_scores_every_proposal_against_the_tokens_decoded_after_it():
+    """PromptLookup.shadow: every round's chain, drafted or not, settles at its first mismatch (its
+    matching prefix + 1) or once all of it is decoded (its length + 1), under the n its lookup matched;
+    no match: no proposal (kind None), nothing to settle."""
     import types
     import graft as GR
-    r = Request([7, 1, 2, 3, 4, 5, 6, 1, 2])                # "1 2" recurs: the chain is 3 4 5 6 1
+    r = Request([7, 1, 2, 3, 4, 5, 6, 1, 2])                # "1 2" recurs: the chain is 3 4 5 6 1, n = 2
     eng = types.SimpleNamespace(requests=lambda: [r])
-    m = types.SimpleNamespace(cfg=Config(pld_tokens=5), guess=[None])
+    m = types.SimpleNamespace(cfg=Config(pld_tokens=5), guess=[[]], now=[None])
+    m.propose = lambda r, b: GR.PromptLookup.propose(m, r, b)                        # noqa: E731
     shadow = lambda: GR.PromptLookup.shadow(m, eng)       # noqa: E731
-    assert shadow() == [[]] and m.guess[0][2] == [3, 4, 5, 6, 1]
-    r.tokens += [3, 4]
-    assert shadow() == [[]]                                # two of five decoded, both match: not settled
-    r.tokens += [9]
-    assert shadow() == [[3]]                               # a mismatch at the third: 2 + 1 tokens
-    assert m.guess[0] == (r, 3, [])                        # "... 4 9": no earlier 9, no 4 9: no chain
-    r.tokens += [5]
-    assert shadow() == [[1]]                               # (settled a round later: 1 token)
+    assert shadow() == ([[]], [2]) and m.guess[0] == [(r, 0, [3, 4, 5, 6, 1], 2)]
+    r.tokens += [3]                                        # "1 2 3" recurs: 4 5 6 1 2, n = 3
+    assert shadow() == ([[]], [3]) and [g[2] for g in m.guess[0]] == [[3, 4, 5, 6, 1], [4, 5, 6, 1, 2]]
+    r.tokens += [4, 9]
+    assert shadow() == ([[(2, 3), (3, 2)]], [None])       # mismatches: at the third (2 + 1), the second (1 + 1)
+    assert m.guess[0] == []                                # "... 4 9": no earlier 9, no 4 9: no chain
     r.tokens[:] = [3, 4, 5, 6, 1]
-    m.guess[0] = (r, 0, [3, 4, 5, 6, 1])
-    assert shadow() == [[6]]                               # all five decoded: 5 + 1
+    m.guess[0], m.now[0] = [(r, 0, [3, 4, 5, 6, 1], 3)], None
+    assert shadow()[0] == [[(3, 6)]]                       # all five decoded: 5 + 1
     assert GR.PromptLookup.shadows and not GR.Method.shadows
 
 def test_a_cost_not_measured_is_read_off_the_line_through_its_neighbours():
@@ -419,11 +440,11 @@ def test_prompt_lookup_finds_the_newest_aligned_occurrence():
         for n in range(min(ngram, len(ctx) - 1), 0, -1):
             for s in range(len(ctx) - n - 1, -1, -1):
                 if ctx[s:s + n] == ctx[-n:]:
-                    return ctx[s + n:s + n + n_tokens]
-        return []
+                    return n, ctx[s + n:s + n + n_tokens]
+        return 0, []
 
-    assert lookup([256, 9, 0x01000000, 1, 5, 256], 1, 2) == [9, 0x01000000]
-    assert lookup([7, 1, 2, 3, 4, 1, 2], 3, 5) == [3, 4, 1, 2] and lookup([1, 2, 3], 3, 5) == []
+    assert lookup([256, 9, 0x01000000, 1, 5, 256], 1, 2) == (1, [9, 0x01000000])
+    assert lookup([7, 1, 2, 3, 4, 1, 2], 3, 5) == (2, [3, 4, 1, 2]) and lookup([1, 2, 3], 3, 5) == (0, [])
     rng = random.Random(0)
     for _ in range(2000):
         pool = rng.choice([[0, 1, 2], list(range(40)), [0x01000000, 1, 0x01010101, 0x00010000, 256, 2 ** 31 - 1]])
