@@ -714,13 +714,11 @@ class Pacer:
         return known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo)
 
     def plan(self, eng, method) -> list:
-        """Per slot, whether it drafts this round (an empty slot: False). At B > 1 a tree pass costs every
-        request, so the batch is paced too (self.batch: its plain run): the drafters are the requests of
-        highest MAT, as many as make the batch's tokens a second highest (a non-drafter's tokens: 1; the
-        cost of k drafters: cost(k)), none where no count pays; after the batch's plain run, one request's
-        tree beside the others' roots probes (the requests in turn). A head whose pending rows are full
-        (PLAIN_RUN plain steps) drafts in any case, unless the method can catch up without a tree
-        (Method.catch_up, which the engine then runs)."""
+        """Per slot, whether it drafts this round (an empty slot: False). At B > 1 (self.batch: its plain run)
+        the drafters are the requests of highest MAT, as many as make the batch's tokens a second highest
+        (a non-drafter's: 1; k drafters cost cost(k)), none where no count pays; after a plain run, one
+        request's tree (in turn) probes. A head whose pending rows are full (PLAIN_RUN) drafts in any case,
+        unless the method can catch up without a tree (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
@@ -773,6 +771,11 @@ class Pacer:
         costs = (f"plain step {tp * 1000:.1f} ms, drafting round {tt * 1000:.1f} ms" if tp and tt else
                  "costs not measured yet (plain step: " + (f"{tp * 1000:.1f} ms" if tp else "?") + ", drafting round: " +
                  (f"{tt * 1000:.1f} ms" if tt else "?") + ")")
+        if self.kinds:               # a shadowing method: each round reads the MAT of its proposal's kind
+            pay = [k for k, m in sorted(self.kinds.items()) if not (tp and tt) or m * tp >= tt * (1 + self.MARGIN)]
+            return (f"{'drafted' if drafted else 'plain step'}; MAT by kind of proposal " + ", ".join(
+                f"{k}: {m:.2f}" for k, m in sorted(self.kinds.items())) + f"; {costs}; a round drafts where its "
+                f"proposal's kind pays ({', '.join(map(str, pay)) or 'none yet'}), else it takes a plain step")
         mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
         pays = s.mat is None or not (tp and tt) or s.mat * tp >= tt * (1 + self.MARGIN)
         nxt = (f"plain for {s.plain} more round(s), then a probe" if s.plain else
@@ -784,11 +787,9 @@ class Pacer:
 
     def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False,
              clean: bool = False):
-        """After a round: its cost, and per request what its drafting committed; a request whose trees
-        do not pay goes plain for a while. A drafting round in which a request resumes drafting is no
-        sample of a tree's cost (its head first reads the features of the plain steps it missed) unless
-        the head read them before the round was timed (clean: Engine.step), nor a round in which a drafter
-        caught up (caught: Method.catch_up) one of a plain step's."""
+        """After a round: its cost, and per request what its drafting committed (a request whose trees do
+        not pay goes plain for a while). No cost sample: a round whose resuming head read the plain steps'
+        features it missed (unless before the timer: clean, Engine.step), or whose drafter caught up (caught)."""
         k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
         shadows, pending = getattr(method, "shadows", False), getattr(method, "pending", True)   # (None: a test's)
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))

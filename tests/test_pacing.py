@@ -159,6 +159,9 @@ def test_a_shadowing_method_drafts_the_kinds_of_proposal_that_pay():
     plans = [p.plan(eng, m)[0] for _ in range(len(kinds))]
     assert plans[-3:] == [False, True, False] and plans[2:40] == [True, False] * 19
     assert p.kinds[3] == pytest.approx(4.0) and p.kinds[1] == pytest.approx(1.0)
+    assert p.explain(eng.slots[0], False).endswith("MAT by kind of proposal 1: 1.00, 3: 4.00; plain step 10.0 ms, "
+                                                   "drafting round 20.0 ms; a round drafts where its proposal's "
+                                                   "kind pays (3), else it takes a plain step")
 
     class Two(ScoresItself):
         def shadow(self, eng):
