@@ -626,7 +626,7 @@ class PromptLookup(Method):
     committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over each request's
     context; the chains reach the device as one asynchronous copy from pinned memory into a static
     buffer (row 0 tokens, row 1 whether the node is real). How far a chain gets depends on the n that
-    matched (24 chat answers: 1.33 tokens a round at n = 1, 4.2 at n = 3): the pacer prices each n (shadow)."""
+    matched (24 chat answers: 1.33 tokens a round at n = 1, 4.3 at n = 3): the pacer prices each n (shadow)."""
     source = "copied"
     shadows = True
 

@@ -19,6 +19,7 @@ import torch
 
 import engine as E
 from cli import build_engine
+from conftest import ROOT
 from data import STDLIB_CKPT, STDLIB_DFLASH, STDLIB_DRAFT, STDLIB_PROMPT
 from engine import Pacer, Request, Slot, generate
 from graft import PLAIN_RUN, Config
@@ -454,3 +455,29 @@ def test_prompt_lookup_finds_the_newest_aligned_occurrence():
         ctx = [rng.choice(pool) for _ in range(rng.randrange(0, 40))]
         for ngram in (1, 2, 3):
             assert lookup(ctx, ngram, 5) == plain(ctx, ngram, 5), (ctx, ngram)
+
+
+def test_the_pld_kinds_script_scores_as_the_pacer_does():
+    """scripts/pld_kinds.py (the numbers behind pld's pacing by kind) scores every position's chain as
+    PromptLookup.shadow does round by round, plain step after plain step: the same (n, tokens) settle."""
+    import importlib.util
+    import random
+    import types
+    import graft as GR
+    spec = importlib.util.spec_from_file_location("pld_kinds", ROOT / "scripts" / "pld_kinds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = random.Random(3)
+    for _ in range(50):
+        ids = [rng.randrange(6) for _ in range(rng.randrange(2, 12))]
+        answer = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        r = Request(ids)
+        eng = types.SimpleNamespace(requests=lambda: [r])
+        m = types.SimpleNamespace(cfg=Config(pld_tokens=4), guess=[[]], now=[None])
+        m.propose = lambda q, b: GR.PromptLookup.propose(m, q, b)                    # noqa: E731
+        got = []
+        for t in answer:                   # each plain step commits one token, then the next round's plan
+            r.tokens.append(t)
+            got += GR.PromptLookup.shadow(m, eng)[0][0]
+        want = script.scores(ids, answer, 3, 4)
+        assert sorted(got) == sorted((n, a) for n, xs in want.items() if n for a in xs), (ids, answer)
