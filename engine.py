@@ -713,6 +713,11 @@ class Pacer:
         lo, hi = (0, lo) if hi is None else (lo, hi)
         return known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo)
 
+    def pays(self, mat: float | None, k: int = 1) -> bool:
+        """mat * cost(0) >= cost(k) * (1 + MARGIN): k drafters committing mat tokens beat a plain step (unknowns: yes)."""
+        tp, tt = self.cost(0), self.cost(k)
+        return mat is None or not (tp and tt) or mat * tp >= tt * (1 + self.MARGIN)
+
     def plan(self, eng, method) -> list:
         """Per slot, whether it drafts this round (an empty slot: False). At B > 1 (self.batch: its plain run)
         the drafters are the requests of highest MAT, as many as make the batch's tokens a second highest
@@ -734,12 +739,11 @@ class Pacer:
             for kind, a in [x for got in settled for x in got]:
                 m = self.kinds.get(kind)
                 self.kinds[kind] = a if m is None else (1 - self.AVERAGE) * m + self.AVERAGE * a
-            for s, x, kind in zip(eng.slots, live, kinds):
+            for s, kind in zip(eng.slots, kinds):
                 s.mat = 1.0 if kind is None else self.kinds.get(kind)     # (no proposal: a round commits 1)
             live = [x and kind is not None for x, kind in zip(live, kinds)]     # (none: nothing to draft)
             if n == 1 and tp and self.cost(1):
-                return [x and (s.mat is None or s.mat * tp >= self.cost(1) * (1 + self.MARGIN))
-                        for x, s in zip(live, eng.slots)]
+                return [x and self.pays(s.mat) for x, s in zip(live, eng.slots)]
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= PLAIN_RUN and not catch for x, s in zip(live, eng.slots)]
         if n > 1 and tp and any(want) and self.cost(sum(want)):
@@ -772,12 +776,12 @@ class Pacer:
                  "costs not measured yet (plain step: " + (f"{tp * 1000:.1f} ms" if tp else "?") + ", drafting round: " +
                  (f"{tt * 1000:.1f} ms" if tt else "?") + ")")
         if self.kinds:               # a shadowing method: each round reads the MAT of its proposal's kind
-            pay = [k for k, m in sorted(self.kinds.items()) if not (tp and tt) or m * tp >= tt * (1 + self.MARGIN)]
+            pay = [k for k, m in sorted(self.kinds.items()) if self.pays(m)]
             return (f"{'drafted' if drafted else 'plain step'}; MAT by kind of proposal " + ", ".join(
                 f"{k}: {m:.2f}" for k, m in sorted(self.kinds.items())) + f"; {costs}; a round drafts where its "
                 f"proposal's kind pays ({', '.join(map(str, pay)) or 'none yet'}), else it takes a plain step")
         mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
-        pays = s.mat is None or not (tp and tt) or s.mat * tp >= tt * (1 + self.MARGIN)
+        pays = self.pays(s.mat)
         nxt = (f"plain for {s.plain} more round(s), then a probe" if s.plain else
                ("drafts next" if pays else "plain next") + (
                    f" (it {'pays' if pays else 'does not pay'}: {s.mat:.2f} x {tp * 1000:.1f} ms "
@@ -797,7 +801,6 @@ class Pacer:
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
-        t_plain, t_tree = self.cost(0), self.cost(k)
         n = sum(o is not None for o in out)
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):
             if o is None:
@@ -808,7 +811,7 @@ class Pacer:
             a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left it stale)
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
-            if n == 1 and t_plain is not None and t_tree is not None and s.mat * t_plain < t_tree * (1 + self.MARGIN):
+            if n == 1 and not self.pays(s.mat, k):
                 self.back_off(s)
             else:
                 s.backoff = 0

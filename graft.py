@@ -621,12 +621,18 @@ def lookup(ctx: list, ngram: int, n_tokens: int) -> tuple:
     return 0, []
 
 
+def settle(seen: list, chain: list) -> int | None:
+    """What a drafting round of chain commits (its prefix matching seen, the tokens after its root, + 1), once
+    seen mismatches or covers it; else None."""
+    a = next((i for i, (x, y) in enumerate(zip(seen, chain)) if x != y), len(seen))
+    return a + 1 if a < len(seen) or a == len(chain) else None
+
+
 class PromptLookup(Method):
-    """Prompt lookup decoding: the tokens that followed the newest earlier occurrence of the last n
-    committed tokens (n = 3, 2, 1), as a chain. The search runs on the host, over each request's
-    context; the chains reach the device as one asynchronous copy from pinned memory into a static
-    buffer (row 0 tokens, row 1 whether the node is real). How far a chain gets depends on the n that
-    matched (24 chat answers: 1.33 tokens a round at n = 1, 4.3 at n = 3): the pacer prices each n (shadow)."""
+    """Prompt lookup decoding: the tokens after the newest earlier occurrence of the last n committed tokens
+    (n = 3, 2, 1), a chain, searched on the host; one asynchronous copy from pinned memory into a static buffer
+    (row 0 tokens, row 1 whether the node is real). The pacer prices each n (shadow): chat chains commit
+    1.33 tokens a round at n = 1, 4.3 at n = 3 (scripts/pld_kinds.py)."""
     source = "copied"
     shadows = True
 
@@ -657,17 +663,11 @@ class PromptLookup(Method):
         or is all decoded. Returns (per slot the settled (n, tokens), per slot this round's n: None, no chain)."""
         settled, keys = [], []
         for b, r in enumerate(eng.requests()):
-            done, left = [], []
-            for q, at, chain, n in [g for g in self.guess[b] if g[0] is r]:    # (a request that left: dropped)
-                seen = r.tokens[at:at + len(chain)]
-                a = next((i for i, (x, y) in enumerate(zip(seen, chain)) if x != y), len(seen))
-                if a < len(seen) or a == len(chain):
-                    done.append((n, a + 1))
-                else:
-                    left.append((q, at, chain, n))
+            mine = [g for g in self.guess[b] if g[0] is r]                     # (a request that left: dropped)
+            got = [settle(r.tokens[at:at + len(c)], c) for _, at, c, _ in mine]
+            settled.append([(g[3], a) for g, a in zip(mine, got) if a])
             n, chain = self.propose(r, b) if r is not None else (0, [])
-            self.guess[b] = left + ([(r, len(r.tokens), chain, n)] if chain else [])
-            settled.append(done)
+            self.guess[b] = [g for g, a in zip(mine, got) if not a] + ([(r, len(r.tokens), chain, n)] if chain else [])
             keys.append(n if chain else None)
         return settled, keys
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import api  # noqa: E402
 from cli import run  # noqa: E402
 import data  # noqa: E402
-from graft import lookup  # noqa: E402
+from graft import lookup, settle  # noqa: E402
 from model import GraftError  # noqa: E402
 
 
@@ -29,12 +29,9 @@ def scores(ids: list, answer: list, ngram: int, n_tokens: int) -> dict:
     out = defaultdict(list)
     for t in range(len(answer)):                   # the root: answer[t]; the chain guesses answer[t + 1:]
         n, chain = lookup(ids + answer[:t + 1], ngram, n_tokens)
-        seen = answer[t + 1:t + 1 + len(chain)]
-        a = next((i for i, (x, y) in enumerate(zip(seen, chain)) if x != y), len(seen))
-        if not chain:
-            out[0].append(1)
-        elif a < len(seen) or a == len(chain):
-            out[n].append(a + 1)
+        got = settle(answer[t + 1:t + 1 + len(chain)], chain) if chain else 1
+        if got:
+            out[n].append(got)
     return out
 
 
