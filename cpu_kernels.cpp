@@ -1019,7 +1019,7 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
                       const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const int64_t* rows, const int64_t* slots,
                       const at::Tensor& mask, const bool* keep, int64_t H, float eps, const T* emb, const T* hn, bool nbr,
-                      const float* const* sc) {
+                      const float* const* sc, const bool* want) {
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2), M = B * Tq;
   const int64_t Hkv = kc.size(1), D = kc.size(3), S = mask.size(3), I = wg.size(0);
   const int64_t NQ = H * D, NK = Hkv * D, Din = wq.size(1);         // Din: 2 Dm for an EAGLE-3 head's layer
@@ -1027,20 +1027,31 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   // Only the real rows (keep true; every row without keep) are computed: a padding row (a slot that
   // drafts nothing, a pruned tree's empty places, a prefill chunk's tail) costs no weight reads or
   // multiply-adds; it writes zeros to the cache and its output is zeros.
-  std::vector<int64_t> real;
-  for (int64_t m = 0; m < M; m++) if (!keep || keep[m]) real.push_back(m);
-  const int64_t Mr = (int64_t)real.size();
-  const bool all = Mr == M;
-  auto gather = [&](const T* src, int64_t w, std::unique_ptr<T[]>& buf) -> const T* {     // real rows, compacted
-    if (all) return src;
-    buf = scratch<T>(std::max<int64_t>(Mr, 1) * w);
-    for (int64_t i = 0; i < Mr; i++) std::memcpy(buf.get() + i * w, src + real[i] * w, w * sizeof(T));
+  // A real row whose output nobody reads (want false: a head's prefill and catch-up rows, an extend's rows
+  // before the last) only writes its key and value: no q, attention, o_proj nor MLP (its output is zeros).
+  std::vector<int64_t> real, used, at;               // at: each used row's place among the real ones
+  for (int64_t m = 0; m < M; m++) if (!keep || keep[m]) {
+    if (!want || want[m]) { used.push_back(m); at.push_back((int64_t)real.size()); }
+    real.push_back(m);
+  }
+  const int64_t Mr = (int64_t)real.size(), Mu = (int64_t)used.size();
+  const bool every = Mu == Mr;
+  auto gather = [&](const T* src, int64_t w, const std::vector<int64_t>& rs, std::unique_ptr<T[]>& buf) -> const T* {
+    if ((int64_t)rs.size() == M) return src;           // rows rs of src, compacted
+    buf = scratch<T>(std::max<int64_t>((int64_t)rs.size(), 1) * w);
+    for (size_t i = 0; i < rs.size(); i++) std::memcpy(buf.get() + i * w, src + rs[i] * w, w * sizeof(T));
     return buf.get();
   };
-  std::unique_ptr<T[]> xg, eg, rg, ag;
-  const T* xp = gather(x.data_ptr<T>(), Dm, xg);
-  auto h = scratch<T>(std::max<int64_t>(Mr, 1) * Din), qr = scratch<T>(Mr * NQ + 1), kr = scratch<T>(Mr * NK + 1),
-       vr = scratch<T>(Mr * NK + 1), x1 = scratch<T>(Mr * Dm + 1), g = scratch<T>(Mr * I + 1), u = scratch<T>(Mr * I + 1);
+  auto pick = [&](const T* src, int64_t w, std::unique_ptr<T[]>& buf) -> const T* {   // a real-row array's used rows
+    if (every) return src;
+    buf = scratch<T>(std::max<int64_t>(Mu, 1) * w);
+    for (int64_t i = 0; i < Mu; i++) std::memcpy(buf.get() + i * w, src + at[i] * w, w * sizeof(T));
+    return buf.get();
+  };
+  std::unique_ptr<T[]> xg, eg, rg, ag, hq, rs_;
+  const T* xp = gather(x.data_ptr<T>(), Dm, real, xg);
+  auto h = scratch<T>(std::max<int64_t>(Mr, 1) * Din), qr = scratch<T>(Mu * NQ + 1), kr = scratch<T>(Mr * NK + 1),
+       vr = scratch<T>(Mr * NK + 1), x1 = scratch<T>(Mu * Dm + 1), g = scratch<T>(Mu * I + 1), u = scratch<T>(Mu * I + 1);
   // 1. attention's input: norm, q/k/v, the q/k norms (Qwen3), RoPE at each row's position. An EAGLE-3
   //    head's layer (draft.DraftLayer) reads [input_layernorm(emb), hidden_norm(x)] per row, and adds its
   //    attention to x or, with nbr (norm_before_residual), to hidden_norm(x)
@@ -1049,7 +1060,7 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   if (emb) {
     xn = scratch<T>(Mr * Dm + 1);
     auto e = scratch<T>(Mr * Dm + 1);
-    rms_norm(gather(emb, Dm, eg), n1.data_ptr<T>(), e.get(), Mr, Dm, eps);
+    rms_norm(gather(emb, Dm, real, eg), n1.data_ptr<T>(), e.get(), Mr, Dm, eps);
     rms_norm(xp, hn, xn.get(), Mr, Dm, eps);
     for (int64_t m = 0; m < Mr; m++) {
       std::memcpy(h.get() + m * Din, e.get() + m * Dm, Dm * sizeof(T));
@@ -1059,18 +1070,18 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
   } else {
     rms_norm(xp, n1.data_ptr<T>(), h.get(), Mr, Dm, eps);
   }
-  lin(h.get(), Mr, wq, bq, qr.get(), wide, sc[0]);
+  if (Mu) lin(pick(h.get(), Din, hq), Mu, wq, bq, qr.get(), wide, sc[0]);
   lin(h.get(), Mr, wk, bk, kr.get(), wide, sc[1]);
   lin(h.get(), Mr, wv, bv, vr.get(), wide, sc[2]);
   // every row's q, k, v (B, Tq, ...), a padding row's zeros: attention and the cache read them by position
-  auto spread = [&](std::unique_ptr<T[]>& src, int64_t w) {
-    if (all) return std::move(src);
+  auto spread = [&](std::unique_ptr<T[]>& src, int64_t w, const std::vector<int64_t>& rs) {
+    if ((int64_t)rs.size() == M) return std::move(src);
     auto full = scratch<T>(M * w);
     std::memset((void*)full.get(), 0, M * w * sizeof(T));
-    for (int64_t i = 0; i < Mr; i++) std::memcpy(full.get() + real[i] * w, src.get() + i * w, w * sizeof(T));
+    for (size_t i = 0; i < rs.size(); i++) std::memcpy(full.get() + rs[i] * w, src.get() + i * w, w * sizeof(T));
     return full;
   };
-  auto q = spread(qr, NQ), k = spread(kr, NK), v = spread(vr, NK);
+  auto q = spread(qr, NQ, used), k = spread(kr, NK, real), v = spread(vr, NK, real);
   if (qn.has_value() && qn->defined()) {
     rms_norm(q.get(), qn->data_ptr<T>(), q.get(), M * H, D, eps);
     rms_norm(k.get(), kn->data_ptr<T>(), k.get(), M * Hkv, D, eps);
@@ -1094,26 +1105,37 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
       else { std::memset((void*)kd, 0, D * sizeof(T)); std::memset((void*)vd, 0, D * sizeof(T)); }
     }
   }
-  // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual (real rows)
+  // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual (used rows; a row
+  //    not used attends to nothing: its mask row is cleared)
+  auto out = (int64_t)used.size() == M ? at::empty_like(x, at::MemoryFormat::Contiguous)
+                                       : at::zeros_like(x, at::MemoryFormat::Contiguous);
+  if (!Mu) return out;
+  at::Tensor mk = mask;
+  if (Mu < M) {
+    mk = mask.clone(at::MemoryFormat::Contiguous);
+    auto mu = at::zeros({B, 1, Tq, 1}, mask.options());
+    bool* up = mu.data_ptr<bool>();
+    for (int64_t m : used) up[m] = true;
+    mk.mul_(mu);
+  }
   auto att = scratch<T>(M * NQ);
-  const auto ms = mask.strides();
+  const auto ms = mk.strides();
   attend<T>({q.get(), Tq * NQ, D, NQ}, {kp, ks[0], ks[1], ks[2]}, {vp, vs[0], vs[1], vs[2]}, slots,
-            {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
+            {mk.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
             1.f / std::sqrt(float(D)));
-  lin(gather(att.get(), NQ, ag), Mr, wo, nullptr, h.get(), wide, sc[3]);    // h: o_proj's output
-  add(res, h.get(), x1.get(), Mr * Dm);
+  lin(gather(att.get(), NQ, used, ag), Mu, wo, nullptr, h.get(), wide, sc[3]);    // h: o_proj's output
+  add(pick(res, Dm, rs_), h.get(), x1.get(), Mu * Dm);
   // 4. the MLP: norm, SwiGLU, down, the residual
-  rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), Mr, Dm, eps);
-  lin(h.get(), Mr, wg, nullptr, g.get(), wide, sc[4]);
-  lin(h.get(), Mr, wu, nullptr, u.get(), wide, sc[5]);
-  swiglu(g.get(), u.get(), Mr * I);
-  lin(g.get(), Mr, wd, nullptr, h.get(), wide, sc[6]);
-  auto out = all ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::zeros_like(x, at::MemoryFormat::Contiguous);
+  rms_norm(x1.get(), n2.data_ptr<T>(), h.get(), Mu, Dm, eps);
+  lin(h.get(), Mu, wg, nullptr, g.get(), wide, sc[4]);
+  lin(h.get(), Mu, wu, nullptr, u.get(), wide, sc[5]);
+  swiglu(g.get(), u.get(), Mu * I);
+  lin(g.get(), Mu, wd, nullptr, h.get(), wide, sc[6]);
   T* op = out.data_ptr<T>();
-  if (all) {
+  if (Mu == M) {
     add(x1.get(), h.get(), op, M * Dm);
   } else {
-    for (int64_t i = 0; i < Mr; i++) add(x1.get() + i * Dm, h.get() + i * Dm, op + real[i] * Dm, Dm);
+    for (int64_t i = 0; i < Mu; i++) add(x1.get() + i * Dm, h.get() + i * Dm, op + used[i] * Dm, Dm);
   }
   return out;
 }
@@ -1125,7 +1147,8 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
                  const at::Tensor& wd, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
                  const at::Tensor& rows, const c10::optional<at::Tensor>& slots, const at::Tensor& mask,
                  const c10::optional<at::Tensor>& keep, int64_t n_heads, double eps, at::TensorList scales,
-                 const c10::optional<at::Tensor>& emb, const c10::optional<at::Tensor>& hn, bool nbr) {
+                 const c10::optional<at::Tensor>& emb, const c10::optional<at::Tensor>& hn, bool nbr,
+                 const c10::optional<at::Tensor>& want) {
   // shapes, dtypes and every index are checked before anything is read or written
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "graft::block: x (B, T, dim), contiguous");
   const int64_t B = x.size(0), Tq = x.size(1), Dm = x.size(2);
@@ -1186,13 +1209,20 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& n1, const at::Tensor& wq
     kp = keep->expand({B, Tq}).to(at::kBool).contiguous();
     keepp = kp.data_ptr<bool>();
   }
+  at::Tensor wt;
+  const bool* wantp = nullptr;
+  if (want.has_value() && want->defined()) {
+    wt = want->expand({B, Tq}).to(at::kBool).contiguous();
+    wantp = wt.data_ptr<bool>();
+  }
   at::Tensor fb[3];
   const float *bq_ = bias_ptr(bq, fb[0]), *bk_ = bias_ptr(bk, fb[1]), *bv_ = bias_ptr(bv, fb[2]);
   TORCH_CHECK((!bq_ || fb[0].numel() == n_heads * D) && (!bk_ || fb[1].numel() == Hkv * D) && (!bv_ || fb[2].numel() == Hkv * D),
               "graft::block: bias shapes");
   switch (x.scalar_type()) {
 #define GRAFT_BLOCK(T) block_impl<T>(x, n1, wq, bq_, wk, bk_, wv, bv_, wo, qn, kn, n2, wg, wu, wd, cs, sn, kc, vc, rp, sp, m, keepp, n_heads, \
-                                     (float)eps, draft ? emb->data_ptr<T>() : nullptr, draft ? hn->data_ptr<T>() : nullptr, nbr, sc)
+                                     (float)eps, draft ? emb->data_ptr<T>() : nullptr, draft ? hn->data_ptr<T>() : nullptr, nbr, sc, \
+                                     wantp)
     case at::kFloat: return GRAFT_BLOCK(float);
     case at::kBFloat16: return GRAFT_BLOCK(at::BFloat16);
     case at::kHalf: return GRAFT_BLOCK(at::Half);
@@ -1227,7 +1257,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layers(
     at::Tensor kci = kc[i], vci = vc[i];
     h = block(h, n1[i], wq[i], bq.get(i), wk[i], bk.get(i), wv[i], bv.get(i), wo[i], qn.get(i), kn.get(i), n2[i], wg[i],
               wu[i], wd[i], cos, sin, kci, vci, rows, slots, mask, keep, n_heads, eps,
-              scales.empty() ? scales : scales.slice(7 * i, 7), std::nullopt, std::nullopt, false);
+              scales.empty() ? scales : scales.slice(7 * i, 7), std::nullopt, std::nullopt, false, std::nullopt);
   }
   return {h, got};
 }
@@ -1314,6 +1344,77 @@ std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_
 // The k largest of each row (..., V) and their indices, best first (ties: the lower index: k = 1 is argmax);
 // values float32. What the continuation matrix learns (graft.update) and greedy decoding chooses.
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { return top_impl(x, k, false); }
+
+// A plain round's learn (graft.plain_learn, one node a request) in one call: ~12 small torch ops cost a
+// plain step ~0.2 ms on a CPU (each one's dispatch runs cold after the weights have streamed through the
+// caches), 1-2% of a step. For every request b: its matrix row at its root (an empty slot's: the spare row
+// V) takes the top-k ids of logits[b] (topk_rows's) and is marked written; its context takes nxt[b] at
+// column clen (an empty slot's: the spare last column) and clen grows by active; its pending rows take
+// feats[b] and nxt[b] at row pend_n, which grows by active. Any group left out (undefined) is skipped.
+void plain_learn(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& valid, const at::Tensor& nxt,
+                 const at::Tensor& active, const c10::optional<at::Tensor>& feats, const c10::optional<at::Tensor>& M,
+                 const c10::optional<at::Tensor>& written, const c10::optional<at::Tensor>& ctx,
+                 const c10::optional<at::Tensor>& clen, const c10::optional<at::Tensor>& pend_feats,
+                 const c10::optional<at::Tensor>& pend_ids, const c10::optional<at::Tensor>& pend_n) {
+  const int64_t B = tokens.size(0);
+  auto on = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  auto longs = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == B && t.is_contiguous(),
+                "graft::plain_learn: ", what, " (B,) int64, contiguous");
+    return t.data_ptr<int64_t>();
+  };
+  const int64_t *tok = longs(tokens, "tokens"), *nx = longs(nxt, "nxt"), *act = longs(active, "active");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.numel() == B && valid.is_contiguous(), "graft::plain_learn: valid (B,) bool");
+  const bool* ok = valid.data_ptr<bool>();
+  if (on(M)) {
+    TORCH_CHECK(on(written) && M->dim() == 3 && M->size(0) == B && M->scalar_type() == at::kInt && M->is_contiguous() &&
+                written->scalar_type() == at::kBool && written->is_contiguous() &&
+                written->sizes() == at::IntArrayRef({B, M->size(1)}) && logits.dim() == 2 && logits.size(0) == B,
+                "graft::plain_learn: M (B, V + 1, k) int32 and written (B, V + 1) bool, logits (B, V)");
+    const int64_t R = M->size(1), k = M->size(2);
+    auto top = std::get<1>(top_impl(logits, k, false));                           // (B, k)
+    const int64_t* ti = top.data_ptr<int64_t>();
+    int32_t* mp = M->data_ptr<int32_t>();
+    bool* wp = written->data_ptr<bool>();
+    for (int64_t b = 0; b < B; b++) {
+      const int64_t row = ok[b] ? tok[b] : R - 1;
+      TORCH_CHECK(row >= 0 && row < R, "graft::plain_learn: a token outside the matrix");
+      for (int64_t j = 0; j < k; j++) mp[(b * R + row) * k + j] = (int32_t)ti[b * k + j];
+      wp[b * R + row] = true;
+    }
+  }
+  if (on(ctx)) {
+    TORCH_CHECK(ctx->dim() == 2 && ctx->size(0) == B && ctx->scalar_type() == at::kLong && ctx->is_contiguous(),
+                "graft::plain_learn: ctx (B, S) int64");
+    int64_t* cl = longs(*clen, "clen");
+    int64_t* cp = ctx->data_ptr<int64_t>();
+    const int64_t S = ctx->size(1);
+    for (int64_t b = 0; b < B; b++) {
+      cp[b * S + (act[b] > 0 ? std::min(cl[b], S - 1) : S - 1)] = nx[b];
+      cl[b] += act[b];
+    }
+  }
+  if (on(pend_feats)) {
+    const at::Tensor& pf = *pend_feats;
+    TORCH_CHECK(on(feats) && pf.dim() == 3 && pf.size(0) == B && pf.is_contiguous() && feats->is_contiguous() &&
+                feats->scalar_type() == pf.scalar_type() && feats->numel() == B * pf.size(2),
+                "graft::plain_learn: pend_feats (B, P, F) and feats (B, F) of one dtype, contiguous");
+    int64_t* pn = longs(*pend_n, "pend_n");
+    const int64_t P = pf.size(1), F = pf.size(2), w = pf.element_size();
+    if (on(pend_ids))
+      TORCH_CHECK(pend_ids->sizes() == at::IntArrayRef({B, P}) && pend_ids->scalar_type() == at::kLong && pend_ids->is_contiguous(),
+                  "graft::plain_learn: pend_ids (B, P) int64, contiguous");
+    int64_t* pi = on(pend_ids) ? pend_ids->data_ptr<int64_t>() : nullptr;
+    char* dst = (char*)pf.data_ptr();
+    const char* src = (const char*)feats->data_ptr();
+    for (int64_t b = 0; b < B; b++) {
+      TORCH_CHECK(pn[b] >= 0 && pn[b] < P, "graft::plain_learn: pending rows full");
+      std::memcpy(dst + ((b * P + pn[b]) * F) * w, src + b * F * w, F * w);
+      if (pi) pi[b * P + pn[b]] = nx[b];
+      pn[b] += act[b];
+    }
+  }
+}
 
 // A head's k best tokens after each hidden state h (..., H), in one call: its final norm (weight nw,
 // eps), its lm_head (W (V, H)) and top_logprobs, what draft.Eagle3.top_logprobs computes in torch ops.
@@ -1499,6 +1600,9 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
   lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  lib.def("plain_learn(Tensor logits, Tensor tokens, Tensor valid, Tensor nxt, Tensor active, Tensor? feats, "
+          "Tensor(a!)? M, Tensor(b!)? written, Tensor(c!)? ctx, Tensor(d!)? clen, Tensor(e!)? pend_feats, "
+          "Tensor(f!)? pend_ids, Tensor(g!)? pend_n) -> ()");
   lib.def("norm_top_logprobs(Tensor h, Tensor nw, float eps, Tensor w, int k) -> (Tensor, Tensor)");
   lib.def("layers(Tensor x, Tensor[] n1, Tensor[] wq, Tensor?[] bq, Tensor[] wk, Tensor?[] bk, Tensor[] wv, Tensor?[] bv, "
           "Tensor[] wo, Tensor?[] qn, Tensor?[] kn, Tensor[] n2, Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor cos, "
@@ -1511,7 +1615,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "
           "Tensor? qn, Tensor? kn, Tensor n2, Tensor wg, Tensor wu, Tensor wd, Tensor cos, Tensor sin, Tensor(a!) kc, "
           "Tensor(b!) vc, Tensor rows, Tensor? slots, Tensor mask, Tensor? keep, int n_heads, float eps, Tensor[] scales, "
-          "Tensor? emb=None, Tensor? hn=None, bool nbr=False) -> Tensor");
+          "Tensor? emb=None, Tensor? hn=None, bool nbr=False, Tensor? want=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graft, CPU, lib) {
@@ -1521,6 +1625,7 @@ TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("move_rows", &move_rows);
   lib.impl("top_logprobs", &top_logprobs);
   lib.impl("topk_rows", &topk_rows);
+  lib.impl("plain_learn", &plain_learn);
   lib.impl("norm_top_logprobs", &norm_top_logprobs);
   lib.impl("layers", &layers);
   lib.impl("graft_trees", &graft_trees);

@@ -163,6 +163,14 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple:
     return torch.ops.graft.topk_rows(x, k)
 
 
+def plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats, pend_ids, pend_n):
+    """graft.plain_learn's writes in one call (the same values): logits (B, V), tokens, nxt, active (B,) int64,
+    valid (B,) bool, feats (B, F); each group (M and written; ctx and clen; pend_feats, pend_ids and pend_n)
+    None where the method keeps none. Writes in place, returns nothing."""
+    torch.ops.graft.plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats,
+                                pend_ids, pend_n)
+
+
 def graft_trees(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free) -> tuple:
     """graft.graft_trees with a retrieval tree (its template's parents, depths and ranks), in C++ loops:
     (tokens, parents, valid, retrieved), each (B, n), the same as the torch version's."""
@@ -181,10 +189,12 @@ def layers(x, *weights_and_step, scales=()) -> tuple:
     return torch.ops.graft.layers(x, *weights_and_step, list(scales))
 
 
-def block(x, *weights_and_step, emb=None, hn=None, nbr=False, scales=()) -> torch.Tensor:
+def block(x, *weights_and_step, emb=None, hn=None, nbr=False, scales=(), want=None) -> torch.Tensor:
     """One decoder layer (model.Block with a dense MLP), exact, in one call: model.Block.fused_forward
     passes its weights, the RoPE rows, the KV cache (written at `rows`), the mask and the head count. An
     EAGLE-3 head's layer (draft.DraftLayer.fused_forward) adds emb (B, T, dim), the token embeddings its
     attention reads beside hidden_norm(x), that norm's weight hn (dim,), and nbr (norm_before_residual).
-    scales: with int8 weights (quant.py), their float32 scales (N,) for q, k, v, o, gate, up, down."""
-    return torch.ops.graft.block(x, *weights_and_step, list(scales), emb, hn, nbr)
+    scales: with int8 weights (quant.py), their float32 scales (N,) for q, k, v, o, gate, up, down.
+    want (B, T) bool: the rows whose output is read; the others only write their keys and values (no q,
+    attention, o_proj nor MLP) and output zeros. A wanted row's output is the same bits either way."""
+    return torch.ops.graft.block(x, *weights_and_step, list(scales), emb, hn, nbr, want)

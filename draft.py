@@ -46,9 +46,9 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(a.dim, a.intermediate_size)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None):
+    def forward(self, emb, hidden, rope, rows=None, mask=None, kv=None, steps_kv=None, keep=None, slots=None, want=None):
         if kv is not None and steps_kv is None and self.fused(hidden, mask):
-            return self.fused_forward(emb, hidden, rope, rows, mask, kv, keep, slots)
+            return self.fused_forward(emb, hidden, rope, rows, mask, kv, keep, slots, want)
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)       # (B, T, 2H): embedding first
@@ -63,7 +63,7 @@ class DraftLayer(nn.Module):
                 and not torch.is_grad_enabled() and use_kernels(x) and x.dtype == a.q_proj.weight.dtype
                 and not (a._forward_hooks or m._forward_hooks))
 
-    def fused_forward(self, emb, hidden, rope, rows, mask, kv, keep, slots):
+    def fused_forward(self, emb, hidden, rope, rows, mask, kv, keep, slots, want):
         a, m, (cache, i) = self.self_attn, self.mlp, kv
         mask = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])           # (B|1, 1, T, n_keys)
         return cpu_kernels.block(hidden.contiguous(), self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
@@ -71,7 +71,7 @@ class DraftLayer(nn.Module):
                                  self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
                                  m.down_proj.weight, rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
                                  mask, keep, a.n_heads, self.input_layernorm.eps, emb=emb.contiguous(),
-                                 hn=self.hidden_norm.weight, nbr=self.norm_before_residual)
+                                 hn=self.hidden_norm.weight, nbr=self.norm_before_residual, want=want)
 
 
 class Eagle3(nn.Module):
@@ -100,13 +100,14 @@ class Eagle3(nn.Module):
         return self.cache
 
     def forward(self, hidden, ids, positions, rows=None, mask=None, fused: bool = True, steps_kv=None, cache=None,
-                keep=None, slots=None):
+                keep=None, slots=None, want=None):
         """hidden (B, T, 3*Ht) target features (fused=True) or (B, T, H) the head's own output;
         ids (B, T) the token *after* each feature. With rows (B, T): written there in `cache` (default
         the head's own; at its requests `slots`, default all), attention over rows 0..n_keys-1 under
         mask (B, T, n_keys). Returns the pre-norm output (B, T, H). steps_kv: earlier unrolled steps'
         keys/values (training only, see train.py); keep (B, T) bool: the real rows (padding writes
-        zeros to the cache)."""
+        zeros to the cache); want (B, T) bool: the rows whose output is read (a CPU's fused layer computes
+        only their outputs, the others' being zeros; elsewhere every row's)."""
         if fused:
             hidden = self.fc(hidden if self.feature_cols is None else hidden.index_select(-1, self.feature_cols))
         if self.rope is None or self.rope.shape[0] < ids.shape[-1]:
@@ -118,7 +119,7 @@ class Eagle3(nn.Module):
             kv = (cache if cache is not None else self.cache, 0)
             if mask.dim() == 3:
                 mask = mask[:, None]                                   # (B, 1, T, n_keys)
-        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv, keep, slots)
+        return self.midlayer(emb, hidden, rope, rows, mask, kv, steps_kv, keep, slots, want)
 
     def logprobs(self, out_hidden):
         """Log-probabilities over the draft vocabulary, float32 (..., Vd)."""
@@ -180,8 +181,8 @@ class Drafter:
         L = self.Ld.index_select(0, slot)                                          # (1,)
         rows = L[:, None] + torch.arange(c, device=dev)                            # (1, c)
         mask = attention_mask(torch.ones(c, c, dtype=torch.bool, device=dev).tril_(), L, cols)
-        self.head(feats, ids, rows, rows, mask, fused=True, cache=self.cache,
-                  keep=(torch.arange(c, device=dev) < n)[None], slots=slot)
+        self.head(feats, ids, rows, rows, mask, fused=True, cache=self.cache,          # (keys and values only)
+                  keep=(torch.arange(c, device=dev) < n)[None], slots=slot, want=torch.zeros_like(ids, dtype=torch.bool))
         self.Ld.index_add_(0, slot, n.view(1))
 
     def extend(self, feats: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, cols: torch.Tensor,
@@ -198,7 +199,8 @@ class Drafter:
         rows = self.Ld[:, None] + torch.arange(P, device=dev)                      # (B, P)
         mask = attention_mask(torch.ones(P, P, dtype=torch.bool, device=dev).tril_(), self.Ld, cols)
         keep = torch.arange(P, device=dev)[None] < n[:, None]                      # the path; the rest pads
-        out = head(feats, ids, rows, rows, mask, fused=True, cache=self.cache, keep=keep)       # (B, P, H)
+        want = torch.arange(P, device=dev)[None] == (n - 1)[:, None]              # the new root's row: read
+        out = head(feats, ids, rows, rows, mask, fused=True, cache=self.cache, keep=keep, want=want)  # (B, P, H)
         h_root = out.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # (B, H)
         self.Ld.add_(n)
         s, t = head.top_logprobs(h_root, k)                                        # (B, k)

@@ -612,16 +612,16 @@ class Engine:
         t0 = time.perf_counter()
         grow = method.pacer.plan(self, method) if method.pacer is not None and not (record or full) else None
         plain = grow is not None and not any(grow)
-        # a long plain run: a drafter with PLAIN_RUN pending rows reads them now (a drafting round reads every
+        # a long plain run: a drafter whose pending rows are full reads them now (a drafting round reads every
         # slot's, drafting or not)
-        late = [plain and method.pending and s.request is not None and s.pend >= PLAIN_RUN for s in self.slots]
+        late = [plain and method.pending and s.request is not None and s.pend >= method.room for s in self.slots]
         caught = any(late) and method.can_catch_up(self)
         if caught:
             method.catch_up(self, late)
-        # a request drafting again after plain steps (a probe): its head reads the rows it missed first, outside
-        # the round's time, so the round is a sample of a tree's cost (else probes never refresh cost(k), and a
+        # a round drafting after plain steps (a probe): every head reads the rows it missed first, outside the
+        # round's time, so the round is a sample of a tree's cost (else probes never refresh cost(k), and a
         # window left dear by a noisy spell kept eagle3 plain in 97% of its rounds)
-        behind = [bool(g) and s.idle and s.pend > 1 for g, s in zip(grow or [], self.slots)]
+        behind = [grow is not None and s.request is not None and s.idle and s.pend > 1 for s in self.slots]
         clean = not plain and method.pending and any(behind) and method.can_catch_up(self)
         if clean:
             method.catch_up(self, behind)
@@ -682,7 +682,7 @@ class Pacer:
     and pld at B = 4 drafted where it lost). Where it does not pay (by MARGIN), the request takes plain
     steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
-    outside a drafting round (Method.catch_up, every graft.PLAIN_RUN plain steps), else up to PLAIN_RUN; a
+    outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN; a
     new request starts where the last one left off (its mat; its plain run, <= 8). At B > 1 a tree pass
     costs every request, so the batch is paced as one (plan): its drafters are the requests of highest mat,
     as many as pay, its probes one request's tree beside the others' roots (Engine.grow; a CPU skips a
@@ -722,7 +722,7 @@ class Pacer:
         """Per slot, whether it drafts this round (an empty slot: False). At B > 1 (self.batch: its plain run)
         the drafters are the requests of highest MAT, as many as make the batch's tokens a second highest
         (a non-drafter's: 1; k drafters cost cost(k)), none where no count pays; after a plain run, one
-        request's tree (in turn) probes. A head whose pending rows are full (PLAIN_RUN) drafts in any case,
+        request's tree (in turn) probes. A head whose pending rows are full (Method.room) drafts in any case,
         unless the method can catch up without a tree (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
@@ -745,7 +745,7 @@ class Pacer:
             if n == 1 and tp and self.cost(1):
                 return [x and self.pays(s.mat) for x, s in zip(live, eng.slots)]
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
-        full = [x and s.pend >= PLAIN_RUN and not catch for x, s in zip(live, eng.slots)]
+        full = [x and s.pend >= getattr(method, 'room', PLAIN_RUN) and not catch for x, s in zip(live, eng.slots)]
         if n > 1 and tp and any(want) and self.cost(sum(want)):
             if b.plain:                                    # the batch's plain run
                 b.plain -= 1
@@ -757,7 +757,7 @@ class Pacer:
                 return [f or i == pick for i, f in enumerate(full)]
             gain = [sum((eng.slots[i].mat or 1.0) - 1 for i in order[:k]) for k in range(len(order) + 1)]
             k = max(range(len(order) + 1), key=lambda k: (n + gain[k]) / (self.cost(k) * (1 + self.MARGIN * (k > 0))))
-            self.probed, b.backoff = False, b.backoff if k == 0 else 0
+            self.probed, b.backoff = False, b.backoff if k == 0 else b.backoff // 2   # (a lucky probe: not back to MIN_RUN)
             if k == 0:                                     # no count pays: a plain run (twice the last after a probe)
                 b.plain = self.back_off(b) - 1 if shadow is None else 0
                 return full

@@ -37,11 +37,12 @@ MAX_TEMPLATE_DEPTH = 9
 
 # The most plain rounds in a row (engine.Pacer) before a drafting method's drafter reads its pending rows
 # (the accepted path, then one row a plain round: room for that many): in a drafting round, or where the
-# method can (Method.catch_up), without one.
-PLAIN_RUN = 32
+# method can (Method.catch_up), without one. LAZY_RUN where it can (eager): most requests of a batch whose
+# trees do not pay then end before their head reads those rows, and so never pay for it.
+PLAIN_RUN, LAZY_RUN = 32, 128
 
-# On a CPU with graft's kernels, graft_trees runs as one C++ call (cpu_kernels.graft_trees, the same
-# result); False keeps the torch version below (the tests run both).
+# On a CPU with graft's kernels, graft_trees and plain_learn run as one C++ call each (cpu_kernels: the same
+# result); False keeps the torch versions below (the tests run both).
 FUSED = True
 
 # Retrieval sources (--sources), by the id a tree's `retrieved` holds for their nodes (0: not retrieved):
@@ -561,6 +562,8 @@ class Method:
         whose eng.grow is False this round (engine.Pacer) keeps its root alone."""
         raise NotImplementedError
 
+    room = PLAIN_RUN          # the plain rounds its pending rows hold
+
     def can_catch_up(self, eng) -> bool:
         """Whether a long plain run needs no drafting round: no drafter reads pending rows, or its drafter
         can read them outside one (catch_up)."""
@@ -568,7 +571,7 @@ class Method:
 
     def catch_up(self, eng, which: list):
         """Let the drafter of each slot in `which` (B bools) read its pending rows now, outside a drafting
-        round (engine.Pacer: a plain run longer than PLAIN_RUN then needs no tree pass). Only where
+        round (engine.Pacer: a plain run longer than self.room then needs no tree pass). Only where
         can_catch_up."""
         raise NotImplementedError
 
@@ -794,9 +797,10 @@ class Eagle3Tree(Method):
         self.conf = torch.full((eng.B, max(len(self.checkpoints), 1)), float("inf"), device=dev)
         self.record_tpl = None           # the warm-up's: a retrieval under the root to record
         # the head's next input, per request: the accepted path's features and the token after each
-        F = len(eng.model.capture_layers) * eng.model.args.dim                  # (room for PLAIN_RUN plain rounds)
-        self.pend_feats = torch.zeros(eng.B, self.P + PLAIN_RUN, F, dtype=eng.dtype, device=dev)
-        self.pend_ids = torch.zeros(eng.B, self.P + PLAIN_RUN, dtype=torch.long, device=dev)
+        F = len(eng.model.capture_layers) * eng.model.args.dim
+        self.room = PLAIN_RUN if eng.compiling else LAZY_RUN       # (compiled, an extend reads every row)
+        self.pend_feats = torch.zeros(eng.B, self.P + self.room, F, dtype=eng.dtype, device=dev)
+        self.pend_ids = torch.zeros(eng.B, self.P + self.room, dtype=torch.long, device=dev)
         self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
         # catch_up's row counts: from pinned memory into a static buffer, one asynchronous copy (no host sync)
         self.caught_host = torch.zeros(eng.B, dtype=torch.long, pin_memory=torch.device(dev).type == "cuda")
@@ -1008,9 +1012,16 @@ def learn(m: Method, tree: Tree, v, active: torch.Tensor):
 def plain_learn(m: Method, tree: Tree, v, active: torch.Tensor):
     """A plain round's step 6 (Method.plain_round): each request's matrix learns its root's top-k, its
     context grows by the new token, and a drafter's pending rows by the root's features and the token
-    after it (its next extend reads them all: PLAIN_RUN rounds fit). What update, context_append and
+    after it (its next extend reads them all: m.room rounds fit). What update, context_append and
     learn's writes do for one node a request, as one indexed write each: a plain round is most rounds
-    where trees do not pay, and one node has no repeated token to order (update's sort)."""
+    where trees do not pay, and one node has no repeated token to order (update's sort). On a CPU with
+    graft's kernels, one C++ call (cpu_kernels.plain_learn: the same writes; a dozen small ops cost ~0.2 ms)."""
+    if FUSED and use_kernels(v.logits) and not torch.compiler.is_compiling():
+        mx, pend = m.matrix is not None, m.pending
+        return cpu_kernels.plain_learn(v.logits[:, 0], tree.tokens[:, 0], tree.valid[:, 0], v.bonus, active,
+                                       v.feats[:, 0] if pend else None, m.M if mx else None, m.written if mx else None,
+                                       m.ctx, m.clen if m.ctx is not None else None, m.pend_feats if pend else None,
+                                       m.pend_ids if pend and m.needs_head else None, m.pend_n if pend else None)
     bi = torch.arange(active.shape[0], device=active.device)                            # (B,)
     nxt = v.bonus                                                                        # (B,)
     if m.matrix is not None:             # an empty slot (valid False) writes the spare row V

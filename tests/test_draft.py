@@ -682,3 +682,31 @@ def test_fc_norm_head_is_honoured_or_refused(official, target, head, tmp_path):
     ids, pos = torch.tensor([[3, 9, 27, 1]]), torch.arange(4)
     assert not torch.allclose(loaded(x3, ids, pos), head(x3, ids, pos), atol=1e-4), \
         "fc_norm.* weights were silently ignored"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_not_wanted_only_write_their_keys(target, dtype):
+    """want (the rows whose output is read: an extend's new root; none of a prefill's or a catch-up's): the
+    CPU's fused layer skips the other rows' q, attention, o_proj and MLP. The wanted rows' outputs and
+    every cache row are the same bits as computing every row; the rows not wanted output zeros."""
+    h = make_head(target, seed=7).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    B, T, S = 2, 6, 24
+    x3 = torch.randn(B, T, 3 * HT, generator=g).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    L = torch.tensor([5, 9])
+    rows = L[:, None] + torch.arange(T)
+    mask = M.attention_mask(torch.ones(T, T, dtype=torch.bool).tril(), L, torch.arange(S))
+    keep = torch.arange(T)[None] < torch.tensor([[6], [4]])            # slot 1: two padding rows
+    want = torch.arange(T)[None] == torch.tensor([[5], [3]])           # each slot's last real row
+    outs, caches = [], []
+    for w in (None, want, torch.zeros_like(want)):
+        cache = h.setup_caches(S, B)
+        for t in cache.tensors():                                       # rows committed before
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+        outs.append(h(x3, ids, rows, rows, mask, fused=True, cache=cache, keep=keep, want=w))
+        caches.append(cache)
+    assert torch.equal(outs[1][want], outs[0][want]) and (outs[1][~want] == 0).all() and (outs[2] == 0).all()
+    assert outs[0][want].abs().sum() > 0
+    for c in caches[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(c.tensors(), caches[0].tensors()))

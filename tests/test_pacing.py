@@ -5,7 +5,7 @@ commit, times a plain step's seconds, fall short of a drafting round's seconds (
 runs double while drafting keeps failing to pay, up to what a drafter's pending rows hold, and reset when
 it pays; a plain step's cost is measured before it is compared. The rounds themselves, on the demo pair
 (checkpoints/stdlib-qwen3 and its head): every method, with rounds forced plain, some slots drafting and
-others not, and runs of plain steps as long as PLAIN_RUN (a drafter's pending rows then full) or longer (its
+others not, and runs of plain steps as long as a drafter's pending rows hold (Method.room) or longer (its
 head reading them outside a drafting round), emits exactly what plain decoding emits, greedy and sampled,
 at B = 1 and B = 3; the head catches up on every row it missed; and the default, paced, runs every method
 losslessly with what the costs decide.
@@ -22,7 +22,7 @@ from cli import build_engine
 from conftest import ROOT
 from data import STDLIB_CKPT, STDLIB_DFLASH, STDLIB_DRAFT, STDLIB_PROMPT
 from engine import Pacer, Request, Slot, generate
-from graft import PLAIN_RUN, Config
+from graft import LAZY_RUN, PLAIN_RUN, Config
 from verify import Sampling
 
 pytestmark = pytest.mark.skipif(not (Path(STDLIB_CKPT) / "model.safetensors").is_file(), reason="no demo pair")
@@ -245,14 +245,17 @@ def test_at_b_above_one_probes_draft_one_tree_in_turn_and_runs_double():
     assert p.plan(eng, None) == [False, False, True]
 
 
-def test_a_plain_rounds_learn_is_the_general_one_for_one_node():
-    """graft.plain_learn (one indexed write each) leaves what update, context_append and learn's pending
-    writes leave for trees of one node: the matrix rows (an empty slot's on the spare row V), the context
-    (an empty slot's token on its spare column), the pending rows and counts."""
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp", "torch"])
+def test_a_plain_rounds_learn_is_the_general_one_for_one_node(fused, monkeypatch):
+    """graft.plain_learn (one C++ call, or one indexed write each) leaves what update, context_append and
+    learn's pending writes leave for trees of one node: the matrix rows (an empty slot's on the spare row V),
+    the context (an empty slot's token on its spare column), the pending rows and counts; and a method that
+    keeps no matrix, no context nor pending ids has only its pending rows written."""
     from types import SimpleNamespace as NS
 
     import graft as G
     from verify import Tree
+    monkeypatch.setattr(G, "FUSED", fused)
     torch.manual_seed(0)
     B, V, k, F, S, R = 4, 50, 3, 6, 20, 9
     active = torch.tensor([1, 0, 1, 1])
@@ -276,6 +279,12 @@ def test_a_plain_rounds_learn_is_the_general_one_for_one_node():
     b.pend_n.add_(active)
     for name in ("M", "written", "ctx", "clen", "pend_feats", "pend_ids", "pend_n"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    c, d = state(), state()
+    c.matrix = c.ctx = None
+    c.needs_head = False
+    G.plain_learn(c, tree, v, active)
+    assert torch.equal(c.pend_feats, b.pend_feats) and torch.equal(c.pend_n, b.pend_n)
+    assert all(torch.equal(getattr(c, x), getattr(d, x)) for x in ("M", "written", "clen", "pend_ids"))
 
 
 # ----------------------------------------------------------------------------- the rounds
@@ -295,7 +304,7 @@ class Forced(Pacer):
 PATTERNS = {
     "alternate": lambda n, b: n % 2 == 0,                           # plain, drafting, plain, ...
     "some_slots": lambda n, b: (n + b) % 3 == 0,                    # at B > 1, slots drafting beside plain ones
-    "long_runs": lambda n, b: n % (PLAIN_RUN + 1) == 0,             # PLAIN_RUN plain steps: pending rows full
+    "long_runs": lambda n, b: n % (PLAIN_RUN + 1) == 0,             # PLAIN_RUN plain steps (a compiled room)
 }
 
 
@@ -341,11 +350,11 @@ def test_plain_rounds_and_partial_rounds_are_lossless(engines, baselines, name, 
             assert 0 < st["plain_share"] < 1 and st["rounds"] >= st["requests"]
 
 
-@pytest.mark.parametrize("run", [PLAIN_RUN - 1, PLAIN_RUN, 2 * PLAIN_RUN + 5])
+@pytest.mark.parametrize("run", [PLAIN_RUN - 1, LAZY_RUN, 2 * LAZY_RUN + 5])
 def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engines, baselines, run):
     """After a run of plain steps the head reads the rows it missed: all but the last just before the drafting
     round (Method.catch_up, outside the round's time, so that the round samples a tree's cost), and during
-    a run of PLAIN_RUN or more every PLAIN_RUN plain steps. Either way the head's rows
+    a run of LAZY_RUN or more (an eager engine's room) every LAZY_RUN plain steps. Either way the head's rows
     then hold what a prefill of those tokens leaves, bit for bit (the target's features and the head's
     layer are row-invariant), so it drafts the very tree a request whose prompt already held them drafts."""
     eng = engines[1]
@@ -363,9 +372,9 @@ def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engine
               on_round=lambda rnd, c: got.append(rnd.tree.tokens[0].tolist()) if not rnd.plain else None)
         first[tag] = got[0]
     assert first["plain run"] == first["prefilled"] and len(first["prefilled"]) > 1
-    full, resume = caught[:run // PLAIN_RUN], caught[run // PLAIN_RUN:]
-    assert full == [PLAIN_RUN] * (run // PLAIN_RUN)         # each time its rows were full
-    assert len(resume) == 1 and 1 < resume[0] <= PLAIN_RUN  # and as it drafts again (outside the timed round)
+    full, resume = caught[:run // LAZY_RUN], caught[run // LAZY_RUN:]
+    assert full == [LAZY_RUN] * (run // LAZY_RUN)           # each time its rows were full
+    assert len(resume) == 1 and 1 < resume[0] <= LAZY_RUN   # and as it drafts again (outside the timed round)
 
 
 class FixedCosts(Pacer):
@@ -382,7 +391,7 @@ class NeverPays(Pacer):
 @pytest.mark.parametrize("catch_up", [True, False])
 def test_a_batch_whose_trees_never_pay_stays_within_the_pending_rows(engines, baselines, catch_up):
     """The batch rule (Pacer.plan) backs drafters off again and again: each slot's pending rows stay within
-    PLAIN_RUN (one more would not fit): where the head can catch up outside a drafting round
+    the method's room (one more would not fit): where the head can catch up outside a drafting round
     (Method.catch_up) the plain runs go past it, where it cannot a full head drafts (and that round reads
     every slot's rows); and the tokens are plain decoding's."""
     eng = engines[3]
@@ -401,7 +410,7 @@ def test_a_batch_whose_trees_never_pay_stays_within_the_pending_rows(engines, ba
     res = E.run(eng, m, [Request(x) for x in ids[:3]], 120, on_round=count)
     assert [r.tokens for r in res.requests] == want
     longest = max(max(r) for r in runs)
-    assert 0 < res.stats()["plain_share"] < 1 and max(pend) <= PLAIN_RUN
+    assert 0 < res.stats()["plain_share"] < 1 and max(pend) <= m.room
     assert longest > PLAIN_RUN or not catch_up, [max(r) for r in runs]
 
 
