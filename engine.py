@@ -686,10 +686,10 @@ class Pacer:
     new request starts where the last one left off (its mat; its plain run, <= 8). At B > 1 a tree pass
     costs every request, so the batch is paced as one (plan): its drafters are the requests of highest mat,
     as many as pay, its probes one request's tree beside the others' roots (Engine.grow; a CPU skips a
-    padding row's arithmetic); no drafter, a plain step (Method.plain_round). A method that scores every
-    proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each round reads the mat of its
-    proposal's kind (self.kinds). Costs are measured, never assumed: the first rounds draft, then
-    PLAIN_SAMPLES plain steps measure t_plain, once per method."""
+    padding row's arithmetic), a drafting round halving its run; no drafter, a plain step (Method.plain_round).
+    A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
+    round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 0.5, 2, 128
     QUANTILE = 0.5
 

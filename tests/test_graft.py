@@ -694,8 +694,8 @@ class FakeDrafter:
 
 class FakeEngine:
     """What a method reads from engine.Engine when it is set up: the drafter, B, the prior matrix, the
-    device and dtype, and the target's feature width."""
-    device, dtype = torch.device("cpu"), torch.float32
+    device and dtype, whether it compiles, and the target's feature width."""
+    device, dtype, compiling = torch.device("cpu"), torch.float32, False
 
     def __init__(self, drafter, matrix=None):
         import types

@@ -224,8 +224,8 @@ def test_a_batch_drafts_the_requests_whose_trees_pay_best_first():
 
 def test_at_b_above_one_probes_draft_one_tree_in_turn_and_runs_double():
     """After the batch's plain run a probe drafts one request's tree (the slots in turn); where it still
-    does not pay, the next run is twice as long; where it pays, the batch drafts again. A head whose
-    pending rows are full drafts even in a plain run."""
+    does not pay, the next run is twice as long; where it pays, the batch drafts again and the run halves.
+    A head whose pending rows are full drafts even in a plain run."""
     p, eng = Pacer(), fake_engine(3)
     costs(p, 0.010, k1=0.012, k2=0.015, k3=0.018)
     for s in eng.slots:
@@ -240,7 +240,7 @@ def test_at_b_above_one_probes_draft_one_tree_in_turn_and_runs_double():
     assert runs == [4, 8, 16, 32] and probes == [[True, False, False], [False, True, False], [False, False, True],
                                                  [True, False, False]]
     eng.slots[1].mat = 3.0                                  # the probe's request now pays: 5 tokens / 1.2
-    assert p.plan(eng, None) == [False, True, False] and p.batch.backoff == 0
+    assert p.plan(eng, None) == [False, True, False] and p.batch.backoff == 16       # (32, halved)
     p.batch.plain, eng.slots[1].mat, eng.slots[2].pend = 5, 1.1, PLAIN_RUN
     assert p.plan(eng, None) == [False, False, True]
 
