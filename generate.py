@@ -17,7 +17,7 @@ import torch
 
 import api
 from calibrate import needs_warmup
-from cli import (DEMO_WARMUP_RUNS, classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, check_args,
+from cli import (classify_mismatch, WARMUP_RUNS, ArgumentParser, TextStream, add_engine_flags, check_args,
                  render_round, run)
 import data
 from data import DEMO_DRAFT, DEMO_GGUF, DEMO_PROMPT, DEMOS, PROMPT_FORMATS, STDLIB_CKPT, STDLIB_DRAFT, STDLIB_PROMPT, read_prompts, read_text
@@ -79,7 +79,6 @@ def main(argv=None):
             a.ckpt, a.draft = STDLIB_CKPT, a.draft or STDLIB_DRAFT
             a.prompt = STDLIB_PROMPT if a.prompt is None else a.prompt
             print(f"demo: {os.path.relpath(STDLIB_CKPT)} + its EAGLE-3 head, prompt:\n{a.prompt}", file=err)
-        a.warmup = DEMO_WARMUP_RUNS if a.warmup is None else a.warmup
     a.warmup = WARMUP_RUNS if a.warmup is None else a.warmup
     B = 1 if many is None else min(a.batch, len(many))          # no more slots than prompts
     eng, method, cfg = api.build(a.ckpt, a, a.method, B)
