@@ -1106,12 +1106,12 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
     }
   }
   // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual (used rows; a row
-  //    not used attends to nothing: its mask row is cleared)
+  //    not wanted attends to nothing: its mask row is cleared)
   auto out = (int64_t)used.size() == M ? at::empty_like(x, at::MemoryFormat::Contiguous)
                                        : at::zeros_like(x, at::MemoryFormat::Contiguous);
   if (!Mu) return out;
   at::Tensor mk = mask;
-  if (Mu < M) {
+  if (want && Mu < M) {
     mk = mask.clone(at::MemoryFormat::Contiguous);
     auto mu = at::zeros({B, 1, Tq, 1}, mask.options());
     bool* up = mu.data_ptr<bool>();
