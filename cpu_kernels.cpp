@@ -1384,8 +1384,8 @@ void plain_learn(const at::Tensor& logits, const at::Tensor& tokens, const at::T
     }
   }
   if (on(ctx)) {
-    TORCH_CHECK(ctx->dim() == 2 && ctx->size(0) == B && ctx->scalar_type() == at::kLong && ctx->is_contiguous(),
-                "graft::plain_learn: ctx (B, S) int64");
+    TORCH_CHECK(on(clen) && ctx->dim() == 2 && ctx->size(0) == B && ctx->scalar_type() == at::kLong && ctx->is_contiguous(),
+                "graft::plain_learn: ctx (B, S) int64 and clen");
     int64_t* cl = longs(*clen, "clen");
     int64_t* cp = ctx->data_ptr<int64_t>();
     const int64_t S = ctx->size(1);
@@ -1396,7 +1396,7 @@ void plain_learn(const at::Tensor& logits, const at::Tensor& tokens, const at::T
   }
   if (on(pend_feats)) {
     const at::Tensor& pf = *pend_feats;
-    TORCH_CHECK(on(feats) && pf.dim() == 3 && pf.size(0) == B && pf.is_contiguous() && feats->is_contiguous() &&
+    TORCH_CHECK(on(feats) && on(pend_n) && pf.dim() == 3 && pf.size(0) == B && pf.is_contiguous() && feats->is_contiguous() &&
                 feats->scalar_type() == pf.scalar_type() && feats->numel() == B * pf.size(2),
                 "graft::plain_learn: pend_feats (B, P, F) and feats (B, F) of one dtype, contiguous");
     int64_t* pn = longs(*pend_n, "pend_n");

@@ -1074,7 +1074,7 @@ class BlockDraft(Method):
         super().__init__(eng, replace(cfg, block=eng.block.block), cal, matrix)
         B, dev, n = eng.B, eng.device, self.N - 1
         F = len(eng.model.capture_layers) * eng.model.args.dim
-        self.pend_feats = torch.zeros(B, self.P + PLAIN_RUN, F, dtype=eng.dtype, device=dev)
+        self.pend_feats = torch.zeros(B, self.P + self.room, F, dtype=eng.dtype, device=dev)
         self.pend_n = torch.zeros(B, dtype=torch.long, device=dev)
         self.chain = (torch.arange(n, device=dev) - 1).expand(B, n).contiguous()     # parents: a chain
         tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
