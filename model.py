@@ -134,14 +134,16 @@ def mask_bias(mask, dtype):
 # logits equal plain decoding's bit for bit, every dtype) adds cpu_kernels.py's attention, which reads a
 # query's visible keys in position order, and, eager, runs each dense layer as one cpu_kernels.block call.
 # Without the kernels (no compiler, a GPU), exact mode pads matmul rows to a multiple of EXACT_ROWS
-# (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2, float32 for M a multiple of 4 or >= 12;
-# scripts/exactness.py) and reduces keys in blocks of EXACT_BLOCK absolute positions
-# (exact_attention). tests/test_exact.py checks both paths.
-EXACT_ROWS, EXACT_BLOCK = 4, 64
+# (oneDNN/MKL: bf16/fp16 rows agree for every M >= 2; float32 rows for M a multiple of 4 or >= 12 on a
+# Zen core, but only M >= 16 on a one-thread Sapphire Rapids core, hence 16; scripts/exactness.py) and
+# reduces keys in blocks of EXACT_BLOCK absolute positions (exact_attention). tests/test_exact.py checks both.
+EXACT_ROWS, EXACT_ROWS_F32, EXACT_BLOCK = 4, 16, 64
 
 
-def pad_rows(x: torch.Tensor, m: int = EXACT_ROWS) -> torch.Tensor:
-    """x (..., n, K) with zero rows appended to make n a multiple of m."""
+def pad_rows(x: torch.Tensor, m: int | None = None) -> torch.Tensor:
+    """x (..., n, K) with zero rows appended to make n a multiple of m (default: EXACT_ROWS, or
+    EXACT_ROWS_F32 for float32)."""
+    m = m or (EXACT_ROWS_F32 if x.dtype == torch.float32 else EXACT_ROWS)
     return F.pad(x, (0, 0, 0, -x.shape[-2] % m))
 
 

@@ -6,7 +6,7 @@ dtype and thread count; and the same for the matmuls attention is made of.
 
 Prints, per (shape, dtype, threads): the values of M in 1..mmax (and a few larger: prefill chunks,
 B > 1 trees) at which row 0 and row M-1 of a batch differ from the same rows computed alone,
-and the same padded to a multiple of model.EXACT_ROWS rows (model.Linear in exact mode). `all same` is what the exact path needs.
+and the same padded as model.pad_rows pads them (model.Linear in exact mode). `all same` is what the exact path needs.
 """
 import argparse
 import os

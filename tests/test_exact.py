@@ -131,7 +131,7 @@ def test_without_exact_mode_rows_differ(route, request):
 
 
 def test_exact_linear_pads_rows(torch_kernels):
-    """On torch's kernels, Linear in exact mode pads rows to a multiple of EXACT_ROWS: M = 1..9 rows give
+    """On torch's kernels, Linear in exact mode pads rows (EXACT_ROWS, EXACT_ROWS_F32 for float32): M = 1..9 rows give
     the rows of M = 64."""
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
