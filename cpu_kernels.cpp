@@ -6,7 +6,8 @@
 //   linear     y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]): 16-lane FMAs over k in order (bfloat16: the
 //              CPU's bfloat16 dot product where it has one), a masked tail, one fixed horizontal sum.
 //              W is read as four sequential streams (its rows in quarters), four rows of x sharing each
-//              load, but that changes which outputs are computed together, never how.
+//              load, but that changes which outputs are computed together, never how. On AMX (bfloat16,
+//              even K): one tile element per output, fed 32 weights a tile multiply, chunks in order.
 //   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
 //              ancestors: position order), scores them 16 at a time by one reduction tree per key, and
 //              sums exp(score - max) * v one key after another (the weights' total in 16 lanes, in the
@@ -22,16 +23,23 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -316,6 +324,159 @@ struct I8BF16Dot : BF16Dot {
 };
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(GRAFT_AVX512) && defined(__linux__)
+#define GRAFT_AMX 1
+// bfloat16 on AMX (Sapphire Rapids and later): one tile multiply (TDPBF16PS) takes 16 rows of W against
+// up to 16 rows of x, 32 weights deep, so a tree pass of up to 16 nodes costs about what a one-row pass
+// costs: the weight's reads. Each output y[m, n] is one element of a C tile, fed by the pairs of k in
+// order, 32 at a time, chunk after chunk (a shorter last chunk where K is not a multiple of 32); the rows
+// of x beside it are other elements of the same tiles, which never enter its sum, so a row's outputs do
+// not depend on how many rows there are. The path is chosen per process (the CPU, the OS's grant,
+// GRAFT_AMX=0 to refuse it) and per shape (K even), never by M: a one-token step and a tree pass of one
+// process run the same sums. W is read from a packed copy (amx_packed), each A tile's 1 KB contiguous,
+// which streams at the memory's pace; W's own rows as A tiles (16 rows 64 bytes at a time) read ~10%
+// slower, the row streams defeating the prefetchers. The copy costs W's size again in memory.
+struct alignas(64) TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+bool amx_on() {                         // the OS must grant the tile state (Linux >= 5.16) before first use
+  static const bool on = [] {
+    const char* e = std::getenv("GRAFT_AMX");
+    if (e && std::string(e) == "0") return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return on;
+}
+
+// W (N, K) as A tiles: block nb (16 rows, zeros past N), chunk c (32 weights; the last kt wide) at
+// ((nb * KT) + c) * 512, row i of the tile at + i * 32. A copy per weight, made on first use and kept
+// while the weight lives and is not written (its storage held weakly, its version counter checked).
+struct Packed {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t offset, N, K;
+  uint32_t version;
+  at::Tensor tiles;
+};
+std::mutex packed_lock;
+std::unordered_map<const void*, Packed> packed_cache;
+
+uint32_t version_of(const at::Tensor& w) {       // inference tensors have none: 0
+  return w.is_inference() ? 0u : w.unsafeGetTensorImpl()->version_counter().current_version();
+}
+
+const at::BFloat16* amx_packed(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), KC = K / 32, kt = K % 32, KT = KC + (kt > 0), NB = (N + 15) / 16;
+  const void* key = w.data_ptr();
+  const uint32_t v = version_of(w);
+  std::lock_guard<std::mutex> hold(packed_lock);
+  auto it = packed_cache.find(key);
+  if (it != packed_cache.end()) {
+    const Packed& p = it->second;
+    auto live = p.storage.lock();
+    if (live && live.get() == w.storage().unsafeGetStorageImpl() && p.offset == w.storage_offset() && p.N == N &&
+        p.K == K && p.version == v)
+      return p.tiles.data_ptr<at::BFloat16>();
+  }
+  for (auto i = packed_cache.begin(); i != packed_cache.end();)   // weights freed since: their copies go
+    i = i->second.storage.expired() ? packed_cache.erase(i) : std::next(i);
+  at::Tensor tiles = at::zeros({NB * KT * 512}, w.options().device(at::kCPU));
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = tiles.data_ptr<at::BFloat16>();
+  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; nb++)
+      for (int64_t i = 0; i < 16 && nb * 16 + i < N; i++)
+        for (int64_t c = 0; c < KT; c++)
+          std::memcpy(dst + ((nb * KT + c) * 16 + i) * 32, src + (nb * 16 + i) * K + c * 32,
+                      std::min<int64_t>(32, K - c * 32) * sizeof(at::BFloat16));
+  });
+  packed_cache.insert_or_assign(key, Packed{w.storage().getWeakStorageImpl(), w.storage_offset(), N, K, v, tiles});
+  return dst;
+}
+
+// Tiles 0-3: C, four blocks of 16 outputs by R rows of x; 4, 5: A (in turn); 6: B, x's 32-deep chunk
+// (R rows); where K has a tail of kt < 32, tile 5 is its A (kt wide; A is then 4 alone) and 7 its B (kt / 2
+// pair rows).
+void amx_configure(int64_t kt, int64_t R) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+  for (int t : {0, 1, 2, 3, 6, 7}) c.colsb[t] = uint16_t(4 * R);
+  if (kt) c.colsb[5] = uint16_t(2 * kt), c.rows[7] = uint8_t(kt / 2);
+  _tile_loadconfig(&c);
+}
+
+// The G (1 or 4) C tiles of packed blocks wb[j] against R rows of x in B's layout (xb: per chunk 16 rows
+// of R pairs, 4 R bytes apart), stored to out[j] (16 x 16 floats, R of each row used).
+template <int G>
+void amx_blocks(const at::BFloat16* const* wb, const uint16_t* xb, int64_t KC, int64_t kt, int64_t R, float* out) {
+#define GRAFT_EACH(F) F(0) if constexpr (G > 1) { F(1) F(2) F(3) }
+#define GRAFT_ZERO(J) _tile_zero(J);
+#define GRAFT_DP(J) if (kt || J % 2 == 0) { _tile_loadd(4, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 4, 6); } \
+                    else { _tile_loadd(5, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 5, 6); }
+#define GRAFT_TAIL(J) _tile_loadd(5, wb[J] + KC * 512, 64); _tile_dpbf16ps(J, 5, 7);
+#define GRAFT_STORE(J) _tile_stored(J, out + J * 256, 64);
+  GRAFT_EACH(GRAFT_ZERO)
+  for (int64_t kc = 0; kc < KC; kc++) {
+    _tile_loadd(6, xb + kc * 32 * R, 4 * R);
+    GRAFT_EACH(GRAFT_DP)
+  }
+  if (kt) {
+    _tile_loadd(7, xb + KC * 32 * R, 4 * R);
+    GRAFT_EACH(GRAFT_TAIL)
+  }
+  GRAFT_EACH(GRAFT_STORE)
+#undef GRAFT_STORE
+#undef GRAFT_TAIL
+#undef GRAFT_DP
+#undef GRAFT_ZERO
+#undef GRAFT_EACH
+}
+
+// y (M, N) = x (M, K) W^T (+ b), bfloat16, K even, W packed (amx_packed). Threads split pairs of 16-row
+// blocks. A C tile's column r (row r of x: 16 outputs, 16 floats apart) is gathered, the bias added,
+// rounded as vstore rounds, and stored.
+template <typename T>
+void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 0) return;
+  const int64_t KC = K / 32, kt = K % 32, KT = KC + (kt > 0), MB = (M + 15) / 16, NB = (N + 15) / 16;
+  // x in B's layout, blocks of R = min(M, 16) rows: (MB, K / 2 pairs, R); one row is its own layout
+  const int64_t R = std::min<int64_t>(M, 16), P = K / 2;
+  std::vector<uint32_t> xp(M > 1 ? MB * KT * 16 * R : 0, 0u);
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t m = 0; m < M && M > 1; m++)
+    for (int64_t p = 0; p < P; p++) xp[(m / 16 * KT * 16 + p) * R + m % 16] = xs[m * P + p];
+  const uint16_t* xq = M > 1 ? reinterpret_cast<const uint16_t*>(xp.data()) : reinterpret_cast<const uint16_t*>(x);
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  // four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the memory's
+  // prefetchers follow four far-apart streams better than two neighbours), the last NB - 4 Q blocks alone
+  const int64_t Q = NB / 4;
+  auto run = [&](int64_t t, bool four, float* out) {
+    const at::BFloat16* wb[4];
+    for (int64_t j = 0; j < 4; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
+    for (int64_t mb = 0; mb < MB; mb++) {
+      const uint16_t* xb = xq + mb * KT * 32 * R;
+      if (four) amx_blocks<4>(wb, xb, KC, kt, R, out);
+      else amx_blocks<1>(wb, xb, KC, kt, R, out);
+      const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+      for (int64_t j = 0; j < (four ? 4 : 1); j++) {
+        const int64_t n0 = (four ? t + j * Q : t) * 16, nn = std::min<int64_t>(16, N - n0);
+        const vec bias = b ? vload_tail(b + n0, nn) : vzero();
+        for (int64_t r = 0; r < rows; r++) {
+          vec s = _mm512_i32gather_ps(lanes, out + j * 256 + r, 4);
+          if (b) s = vadd(s, bias);
+          vstore<T>(y + (mb * 16 + r) * N + n0, s, nn);
+        }
+      }
+    }
+  };
+  at::parallel_for(0, Q + (NB - 4 * Q), 4, [&](int64_t t0, int64_t t1) {
+    amx_configure(kt, R);
+    alignas(64) float out[4 * 256];
+    for (int64_t t = t0; t < t1; t++) run(t < Q ? t : 3 * Q + t, t < Q, out);
+  });
+}
+#endif
+
 // y[m, n] for m in [m0, m0 + mr), n = n0, n0 + rs, .., n0 + (nr - 1) rs. Every (m, n) runs the same
 // sequence: the lanes' products over k in steps, in order, the masked tail, one Op::sum; mr, nr and rs
 // only decide which outputs run side by side. pf: rows of W to come (at the same offsets from each of
@@ -428,6 +589,11 @@ void lin_as(const T* x, int64_t M, const W_* wp, int64_t K, int64_t N, const flo
 template <typename T>
 void lin(const T* x, int64_t M, const at::Tensor& w, const float* b, T* y, std::vector<float>& wide,
          const float* sc = nullptr) {
+#if defined(GRAFT_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0 && amx_on())
+      return linear_amx<T>(x, amx_packed(w), b, y, M, w.size(1), w.size(0));
+#endif
   if (w.scalar_type() == at::kChar)
     lin_as<T, int8_t>(x, M, w.data_ptr<int8_t>(), w.size(1), w.size(0), sc, b, y, wide);
   else
@@ -463,7 +629,41 @@ double op_peak(double seconds) {
   return double(steps) * 12 * Op::MACS / took / 1e9;
 }
 
+#if defined(GRAFT_AMX)
+// AMX's bfloat16 peak: TDPBF16PS on four independent C tiles (16 x 16 outputs, 32 deep: 8192 multiply-adds
+// each), operands in tiles, for about `seconds`.
+double amx_peak(double seconds) {
+  amx_configure(0, 16);
+  alignas(64) uint16_t one[512];
+  for (auto& v : one) v = 0x3F80;                              // bfloat16 1.0
+  _tile_loadd(2, one, 64);
+  _tile_loadd(3, one, 64);
+  _tile_loadd(4, one, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(5);
+  _tile_zero(6);
+  int64_t ops = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double took = 0;
+  do {
+    for (int it = 0; it < 1024; it++) {
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+      _tile_dpbf16ps(5, 2, 4);
+      _tile_dpbf16ps(6, 3, 4);
+    }
+    ops += 4096;
+    took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (took < seconds);
+  return double(ops) * 8192 / took / 1e9;
+}
+#endif
+
 std::string isa() {
+#if defined(GRAFT_AMX)
+  if (amx_on()) return "avx512_bf16+amx";
+#endif
 #if defined(__AVX512BF16__) && defined(GRAFT_AVX512)
   return "avx512_bf16";
 #elif defined(GRAFT_AVX512)
@@ -477,7 +677,9 @@ std::string isa() {
 
 double kernel_peak(c10::ScalarType dtype, double seconds) {
   switch (dtype) {
-#if defined(__AVX512BF16__)
+#if defined(GRAFT_AMX)
+    case at::kBFloat16: return amx_on() ? amx_peak(seconds) : op_peak<BF16Dot>(seconds);
+#elif defined(__AVX512BF16__)
     case at::kBFloat16: return op_peak<BF16Dot>(seconds);
 #else
     case at::kBFloat16: return op_peak<Widen<at::BFloat16>>(seconds);

@@ -118,14 +118,16 @@ def _register_shapes():
 
 
 def isa() -> str | None:
-    """The vector instructions the kernels were built with: "avx512_bf16" (VDPBF16PS), "avx512", "avx2"
-    or "portable" (plain loops); None when they are not built."""
+    """The vector instructions the kernels were built with: "avx512_bf16+amx" (bfloat16 linears on AMX
+    tiles, packed weights), "avx512_bf16" (VDPBF16PS), "avx512", "avx2" or "portable" (plain loops); None
+    when they are not built."""
     return torch.ops.graft.isa() if ready() else None
 
 
 def peak(dtype: torch.dtype, seconds: float = 0.05) -> float:
     """The core's multiply-add peak, GMAC/s, for a linear in `dtype`: the instruction the linear's
-    inner loop runs (VDPBF16PS for bfloat16 where the CPU has it, else FMA), in registers, measured now
+    inner loop runs (bfloat16: AMX's TDPBF16PS where the linear runs on AMX, else VDPBF16PS where the CPU
+    has it; else FMA), in registers, measured now
     for about `seconds` on the calling thread. What a pass's GMAC/s is a share of (bench.py)."""
     return torch.ops.graft.peak(dtype, seconds)
 

@@ -19,9 +19,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_is_the_linear_and_row_invariant(dtype):
     """Odd K (a masked tail) and N (a partial tile), a bias: the product within the dtype's rounding of a
-    float64 reference, and any row's output the same bits for M = 1..40 rows around it."""
+    float64 reference, and any row's output the same bits for M = 1..40 rows around it (on AMX, bfloat16
+    with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block)."""
     g = torch.Generator().manual_seed(0)
-    for N, K in ((37, 67), (64, 576), (5, 33)):
+    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70)):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
         xs = torch.randn(40, K, generator=g).to(dtype)
@@ -33,6 +34,33 @@ def test_linear_is_the_linear_and_row_invariant(dtype):
             assert torch.equal(cpu_kernels.linear(xs[:m], w, b), y[:m]), (N, K, m)
             assert torch.equal(cpu_kernels.linear(xs[m - 1:m], w, b)[0], y[m - 1]), (N, K, m)
         assert cpu_kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
+
+
+def test_a_weight_written_in_place_or_viewed_is_read_as_it_is():
+    """The linear's packed copy of a weight (AMX) follows it: written in place, the next call reads the new
+    values; a view of some of its rows gives those rows' outputs. (Elsewhere the same holds trivially.)"""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+    y = cpu_kernels.linear(x, w)
+    w.mul_(2)                                           # exact in bfloat16: every output doubles
+    assert torch.equal(cpu_kernels.linear(x, w), 2 * y)
+    assert torch.equal(cpu_kernels.linear(x, w[16:48]), cpu_kernels.linear(x, w)[:, 16:48])
+
+
+@pytest.mark.skipif(not (cpu_kernels.isa() or "").endswith("+amx"), reason="no AMX here")
+def test_amx_can_be_refused():
+    """GRAFT_AMX=0: a process of its own runs bfloat16 on VDPBF16PS instead, as row-invariant."""
+    code = """
+import torch, cpu_kernels
+assert cpu_kernels.ready(), "no build"
+w, x = torch.randn(100, 96).bfloat16(), torch.randn(17, 96).bfloat16()
+y = cpu_kernels.linear(x, w)
+assert all(torch.equal(cpu_kernels.linear(x[m:m + 1], w)[0], y[m]) for m in range(17))
+print(cpu_kernels.isa())
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, GRAFT_AMX="0"), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.split() == ["avx512_bf16"], r.stderr[-2000:]
 
 
 def test_threads_split_outputs_never_sums():
