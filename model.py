@@ -140,11 +140,9 @@ def mask_bias(mask, dtype):
 EXACT_ROWS, EXACT_ROWS_F32, EXACT_BLOCK = 4, 16, 64
 
 
-def pad_rows(x: torch.Tensor, m: int | None = None) -> torch.Tensor:
-    """x (..., n, K) with zero rows appended to make n a multiple of m (default: EXACT_ROWS, or
-    EXACT_ROWS_F32 for float32)."""
-    m = m or (EXACT_ROWS_F32 if x.dtype == torch.float32 else EXACT_ROWS)
-    return F.pad(x, (0, 0, 0, -x.shape[-2] % m))
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., n, K) with zero rows appended to make n a multiple of EXACT_ROWS (float32: EXACT_ROWS_F32)."""
+    return F.pad(x, (0, 0, 0, -x.shape[-2] % (EXACT_ROWS_F32 if x.dtype == torch.float32 else EXACT_ROWS)))
 
 
 def use_kernels(x: torch.Tensor) -> bool:

@@ -51,7 +51,8 @@ SECTIONS = [
     Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/cpu_smollm2.json"],
             "The demo pair (`python generate.py`'s), greedy, bfloat16, one thread, exact mode, 128 tokens a "
             "prompt, as a user runs it: every method's budget, draft depth and thresholds from its warm-up (`--budget auto`), "
-            "rounds paced (a request whose trees do not pay takes plain steps: docs/graft.md section 12).",
+            "rounds paced (a request whose trees do not pay takes plain steps: docs/graft.md section 12). On an Intel Xeon "
+            "whose bfloat16 linears run on AMX tiles (docs/cpu.md).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
     Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
             "The same on the AVX2 path (AMD Zen 2/3, Intel to Skylake client), float32 (what the demo "
@@ -67,8 +68,7 @@ SECTIONS = [
                    "rounds); `ar`: its tokens/s"),
     Section("Two threads", ["results/cpu_smollm2_t2.json"],
             "The demo pair on both cores (`--threads 2`): the second core adds arithmetic, not bandwidth, "
-            "yet here plain steps and trees ran about as fast as on one (the kernels split a linear's outputs "
-            "over threads, and the two cores share the memory's bandwidth), so the speedups are one thread's.",
+            "yet plain steps and trees ran about as fast as on one (the cores share the memory's bandwidth).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "
