@@ -348,11 +348,12 @@ bool amx_on() {                         // the OS must grant the tile state (Lin
 }
 
 // W (N, K) as A tiles: block nb (16 rows, zeros past N), chunk c (32 weights; the last kt wide) at
-// ((nb * KT) + c) * 512, row i of the tile at + i * 32. A copy per weight, made on first use and kept
-// while the weight lives and is not written (its storage held weakly, its version counter checked).
+// ((nb * KT) + c) * 512, row i of the tile at + i * 32. A copy per weight (by its data pointer), made on
+// first use, made again once the weight is written (its version counter) and dropped at the next copy
+// made once it is freed (its storage held weakly: a new weight at the same address is another storage).
 struct Packed {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  int64_t offset, N, K;
+  int64_t N, K;
   uint32_t version;
   at::Tensor tiles;
 };
@@ -372,8 +373,7 @@ const at::BFloat16* amx_packed(const at::Tensor& w) {
   if (it != packed_cache.end()) {
     const Packed& p = it->second;
     auto live = p.storage.lock();
-    if (live && live.get() == w.storage().unsafeGetStorageImpl() && p.offset == w.storage_offset() && p.N == N &&
-        p.K == K && p.version == v)
+    if (live && live.get() == w.storage().unsafeGetStorageImpl() && p.N == N && p.K == K && p.version == v)
       return p.tiles.data_ptr<at::BFloat16>();
   }
   for (auto i = packed_cache.begin(); i != packed_cache.end();)   // weights freed since: their copies go
@@ -388,7 +388,7 @@ const at::BFloat16* amx_packed(const at::Tensor& w) {
           std::memcpy(dst + ((nb * KT + c) * 16 + i) * 32, src + (nb * 16 + i) * K + c * 32,
                       std::min<int64_t>(32, K - c * 32) * sizeof(at::BFloat16));
   });
-  packed_cache.insert_or_assign(key, Packed{w.storage().getWeakStorageImpl(), w.storage_offset(), N, K, v, tiles});
+  packed_cache.insert_or_assign(key, Packed{w.storage().getWeakStorageImpl(), N, K, v, tiles});
   return dst;
 }
 
@@ -431,8 +431,8 @@ void amx_blocks(const at::BFloat16* const* wb, const uint16_t* xb, int64_t KC, i
 #undef GRAFT_EACH
 }
 
-// y (M, N) = x (M, K) W^T (+ b), bfloat16, K even, W packed (amx_packed). Threads split pairs of 16-row
-// blocks. A C tile's column r (row r of x: 16 outputs, 16 floats apart) is gathered, the bias added,
+// y (M, N) = x (M, K) W^T (+ b), bfloat16, K even, W packed (amx_packed). Threads split the tasks of
+// four 16-row blocks (below). A C tile's column r (row r of x: 16 outputs, 16 floats apart) is gathered, the bias added,
 // rounded as vstore rounds, and stored.
 template <typename T>
 void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
@@ -442,8 +442,9 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   const int64_t R = std::min<int64_t>(M, 16), P = K / 2;
   std::vector<uint32_t> xp(M > 1 ? MB * KT * 16 * R : 0, 0u);
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  for (int64_t m = 0; m < M && M > 1; m++)
-    for (int64_t p = 0; p < P; p++) xp[(m / 16 * KT * 16 + p) * R + m % 16] = xs[m * P + p];
+  if (M > 1)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t p = 0; p < P; p++) xp[(m / 16 * KT * 16 + p) * R + m % 16] = xs[m * P + p];
   const uint16_t* xq = M > 1 ? reinterpret_cast<const uint16_t*>(xp.data()) : reinterpret_cast<const uint16_t*>(x);
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(16));

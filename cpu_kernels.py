@@ -127,8 +127,7 @@ def isa() -> str | None:
 def peak(dtype: torch.dtype, seconds: float = 0.05) -> float:
     """The core's multiply-add peak, GMAC/s, for a linear in `dtype`: the instruction the linear's
     inner loop runs (bfloat16: AMX's TDPBF16PS where the linear runs on AMX, else VDPBF16PS where the CPU
-    has it; else FMA), in registers, measured now
-    for about `seconds` on the calling thread. What a pass's GMAC/s is a share of (bench.py)."""
+    has it; else FMA), in registers, measured now for about `seconds` on the calling thread. What a pass's GMAC/s is a share of (bench.py)."""
     return torch.ops.graft.peak(dtype, seconds)
 
 

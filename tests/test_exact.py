@@ -131,8 +131,8 @@ def test_without_exact_mode_rows_differ(route, request):
 
 
 def test_exact_linear_pads_rows(torch_kernels):
-    """On torch's kernels, Linear in exact mode pads rows (EXACT_ROWS, EXACT_ROWS_F32 for float32): M = 1..9 rows give
-    the rows of M = 64."""
+    """On torch's kernels, Linear in exact mode pads rows (EXACT_ROWS; float32: EXACT_ROWS_F32): M = 1..9
+    rows give the rows of M = 64."""
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         lin = M.Linear(576, 1152, bias=False).to(dtype)
