@@ -326,16 +326,19 @@ struct I8BF16Dot : BF16Dot {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(GRAFT_AVX512) && defined(__linux__)
 #define GRAFT_AMX 1
-// bfloat16 on AMX (Sapphire Rapids and later): one tile multiply (TDPBF16PS) takes 16 rows of W against
-// up to 16 rows of x, 32 weights deep, so a tree pass of up to 16 nodes costs about what a one-row pass
-// costs: the weight's reads. Each output y[m, n] is one element of a C tile, fed by the pairs of k in
-// order, 32 at a time, chunk after chunk (a shorter last chunk where K is not a multiple of 32); the rows
-// of x beside it are other elements of the same tiles, which never enter its sum, so a row's outputs do
-// not depend on how many rows there are. The path is chosen per process (the CPU, the OS's grant,
-// GRAFT_AMX=0 to refuse it) and per shape (K even), never by M: a one-token step and a tree pass of one
-// process run the same sums. W is read from a packed copy (amx_packed), each A tile's 1 KB contiguous,
-// which streams at the memory's pace; W's own rows as A tiles (16 rows 64 bytes at a time) read ~10%
-// slower, the row streams defeating the prefetchers. The copy costs W's size again in memory.
+// bfloat16 on AMX (Sapphire Rapids and later): one tile multiply (TDPBF16PS) takes up to 16 rows of x
+// against 16 outputs of W, 32 weights deep, so a tree pass of up to 16 nodes costs about what a one-row
+// pass costs: the weight's reads. Each output y[m, n] is one element of a C tile. What a tile multiply
+// adds to it, measured bit for bit on the CPU (the SDM's pseudocode says the same): the products of the
+// chunk's even weights summed by a float32 FMA chain from zero, in order, likewise the odd ones, then
+// C + (even + odd), denormals flushed. The rows of x beside a row are other elements of the same tiles,
+// never in its sum. One row (M = 1: plain decoding) runs that same arithmetic on AVX-512 FMAs (amx_row,
+// MXCSR's DAZ and FTZ set), since vector loads with a software prefetch stream the packed weight faster
+// than tile loads (plain decoding ~2% below VDPBF16PS's instead of ~5%); a one-token step and a tree pass
+// still run the same sums, row for row. The path is chosen per process
+// (the CPU, the OS's grant, GRAFT_AMX=0 to refuse it) and per shape (K even). W is read from a packed copy
+// (amx_packed) whose 1 KB B tiles are contiguous, which streams at the memory's pace; the copy costs W's
+// size again in memory.
 struct alignas(64) TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 bool amx_on() {                         // the OS must grant the tile state (Linux >= 5.16) before first use
@@ -347,10 +350,11 @@ bool amx_on() {                         // the OS must grant the tile state (Lin
   return on;
 }
 
-// W (N, K) as A tiles: block nb (16 rows, zeros past N), chunk c (32 weights; the last kt wide) at
-// ((nb * KT) + c) * 512, row i of the tile at + i * 32. A copy per weight (by its data pointer), made on
-// first use, made again once the weight is written (its version counter) and dropped at the next copy
-// made once it is freed (its storage held weakly: a new weight at the same address is another storage).
+// W (N, K) as B tiles: block nb (16 outputs, zeros past N), chunk c (32 weights; the last kt) at
+// ((nb * KT) + c) * 512; in it, pair row p (the chunk's weights 2 p, 2 p + 1) at + p * 32, output i's pair
+// at + 2 i. A copy per weight (by its data pointer), made on first use, made again once the weight is
+// written (its version counter) and dropped at the next copy made once it is freed (its storage held
+// weakly: a new weight at the same address is another storage).
 struct Packed {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t N, K;
@@ -365,7 +369,7 @@ uint32_t version_of(const at::Tensor& w) {       // inference tensors have none:
 }
 
 const at::BFloat16* amx_packed(const at::Tensor& w) {
-  const int64_t N = w.size(0), K = w.size(1), KC = K / 32, kt = K % 32, KT = KC + (kt > 0), NB = (N + 15) / 16;
+  const int64_t N = w.size(0), K = w.size(1), KT = (K + 31) / 32, NB = (N + 15) / 16;
   const void* key = w.data_ptr();
   const uint32_t v = version_of(w);
   std::lock_guard<std::mutex> hold(packed_lock);
@@ -384,43 +388,42 @@ const at::BFloat16* amx_packed(const at::Tensor& w) {
   at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; nb++)
       for (int64_t i = 0; i < 16 && nb * 16 + i < N; i++)
-        for (int64_t c = 0; c < KT; c++)
-          std::memcpy(dst + ((nb * KT + c) * 16 + i) * 32, src + (nb * 16 + i) * K + c * 32,
-                      std::min<int64_t>(32, K - c * 32) * sizeof(at::BFloat16));
+        for (int64_t q = 0; q < K / 2; q++)                  // pair q: chunk q / 16, pair row q % 16
+          std::memcpy(dst + nb * KT * 512 + (q / 16) * 512 + (q % 16) * 32 + 2 * i, src + (nb * 16 + i) * K + 2 * q,
+                      2 * sizeof(at::BFloat16));
   });
   packed_cache.insert_or_assign(key, Packed{w.storage().getWeakStorageImpl(), N, K, v, tiles});
   return dst;
 }
 
-// Tiles 0-3: C, four blocks of 16 outputs by R rows of x; 4, 5: A (in turn); 6: B, x's 32-deep chunk
-// (R rows); where K has a tail of kt < 32, tile 5 is its A (kt wide; A is then 4 alone) and 7 its B (kt / 2
-// pair rows).
+// Tiles 0-3: C, R rows of x by four blocks of 16 outputs; 4: A, x's 32-deep chunk; 6, 7: B, a block's
+// chunk (in turn); where K has a tail of kt < 32, tile 5 is its A (kt wide) and 7 its B (kt / 2 pair rows;
+// B is then 6 alone).
 void amx_configure(int64_t kt, int64_t R) {
   TileConfig c{};
   c.palette = 1;
-  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-  for (int t : {0, 1, 2, 3, 6, 7}) c.colsb[t] = uint16_t(4 * R);
+  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = uint8_t(t < 6 ? R : 16);
   if (kt) c.colsb[5] = uint16_t(2 * kt), c.rows[7] = uint8_t(kt / 2);
   _tile_loadconfig(&c);
 }
 
-// The G (1 or 4) C tiles of packed blocks wb[j] against R rows of x in B's layout (xb: per chunk 16 rows
-// of R pairs, 4 R bytes apart), stored to out[j] (16 x 16 floats, R of each row used).
+// The G (1 or 4) C tiles of packed blocks wb[j] against R rows of x (x's rows K apart), stored to out[j]
+// (R rows of 16 floats).
 template <int G>
-void amx_blocks(const at::BFloat16* const* wb, const uint16_t* xb, int64_t KC, int64_t kt, int64_t R, float* out) {
+void amx_blocks(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K, int64_t KC, int64_t kt, float* out) {
 #define GRAFT_EACH(F) F(0) if constexpr (G > 1) { F(1) F(2) F(3) }
 #define GRAFT_ZERO(J) _tile_zero(J);
-#define GRAFT_DP(J) if (kt || J % 2 == 0) { _tile_loadd(4, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 4, 6); } \
-                    else { _tile_loadd(5, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 5, 6); }
-#define GRAFT_TAIL(J) _tile_loadd(5, wb[J] + KC * 512, 64); _tile_dpbf16ps(J, 5, 7);
+#define GRAFT_DP(J) if (kt || J % 2 == 0) { _tile_loadd(6, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 4, 6); } \
+                    else { _tile_loadd(7, wb[J] + kc * 512, 64); _tile_dpbf16ps(J, 4, 7); }
+#define GRAFT_TAIL(J) _tile_loadd(7, wb[J] + KC * 512, 64); _tile_dpbf16ps(J, 5, 7);
 #define GRAFT_STORE(J) _tile_stored(J, out + J * 256, 64);
   GRAFT_EACH(GRAFT_ZERO)
   for (int64_t kc = 0; kc < KC; kc++) {
-    _tile_loadd(6, xb + kc * 32 * R, 4 * R);
+    _tile_loadd(4, x + kc * 32, 2 * K);
     GRAFT_EACH(GRAFT_DP)
   }
   if (kt) {
-    _tile_loadd(7, xb + KC * 32 * R, 4 * R);
+    _tile_loadd(5, x + KC * 32, 2 * K);
     GRAFT_EACH(GRAFT_TAIL)
   }
   GRAFT_EACH(GRAFT_STORE)
@@ -431,23 +434,49 @@ void amx_blocks(const at::BFloat16* const* wb, const uint16_t* xb, int64_t KC, i
 #undef GRAFT_EACH
 }
 
+// The same G blocks for one row of x (xf: x in float32) on AVX-512, the tile multiply's arithmetic chunk
+// by chunk (above), stored to out[j] (16 floats).
+template <int G>
+void amx_row(const at::BFloat16* const* wb, const float* xf, int64_t KC, int64_t kt, float* out) {
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);                                    // DAZ, FTZ: as AMX treats denormals
+  const __m512i odd = _mm512_set1_epi32(int(0xFFFF0000u));
+  vec c[G];
+  for (int j = 0; j < G; j++) c[j] = vzero();
+  auto chunk = [&](int64_t kc, int64_t pairs) {
+    vec e[G], o[G];
+    for (int j = 0; j < G; j++) e[j] = o[j] = vzero();
+    for (int64_t p = 0; p < pairs; p++) {
+      const vec xe = vset1(xf[kc * 32 + 2 * p]), xo = vset1(xf[kc * 32 + 2 * p + 1]);
+      #pragma GCC unroll 4
+      for (int j = 0; j < G; j++) {
+        const __m512i w = _mm512_loadu_si512(wb[j] + kc * 512 + p * 32);   // 16 outputs' pairs
+        _mm_prefetch(reinterpret_cast<const char*>(wb[j] + (kc + 2) * 512 + p * 32), _MM_HINT_T0);   // 2 KB on (past the end: no fault)
+        e[j] = vfma(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), e[j]);
+        o[j] = vfma(xo, _mm512_castsi512_ps(_mm512_and_si512(w, odd)), o[j]);
+      }
+    }
+    for (int j = 0; j < G; j++) c[j] = vadd(c[j], vadd(e[j], o[j]));
+  };
+  for (int64_t kc = 0; kc < KC; kc++) chunk(kc, 16);
+  if (kt) chunk(KC, kt / 2);
+  for (int j = 0; j < G; j++) _mm512_storeu_ps(out + j * 256, c[j]);
+  _mm_setcsr(csr);
+}
+
 // y (M, N) = x (M, K) W^T (+ b), bfloat16, K even, W packed (amx_packed). Threads split the tasks of
-// four 16-row blocks (below). A C tile's column r (row r of x: 16 outputs, 16 floats apart) is gathered, the bias added,
-// rounded as vstore rounds, and stored.
+// four 16-output blocks (below); a C tile's row r (row r of x: 16 outputs) gets the bias, is rounded as
+// vstore rounds, and stored.
 template <typename T>
 void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
   if (M == 0) return;
   const int64_t KC = K / 32, kt = K % 32, KT = KC + (kt > 0), MB = (M + 15) / 16, NB = (N + 15) / 16;
-  // x in B's layout, blocks of R = min(M, 16) rows: (MB, K / 2 pairs, R); one row is its own layout
-  const int64_t R = std::min<int64_t>(M, 16), P = K / 2;
-  std::vector<uint32_t> xp(M > 1 ? MB * KT * 16 * R : 0, 0u);
-  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  if (M > 1)
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t p = 0; p < P; p++) xp[(m / 16 * KT * 16 + p) * R + m % 16] = xs[m * P + p];
-  const uint16_t* xq = M > 1 ? reinterpret_cast<const uint16_t*>(xp.data()) : reinterpret_cast<const uint16_t*>(x);
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
+  std::vector<float> xf(M == 1 ? K : 0);
+  for (int64_t k = 0; k < (M == 1 ? K : 0); k++) xf[k] = float(x[k]);
+  // tiles of R = min(M, 16) rows; past 16, a last block of fewer rows is read from a copy padded with zeros
+  const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 ? M % 16 : 0;
+  std::vector<at::BFloat16> pad(tail_rows ? 16 * K : 0, at::BFloat16(0.f));
+  if (tail_rows) std::memcpy(pad.data(), x + (M - tail_rows) * K, tail_rows * K * sizeof(at::BFloat16));
   // four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the memory's
   // prefetchers follow four far-apart streams better than two neighbours), the last NB - 4 Q blocks alone
   const int64_t Q = NB / 4;
@@ -455,15 +484,17 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
     const at::BFloat16* wb[4];
     for (int64_t j = 0; j < 4; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
     for (int64_t mb = 0; mb < MB; mb++) {
-      const uint16_t* xb = xq + mb * KT * 32 * R;
-      if (four) amx_blocks<4>(wb, xb, KC, kt, R, out);
-      else amx_blocks<1>(wb, xb, KC, kt, R, out);
       const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+      if (M == 1) four ? amx_row<4>(wb, xf.data(), KC, kt, out) : amx_row<1>(wb, xf.data(), KC, kt, out);
+      else {
+        const at::BFloat16* xb = rows < R ? pad.data() : x + mb * 16 * K;
+        four ? amx_blocks<4>(wb, xb, K, KC, kt, out) : amx_blocks<1>(wb, xb, K, KC, kt, out);
+      }
       for (int64_t j = 0; j < (four ? 4 : 1); j++) {
         const int64_t n0 = (four ? t + j * Q : t) * 16, nn = std::min<int64_t>(16, N - n0);
         const vec bias = b ? vload_tail(b + n0, nn) : vzero();
         for (int64_t r = 0; r < rows; r++) {
-          vec s = _mm512_i32gather_ps(lanes, out + j * 256 + r, 4);
+          vec s = _mm512_loadu_ps(out + j * 256 + r * 16);
           if (b) s = vadd(s, bias);
           vstore<T>(y + (mb * 16 + r) * N + n0, s, nn);
         }
@@ -471,7 +502,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
     }
   };
   at::parallel_for(0, Q + (NB - 4 * Q), 4, [&](int64_t t0, int64_t t1) {
-    amx_configure(kt, R);
+    if (M > 1) amx_configure(kt, R);
     alignas(64) float out[4 * 256];
     for (int64_t t = t0; t < t1; t++) run(t < Q ? t : 3 * Q + t, t < Q, out);
   });

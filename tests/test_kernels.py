@@ -36,6 +36,26 @@ def test_linear_is_the_linear_and_row_invariant(dtype):
         assert cpu_kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_rows_sum_is_the_same_to_its_last_bit(dtype):
+    """Row invariance where the output's rounding cannot hide it: a bias that cancels a row's sum leaves its
+    last float32 bits in the output, and one row alone gives them as 20 rows do (on AMX: one row runs the
+    tile multiply's arithmetic on vector FMAs, so this checks that it is the tile's; also with sums at the
+    edge of float32's normal range, where the tiles flush denormals)."""
+    g = torch.Generator().manual_seed(1)
+    for N, K, scale in ((37, 70, 1.0), (64, 576, 1.0), (48, 1536, 1.0), (17, 34, 1.0), (32, 96, 1e-19)):
+        w = (torch.randn(N, K, generator=g) * scale).to(dtype)
+        xs = (torch.randn(20, K, generator=g) * (scale if dtype != torch.float16 else 1.0)).to(dtype)
+        ref = (xs.double() @ w.double().T).float()
+        for r in range(20):
+            b = -ref[r] if scale == 1.0 else None                       # the sum cancelled: its last bits remain
+            one = cpu_kernels.linear(xs[r:r + 1], w, b)[0]
+            assert torch.equal(one, cpu_kernels.linear(xs, w, b)[r]), (N, K, r)
+            assert torch.equal(one, cpu_kernels.linear(xs[:r + 1], w, b)[r]), (N, K, r)
+        if K >= 576 and dtype != torch.float16:
+            assert (one != 0).sum() > N // 4                            # the residuals are there to compare
+
+
 def test_a_weight_written_in_place_or_viewed_is_read_as_it_is():
     """The linear's packed copy of a weight (AMX) follows it: written in place, the next call reads the new
     values; a view of some of its rows gives those rows' outputs. (Elsewhere the same holds trivially.)"""
