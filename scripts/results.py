@@ -72,8 +72,7 @@ SECTIONS = [
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "
-            "exact mode, every method calibrated by its warm-up. Measured before the CPU speedup: the table above "
-            "is today's.",
+            "exact mode, 64 tokens a prompt, every method calibrated by its warm-up.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
             "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
