@@ -7,7 +7,8 @@
 //              CPU's bfloat16 dot product where it has one), a masked tail, one fixed horizontal sum.
 //              W is read as four sequential streams (its rows in quarters), four rows of x sharing each
 //              load, but that changes which outputs are computed together, never how. On AMX (bfloat16,
-//              even K): one tile element per output, fed 32 weights a tile multiply, chunks in order.
+//              even K): one tile element per output, a tile multiply's 32 weights summed as the tiles
+//              sum them (one row: the same arithmetic on FMAs), chunks in order.
 //   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
 //              ancestors: position order), scores them 16 at a time by one reduction tree per key, and
 //              sums exp(score - max) * v one key after another (the weights' total in 16 lanes, in the
@@ -335,10 +336,9 @@ struct I8BF16Dot : BF16Dot {
 // never in its sum. One row (M = 1: plain decoding) runs that same arithmetic on AVX-512 FMAs (amx_row,
 // MXCSR's DAZ and FTZ set), since vector loads with a software prefetch stream the packed weight faster
 // than tile loads (plain decoding ~2% below VDPBF16PS's instead of ~5%); a one-token step and a tree pass
-// still run the same sums, row for row. The path is chosen per process
-// (the CPU, the OS's grant, GRAFT_AMX=0 to refuse it) and per shape (K even). W is read from a packed copy
-// (amx_packed) whose 1 KB B tiles are contiguous, which streams at the memory's pace; the copy costs W's
-// size again in memory.
+// still run the same sums, row for row. The path is chosen per process (the CPU, the OS's grant,
+// GRAFT_AMX=0 to refuse it) and per shape (K even). W is read from a packed copy (amx_packed) whose 1 KB
+// B tiles are contiguous, which streams at the memory's pace; the copy costs W's size again in memory.
 struct alignas(64) TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 bool amx_on() {                         // the OS must grant the tile state (Linux >= 5.16) before first use
@@ -471,8 +471,8 @@ template <typename T>
 void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T* y, int64_t M, int64_t K, int64_t N) {
   if (M == 0) return;
   const int64_t KC = K / 32, kt = K % 32, KT = KC + (kt > 0), MB = (M + 15) / 16, NB = (N + 15) / 16;
-  std::vector<float> xf(M == 1 ? K : 0);
-  for (int64_t k = 0; k < (M == 1 ? K : 0); k++) xf[k] = float(x[k]);
+  std::vector<float> xf;                                       // one row: x in float32, for amx_row
+  if (M == 1) xf.assign(x, x + K);
   // tiles of R = min(M, 16) rows; past 16, a last block of fewer rows is read from a copy padded with zeros
   const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 ? M % 16 : 0;
   std::vector<at::BFloat16> pad(tail_rows ? 16 * K : 0, at::BFloat16(0.f));
