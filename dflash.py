@@ -154,6 +154,17 @@ class BlockDrafter:
         self.model(self.features(feats), rows, keep, None, None, None, None, self.cache, slots=slot)
         self.Ld.index_add_(0, slot, n.view(1))
 
+    def context(self, feats: torch.Tensor, n: torch.Tensor):
+        """Context rows alone, for every request (a plain run's catch-up, graft.BlockDraft.catch_up): feats
+        (B, P, F) of its pending rows, the first n[b] real (0: none). Its Ld advances by n. A context row is
+        a function of its features and position alone, so the next draft reads the rows it would have
+        written itself."""
+        P = feats.shape[1]
+        rows = self.Ld[:, None] + torch.arange(P, device=feats.device)                   # (B, P)
+        keep = torch.arange(P, device=feats.device)[None] < n[:, None]
+        self.model(self.features(feats), rows, keep, None, None, None, None, self.cache)
+        self.Ld.add_(n)
+
     def draft(self, feats: torch.Tensor, n: torch.Tensor, root: torch.Tensor, cols: torch.Tensor):
         """One block per request: feats (B, P, F) of the last round's root and accepted nodes (the first
         n[b] real; 0: nothing new, or an empty slot) extend the context, then the block [root, mask,

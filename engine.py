@@ -408,6 +408,7 @@ class Engine:
         if self.block is not None:
             s.block_prefill = s.compile(BlockDrafter.prefill, "block_prefill", self.block)   # a prompt's context
             s.block_draft = s.compile(BlockDrafter.draft, "block_draft", self.block)         # a block per request
+            s.block_context = s.compile(BlockDrafter.context, "block_context", self.block)   # a plain run's rows
             s.block_tree = s.compile(block_tree, "block_tree", self.block)                   # chain, or cut + retrieval
         s.recycle_tree = s.compile(recycle_tree, "recycle_tree")                # Token Recycling's tree
         s.learn = s.compile(learn, "learn")                                     # matrices, the head's next input

@@ -472,6 +472,13 @@ class Round:
     grow: list | None = None          # per slot, whether it drafted (Engine.step; None: every slot did)
 
 
+def row_counts(B: int, dev) -> tuple:
+    """catch_up's row counts (B,), host and device: from pinned memory into a static buffer, one
+    asynchronous copy (no host sync)."""
+    return (torch.zeros(B, dtype=torch.long, pin_memory=torch.device(dev).type == "cuda"),
+            torch.zeros(B, dtype=torch.long, device=dev))
+
+
 class Method:
     """A decoding method: each round it proposes a tree per request under its root, the one verifier
     (verify.verify) checks them all in one target pass, and the method learns from the verification.
@@ -802,9 +809,7 @@ class Eagle3Tree(Method):
         self.pend_feats = torch.zeros(eng.B, self.P + self.room, F, dtype=eng.dtype, device=dev)
         self.pend_ids = torch.zeros(eng.B, self.P + self.room, dtype=torch.long, device=dev)
         self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
-        # catch_up's row counts: from pinned memory into a static buffer, one asynchronous copy (no host sync)
-        self.caught_host = torch.zeros(eng.B, dtype=torch.long, pin_memory=torch.device(dev).type == "cuda")
-        self.caught = torch.zeros(eng.B, dtype=torch.long, device=dev)
+        self.caught_host, self.caught = row_counts(eng.B, dev)
 
     @classmethod
     def shape(cls, cfg):
@@ -1076,6 +1081,7 @@ class BlockDraft(Method):
         F = len(eng.model.capture_layers) * eng.model.args.dim
         self.pend_feats = torch.zeros(B, self.P + self.room, F, dtype=eng.dtype, device=dev)
         self.pend_n = torch.zeros(B, dtype=torch.long, device=dev)
+        self.caught_host, self.caught = row_counts(B, dev)
         self.chain = (torch.arange(n, device=dev) - 1).expand(B, n).contiguous()     # parents: a chain
         tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
         self.tau = torch.tensor(float(tau or 0.0) if self.cut else 0.0, device=dev)
@@ -1086,7 +1092,7 @@ class BlockDraft(Method):
         return cfg.block, cfg.block
 
     def tensors(self):
-        return super().tensors() + [self.pend_feats, self.pend_n, self.chain, self.tau] + (
+        return super().tensors() + [self.pend_feats, self.pend_n, self.caught, self.chain, self.tau] + (
             self.tpl.tensors() if self.tpl is not None else [])
 
     def prompt_chunk(self, eng, b, ids, logits, feats, n):
@@ -1095,10 +1101,28 @@ class BlockDraft(Method):
 
     def prefilled(self, eng, b):
         self.pend_n[b] = 0                       # the context holds the whole prompt: nothing pending
+        eng.slots[b].pend = 0                    # (the host's mirror: a head's slot starts with its root's row)
 
     def finish(self, eng, b):
         super().finish(eng, b)
         self.pend_n[b] = 0
+
+    def can_catch_up(self, eng) -> bool:
+        return not eng.compiling          # (a compiled draft reads every pending row, a static shape)
+
+    def catch_up(self, eng, which):
+        """The drafter writes each chosen slot's pending rows into its context now (BlockDrafter.context):
+        the rows its next block would have written first, so it drafts the same block."""
+        n = [s.pend if w and s.request is not None else 0 for w, s in zip(which, eng.slots)]
+        w = max(n)
+        if w <= 0:
+            return
+        # (free to write: the last round's commit waited for any earlier copy out of caught_host)
+        nt = self.caught.copy_(self.caught_host.copy_(torch.tensor(n)), non_blocking=True)
+        eng.steps.block_context(self.pend_feats[:, :w], nt)
+        for b, c in enumerate(n):
+            eng.slots[b].pend -= c
+        self.pend_n.sub_(nt)
 
     def round(self, eng, record=False, full=False) -> Round:
         st, d = eng.steps, eng.block

@@ -225,7 +225,7 @@ def placement_check(batch: int, window: bool, device: str = "meta", methods=E.ME
                 if m.paced:                                     # plain rounds, and rounds where some slots draft
                     m.pacer = EveryOtherRound()
                 try:
-                    E.run(eng, m, [E.Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 4)
+                    E.run(eng, m, [E.Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 6)
                     out[tag[0]] = "ok"
                 except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
                     out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -25,6 +25,7 @@ from conftest import ROOT
 from data import STDLIB_CKPT, STDLIB_DFLASH, known_dflash, stdlib_snippets
 from model import GraftError
 from test_gpu_contract import as_if_cuda, count_prefills, placement_check, transfers, unmarked  # noqa: F401  (fixtures)
+from test_pacing import Forced
 from verify import Sampling
 
 BLOCK_METHODS = ["dflash", "graft-tail"]
@@ -163,6 +164,39 @@ def test_block_methods_are_lossless(stream):
             else:
                 assert sum(r.from_retrieval for r in res.requests) == 0
     assert retrieved > 0 and kept > 0          # the cut fired: both the prefix and the retrieval were accepted
+
+
+@pytest.mark.parametrize("run", [GR.PLAIN_RUN - 1, 2 * GR.PLAIN_RUN + 5])
+def test_a_block_after_a_plain_run_is_the_block_it_would_have_drafted(stream, run):
+    """Through a run of plain steps the drafter's context falls behind; it writes the rows it missed
+    (BlockDraft.catch_up) each time its pending rows are full and just before it drafts again, outside the
+    drafting round. A context row is the drafter's projection of the target's features at one position,
+    a function of that row alone, so the block it then drafts is, guesses and confidences bit for bit,
+    the block it drafts reading those rows in the round (where they fit its pending rows), and its guesses
+    are those of a request whose prompt already held the tokens."""
+    eng = CLI.build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=256, batch=1)
+    ids = eng.tokenizer.encode(stream[0])
+    want = E.generate(eng, eng.make("ar"), ids, run + 8).tokens
+    first, caught = {}, []
+    for tag, prompt, pacer in (("caught up", ids, Forced(lambda n, b: n > run)), ("in the round", ids, Forced(lambda n, b: n > run)),
+                               ("prefilled", ids + want[:run], None)):
+        if tag == "in the round" and run >= GR.PLAIN_RUN:
+            continue                                 # (more than its pending rows hold: it must catch up)
+        m = eng.make("dflash", GR.Config(pace=True))
+        m.pacer, catch_up, got = pacer, m.catch_up, []
+        m.catch_up = lambda e, which: (caught.append(e.slots[0].pend), catch_up(e, which))
+        if tag == "in the round":
+            m.can_catch_up = lambda e: False
+        res = E.run(eng, m, [E.Request(prompt)], run + 8 if pacer else 8, on_round=lambda rnd, c: got.append(
+            (rnd.tree.tokens[0].tolist(), eng.block.conf[0].clone())) if not rnd.plain else None)
+        first[tag] = got[0]
+        assert res.requests[0].tokens == want[len(prompt) - len(ids):][:len(res.requests[0].tokens)]
+    assert first["caught up"][0] == first["prefilled"][0] and len(first["prefilled"][0]) == 16
+    if run < GR.PLAIN_RUN:
+        assert first["caught up"][0] == first["in the round"][0]
+        assert torch.equal(first["caught up"][1], first["in the round"][1])
+    full = run // GR.PLAIN_RUN
+    assert caught == [GR.PLAIN_RUN] * full + [run - full * GR.PLAIN_RUN]   # each time full, then as it drafts
 
 
 # ----------------------------------------------------------------------------- the CUDA-graph contract
