@@ -684,7 +684,8 @@ class Pacer:
     steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
     outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN; a
-    new request starts where the last one left off (its mat; its plain run, <= 8). At B > 1 a tree pass
+    new request starts where the last one left off (its mat; once any request's tree has paid on this engine,
+    a plain run of <= 8, else the rest of its run: a method that never pays probes less than once a request). At B > 1 a tree pass
     costs every request, so the batch is paced as one (plan): its drafters are the requests of highest mat,
     as many as pay, its probes one request's tree beside the others' roots (Engine.grow; a CPU skips a
     padding row's arithmetic), a drafting round halving its run; no drafter, a plain step (Method.plain_round).
@@ -697,11 +698,12 @@ class Pacer:
     def __init__(self):
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
         self.batch = Slot()           # at B > 1, the batch's own plain run (plain, backoff)
-        self.prior = None             # (mat, backoff) of the request seen last: where a new request starts
+        self.prior = None             # (mat, backoff, plain) of the request seen last: where a new one starts
         self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
+        self.paid = False             # a request's tree paid here, on measured costs (alone): see seen
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -732,7 +734,7 @@ class Pacer:
         if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and trees >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
-            (s.mat, s.backoff), s.plain = self.prior, self.prior[1]          # starts where the last one left off
+            s.mat, s.backoff, s.plain = self.prior                            # starts where the last one left off
         n, b, tp = sum(live), self.batch, self.cost(0)
         shadow = method.shadow(eng) if getattr(method, "shadows", False) else None
         if shadow is not None:       # the method scores every proposal, drafted or not: no plain runs, no probes;
@@ -808,6 +810,8 @@ class Pacer:
                 continue
             if plain or not g or shadows:          # (a shadowing method scored its drafted proposals too: plan)
                 s.plain = max(s.plain - 1, 0)
+                if n == 1 and not self.paid and self.prior is not None:
+                    self.prior = (s.mat, s.backoff, s.plain)        # (its run goes on into the next request)
                 continue
             a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left it stale)
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
@@ -816,7 +820,12 @@ class Pacer:
                 self.back_off(s)
             else:
                 s.backoff = 0
-            self.prior = (s.mat, min(s.backoff, 2 * self.MIN_RUN))   # (capped: the next text may differ)
+                self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)
+            # a new request starts where this one is: once a tree has paid here, with a plain run of at most
+            # 2 MIN_RUN (the next text may differ); where none ever has, inside this one's run (a probe or
+            # more a request, each dearer than the tokens it commits, cost DFlash ~4% of plain decoding)
+            run = min(s.backoff, 2 * self.MIN_RUN)
+            self.prior = (s.mat, run, run) if self.paid else (s.mat, s.backoff, s.plain)
 
 
 class PlainSteps(Pacer):

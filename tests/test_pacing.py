@@ -93,6 +93,32 @@ def test_plain_runs_double_up_to_plain_run_and_reset_when_drafting_pays():
     assert s.plain == 0 and s.backoff == 0
 
 
+@pytest.mark.parametrize("paid", [False, True])
+def test_a_new_request_takes_up_the_last_ones_plain_run_until_a_tree_has_paid(paid):
+    """Alone (B = 1), until a tree has paid on this engine a new request takes up the last one's plain run
+    where it stopped (the runs keep doubling across requests, so a method that never pays probes less than
+    once a request: DFlash here); once one has paid, on measured costs, a new request starts with a plain
+    run of at most 2 MIN_RUN (the next text may differ)."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.010, k1=0.030)
+    if paid:                                               # a round that paid: 4 tokens for 3 plain steps' cost
+        p.seen(eng, None, [True], [([0] * 3, 0, [], 0)], 0.030, False)
+        assert eng.slots[0].plain == 0 and p.paid
+        eng.slots[0], p.prior = Slot(Request([1])), None   # (another request, from scratch)
+    s = eng.slots[0]
+    for _ in range(4):                                     # probes that commit 1 token: runs of 4, 8, 16, 32
+        assert p.plan(eng, None) == [True]
+        p.seen(eng, None, [True], [([], 0, [], 0)], 0.030, False)
+        for _ in range(s.plain if s.backoff < PLAIN_RUN else 5):    # (the last run: 5 of its 32 steps)
+            assert p.plan(eng, None) == [False]
+            p.seen(eng, None, [False], [([], 0, [], 0)], 0.010, True)
+    assert s.backoff == PLAIN_RUN and s.plain == PLAIN_RUN - 5 and p.paid == paid
+    eng.slots[0] = Slot(Request([1]))                      # the request ends; the next one takes its slot
+    assert p.plan(eng, None) == [False]
+    new = eng.slots[0]
+    assert (new.backoff, new.plain) == ((2 * Pacer.MIN_RUN,) * 2 if paid else (PLAIN_RUN, PLAIN_RUN - 5))
+
+
 class CatchesUp:
     """A method whose drafter can read its pending rows outside a drafting round (graft.Method.catch_up)."""
     can_catch_up = lambda self, eng: True                  # noqa: E731
