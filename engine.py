@@ -685,10 +685,11 @@ class Pacer:
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
     outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN; a
     new request starts where the last one left off (its mat; once any request's tree has paid on this engine,
-    a plain run of <= 8, else the rest of its run: a method that never pays probes less than once a request). At B > 1 a tree pass
-    costs every request, so the batch is paced as one (plan): its drafters are the requests of highest mat,
-    as many as pay, its probes one request's tree beside the others' roots (Engine.grow; a CPU skips a
-    padding row's arithmetic), a drafting round halving its run; no drafter, a plain step (Method.plain_round).
+    a plain run of <= 8, else the rest of its run: a method that never pays probes less than once a request).
+    At B > 1 a tree pass costs every request, so the batch is paced as one (plan): its drafters are the
+    requests of highest mat, as many as pay, its probes one request's tree beside the others' roots
+    (Engine.grow; a CPU skips a padding row's arithmetic), a drafting round halving its run; no drafter, a
+    plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
     rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method."""
