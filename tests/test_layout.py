@@ -69,7 +69,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 595
 
 
-def test_the_algorithm_fits_in_3084_lines():
+def test_the_algorithm_fits_in_3125_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -98,12 +98,14 @@ def test_the_algorithm_fits_in_3084_lines():
     the tokens decoded after them, so it needs no probes (Method.shadow); a probe's head catch-up outside
     the timed round, its row counts copied without a host sync; prompt lookup as a byte search; the cost's
     median); and the batch's fourth (+12: a plain round's writes in one C++ call, the head's rows that only
-    write their keys, a pending room of 128 plain rounds when eager)."""
+    write their keys, a pending room of 128 plain rounds when eager); and the pacer's fifth (+41: a DFlash
+    drafter reading a plain run's rows outside a drafting round, its context step and catch-up, the row
+    counts' buffers shared with the head's; a new request taking up the plain run of a method that never paid)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3084, lines
+    assert lines <= 3125, lines
 
 
 def test_no_batched_twins():
