@@ -516,8 +516,8 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
 // sequence: the lanes' products over k in steps, in order, the masked tail, one Op::sum; mr, nr and rs
 // only decide which outputs run side by side. pf: rows of W to come (at the same offsets from each of
 // the nr streams), their weights [p0, p1) prefetched while these compute (null: none), with locality
-// hint HINT (3: into L1, 2: into L2). sc: an int8 W's scale per output (null: none), applied to the sum before the bias, the
-// same one multiply for every row.
+// hint HINT (3: into L1, 2: into L2). sc: an int8 W's scale per output (null: none), applied to the sum
+// before the bias, the same one multiply for every row.
 template <typename Op, typename T, int64_t mr, int64_t nr, int HINT>
 inline void tile(const typename Op::X* x, const typename Op::W* w, const float* sc, const float* b, T* y, int64_t K,
                  int64_t N, int64_t m0, int64_t n0, int64_t rs, const typename Op::W* pf, int64_t p0 = 0,

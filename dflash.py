@@ -155,10 +155,9 @@ class BlockDrafter:
         self.Ld.index_add_(0, slot, n.view(1))
 
     def context(self, feats: torch.Tensor, n: torch.Tensor):
-        """Context rows alone, for every request (a plain run's catch-up, graft.BlockDraft.catch_up): feats
-        (B, P, F) of its pending rows, the first n[b] real (0: none). Its Ld advances by n. A context row is
-        a function of its features and position alone, so the next draft reads the rows it would have
-        written itself."""
+        """Context rows alone (graft.BlockDraft.catch_up): feats (B, P, F) of each request's pending rows, the
+        first n[b] real; Ld advances by n. A row is a function of its features and position alone: the next
+        draft reads the rows it would have written itself."""
         P = feats.shape[1]
         rows = self.Ld[:, None] + torch.arange(P, device=feats.device)                   # (B, P)
         keep = torch.arange(P, device=feats.device)[None] < n[:, None]

@@ -822,9 +822,8 @@ class Pacer:
             else:
                 s.backoff = 0
                 self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)
-            # a new request starts where this one is: once a tree has paid here, with a plain run of at most
-            # 2 MIN_RUN (the next text may differ); where none ever has, inside this one's run (a probe or
-            # more a request, each dearer than the tokens it commits, cost DFlash ~4% of plain decoding)
+            # a new request starts where this one is: once a tree has paid here, with a plain run <= 2 MIN_RUN (the
+            # next text may differ); else inside this one's run (a probe a request cost DFlash ~4% of ar)
             run = min(s.backoff, 2 * self.MIN_RUN)
             self.prior = (s.mat, run, run) if self.paid else (s.mat, s.backoff, s.plain)
 

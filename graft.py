@@ -472,11 +472,17 @@ class Round:
     grow: list | None = None          # per slot, whether it drafted (Engine.step; None: every slot did)
 
 
-def row_counts(B: int, dev) -> tuple:
-    """catch_up's row counts (B,), host and device: from pinned memory into a static buffer, one
-    asynchronous copy (no host sync)."""
-    return (torch.zeros(B, dtype=torch.long, pin_memory=torch.device(dev).type == "cuda"),
-            torch.zeros(B, dtype=torch.long, device=dev))
+class RowCounts:
+    """catch_up's row counts (B,): written on the host into pinned memory, sent into a static device buffer
+    (dev) by one asynchronous copy, no host sync."""
+
+    def __init__(self, B: int, device):
+        self.host = torch.zeros(B, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+        self.dev = torch.zeros(B, dtype=torch.long, device=device)
+
+    def send(self, n: list) -> torch.Tensor:
+        # (free to write: the last round's commit waited for any earlier copy out of host)
+        return self.dev.copy_(self.host.copy_(torch.tensor(n)), non_blocking=True)
 
 
 class Method:
@@ -809,7 +815,7 @@ class Eagle3Tree(Method):
         self.pend_feats = torch.zeros(eng.B, self.P + self.room, F, dtype=eng.dtype, device=dev)
         self.pend_ids = torch.zeros(eng.B, self.P + self.room, dtype=torch.long, device=dev)
         self.pend_n = torch.zeros(eng.B, dtype=torch.long, device=dev)
-        self.caught_host, self.caught = row_counts(eng.B, dev)
+        self.caught = RowCounts(eng.B, dev)
 
     @classmethod
     def shape(cls, cfg):
@@ -820,7 +826,7 @@ class Eagle3Tree(Method):
 
     def tensors(self):
         return super().tensors() + [self.keep, self.drafted, self.taus, self.log_tau, self.conf, self.pend_feats,
-                                    self.pend_ids, self.pend_n, self.caught] + (
+                                    self.pend_ids, self.pend_n, self.caught.dev] + (
             self.tpl.tensors() + self.rtpl.tensors() if self.tpl is not None else [])
 
     def slot_thresholds(self) -> torch.Tensor:
@@ -874,8 +880,7 @@ class Eagle3Tree(Method):
         w = max(n)
         if w <= 0:
             return
-        # (free to write: the last round's commit waited for any earlier copy out of caught_host)
-        nt = self.caught.copy_(self.caught_host.copy_(torch.tensor(n)), non_blocking=True)
+        nt = self.caught.send(n)
         eng.steps.extend(self.pend_feats[:, :w], self.pend_ids[:, :w], nt, eng.cols(w, head=True), 1)
         for b, c in enumerate(n):
             if c:
@@ -1081,7 +1086,7 @@ class BlockDraft(Method):
         F = len(eng.model.capture_layers) * eng.model.args.dim
         self.pend_feats = torch.zeros(B, self.P + self.room, F, dtype=eng.dtype, device=dev)
         self.pend_n = torch.zeros(B, dtype=torch.long, device=dev)
-        self.caught_host, self.caught = row_counts(B, dev)
+        self.caught = RowCounts(B, dev)
         self.chain = (torch.arange(n, device=dev) - 1).expand(B, n).contiguous()     # parents: a chain
         tau = self.cfg.tail_threshold if self.cfg.tail_threshold is not None else self.cal.tail_threshold
         self.tau = torch.tensor(float(tau or 0.0) if self.cut else 0.0, device=dev)
@@ -1092,7 +1097,7 @@ class BlockDraft(Method):
         return cfg.block, cfg.block
 
     def tensors(self):
-        return super().tensors() + [self.pend_feats, self.pend_n, self.caught, self.chain, self.tau] + (
+        return super().tensors() + [self.pend_feats, self.pend_n, self.caught.dev, self.chain, self.tau] + (
             self.tpl.tensors() if self.tpl is not None else [])
 
     def prompt_chunk(self, eng, b, ids, logits, feats, n):
@@ -1101,7 +1106,7 @@ class BlockDraft(Method):
 
     def prefilled(self, eng, b):
         self.pend_n[b] = 0                       # the context holds the whole prompt: nothing pending
-        eng.slots[b].pend = 0                    # (the host's mirror: a head's slot starts with its root's row)
+        eng.slots[b].pend = 0                    # (its host mirror too: Engine.seat counts a head's root row)
 
     def finish(self, eng, b):
         super().finish(eng, b)
@@ -1117,8 +1122,7 @@ class BlockDraft(Method):
         w = max(n)
         if w <= 0:
             return
-        # (free to write: the last round's commit waited for any earlier copy out of caught_host)
-        nt = self.caught.copy_(self.caught_host.copy_(torch.tensor(n)), non_blocking=True)
+        nt = self.caught.send(n)
         eng.steps.block_context(self.pend_feats[:, :w], nt)
         for b, c in enumerate(n):
             eng.slots[b].pend -= c
