@@ -1052,10 +1052,13 @@ void pv(const float* sc, int64_t sstride, const float* vf, int64_t DV, const int
 }
 
 // q (B, H, Tq, D) against the keys and values of cache batch kbat[b] (b itself when kbat is null),
-// rows 0..S-1, under mask rows mask(b, t) (S bools, stride ms_s). Writes out (B, H, Tq, D).
+// rows 0..S-1, under mask rows mask(b, t) (S bools, stride ms_s). Writes out (B, H, Tq, D). on (B Tq,):
+// the rows whose output is read (null: all); the others, as a row that sees nothing, get zeros and cost
+// nothing (a padding row of a request beside a longer one would otherwise score every key it may see).
 template <typename T>
 void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kbat, Rows<const bool> mask, int64_t ms_s,
-            Rows<T> out, int64_t B, int64_t H, int64_t Tq, int64_t D, int64_t Hkv, int64_t S, float scale) {
+            Rows<T> out, int64_t B, int64_t H, int64_t Tq, int64_t D, int64_t Hkv, int64_t S, float scale,
+            const bool* on = nullptr) {
   using Keys = typename KeysOf<T>::type;
   using E = typename Keys::E;
   const int64_t G = H / Hkv, R = Tq * G;              // query-heads of a (request, KV head): r = t G + g
@@ -1066,6 +1069,7 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
   std::vector<int64_t> seen(B * Tq * S), n(B * Tq), last(B * Tq), gap(B * Tq);
   at::parallel_for(0, B * Tq, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
+      if (on && !on[i]) { n[i] = gap[i] = 0, last[i] = -1; continue; }
       const bool* mrow = mask.at(i / Tq, 0, i % Tq);
       int64_t c = 0;
       for (int64_t j = 0; j < S; j++) if (mrow[j * ms_s]) seen[i * S + c++] = j;
@@ -1082,19 +1086,24 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
     std::vector<float> sc(R * S16), l(R), sbuf(S16), vf, acc;
     std::vector<const int64_t*> snr(R);
     std::vector<const E*> qp(R);
-    std::vector<int64_t> rl(R), rn(R), rg(R);
+    std::vector<int64_t> rl(R), rn(R), rg(R), rt(R);
     std::vector<T*> outs(R);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / Hkv, h = i % Hkv, kb_ = kbat ? kbat[b] : b;
-      int64_t most = -1;
+      int64_t most = -1, R = 0;                       // R: the query-heads of rows that see a key, in row order
       for (int64_t t = 0; t < Tq; t++)
         for (int64_t g = 0; g < G; g++) {
-          const int64_t r = t * G + g;
+          if (!n[b * Tq + t]) {                       // sees nothing (padding): zeros
+            std::fill_n(out.at(b, h * G + g, t), D, T(0.f));
+            continue;
+          }
+          const int64_t r = R++;
           Keys::query(q.at(b, h * G + g, t), D, qe.data() + r * DE);
           qp[r] = qe.data() + r * DE;
           rl[r] = last[b * Tq + t];
           rn[r] = n[b * Tq + t];
           rg[r] = gap[b * Tq + t];
+          rt[r] = t;
           outs[r] = out.at(b, h * G + g, t);
           most = std::max(most, rl[r]);
         }
@@ -1120,7 +1129,7 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
       // 2. softmax over each query-head's seen keys, in seen order; p replaces the score in place
       for (int64_t r = 0; r < R; r++) {
         const int64_t nr = rn[r], in_place = rg[r] / 16 * 16;        // whole chunks of the seen prefix
-        const int64_t* sn = seen.data() + (b * Tq + r / G) * S;
+        const int64_t* sn = seen.data() + (b * Tq + rt[r]) * S;
         float* row = sc.data() + r * S16;
         for (int64_t c = in_place; c < nr; c++) sbuf[c] = row[sn[c]];
         for (int64_t c = nr; c < (nr + 15) / 16 * 16; c++) sbuf[c] = -std::numeric_limits<float>::infinity();
@@ -1146,14 +1155,14 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
         for (int64_t d = 0; d < DV; d += LANES)
           store(vf.data() + j * DV + d, d + LANES <= D ? vload(vb + j * v.st + d) : d < D ? vload_tail(vb + j * v.st + d, D - d) : vzero());
       acc.assign(R * DV, 0.f);
-      for (int64_t r = 0; r < R; r++) snr[r] = seen.data() + (b * Tq + r / G) * S;
+      for (int64_t r = 0; r < R; r++) snr[r] = seen.data() + (b * Tq + rt[r]) * S;
       switch (NVT) {
 #define GRAFT_PVN(NV_) case NV_: pv<NV_>(sc.data(), S16, vf.data(), DV, snr.data(), rn.data(), rg.data(), R, acc.data()); break;
         GRAFT_PVN(1) GRAFT_PVN(2) GRAFT_PVN(4) GRAFT_PVN(8) GRAFT_PVN(16)
 #undef GRAFT_PVN
       }
-      for (int64_t r = 0; r < R; r++)               // sees nothing (padding): zeros
-        for (int64_t d = 0; d < D; d++) outs[r][d] = T(rn[r] ? acc[r * DV + d] / l[r] : 0.f);
+      for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) outs[r][d] = T(acc[r * DV + d] / l[r]);
     }
   });
 }
@@ -1353,23 +1362,20 @@ at::Tensor block_impl(const at::Tensor& x, const at::Tensor& n1, const at::Tenso
     }
   }
   // 3. attention over cache rows 0..S-1 (the kernel above), then o_proj and the residual (used rows; a row
-  //    not wanted attends to nothing: its mask row is cleared)
+  //    not used, padding or not wanted, attends to nothing)
   auto out = (int64_t)used.size() == M ? at::empty_like(x, at::MemoryFormat::Contiguous)
                                        : at::zeros_like(x, at::MemoryFormat::Contiguous);
   if (!Mu) return out;
-  at::Tensor mk = mask;
-  if (want && Mu < M) {
-    mk = mask.clone(at::MemoryFormat::Contiguous);
-    auto mu = at::zeros({B, 1, Tq, 1}, mask.options());
-    bool* up = mu.data_ptr<bool>();
-    for (int64_t m : used) up[m] = true;
-    mk.mul_(mu);
+  std::unique_ptr<bool[]> on;                          // the used rows (null: all)
+  if (Mu < M) {
+    on.reset(new bool[M]());
+    for (int64_t m : used) on[m] = true;
   }
   auto att = scratch<T>(M * NQ);
-  const auto ms = mk.strides();
+  const auto ms = mask.strides();
   attend<T>({q.get(), Tq * NQ, D, NQ}, {kp, ks[0], ks[1], ks[2]}, {vp, vs[0], vs[1], vs[2]}, slots,
-            {mk.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
-            1.f / std::sqrt(float(D)));
+            {mask.data_ptr<bool>(), ms[0], 0, ms[2]}, ms[3], {att.get(), Tq * NQ, D, NQ}, B, H, Tq, D, Hkv, S,
+            1.f / std::sqrt(float(D)), on.get());
   lin(gather(att.get(), NQ, used, ag), Mu, wo, nullptr, h.get(), wide, sc[3]);    // h: o_proj's output
   add(pick(res, Dm, rs_), h.get(), x1.get(), Mu * Dm);
   // 4. the MLP: norm, SwiGLU, down, the residual

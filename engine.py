@@ -27,11 +27,11 @@ import torch
 
 from dflash import BlockDrafter
 from draft import Drafter
-from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, assemble, block_tree,
+from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, Round, assemble, block_tree,
                    learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
-from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, choose, commit, decode, logprobs, path_logprobs,
-                    rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
+from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, Tree, Verified, choose, commit, decode, logprobs,
+                    path_logprobs, rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
 
 
 # The verification budget. On a GPU a 61-node tree costs about what one token does (the paper's 60);
@@ -493,12 +493,8 @@ class Engine:
         """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits and
         features go to the method (its matrix and the head read them). Returns the first token (one
         host sync), which is also in self.root[b]."""
-        self.seat(b, r)
+        self.seat(b, r)                       # (its rows zeroed)
         slot, C = self.slots[b], self.chunk
-        if not self.window or self.B > 1:     # rows past its length are read under the mask (full attention, a
-            for t in self.cache.tensors() + (self.drafter.cache.tensors() if self.drafter else []) + (
-                    self.block.cache.tensors() if self.block else []):                                    # batch's
-                t[b].zero_()                  # window): none may hold an earlier request's junk (0 * NaN = NaN)
         self.smp.set(b, r.sampling)
         method.admit(self, b)
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
@@ -552,6 +548,62 @@ class Engine:
             method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
             method.prefilled(self, b)
         return self.first_tokens(pairs, self.root.index_select(0, slots), ok, lps)
+
+    def join(self, method: Method, pairs: list) -> tuple | None:
+        """An admission round [ours]: new requests (b, r), prompts of one chunk, prefilled in the pass that takes
+        the running requests' plain steps (prefill_chunk: a running request's chunk is its root alone, at row
+        L[b], with decode's mask, position and sampling key), so a slot freed while others run costs no pass of
+        its own (a prefill of one request reads every weight, as a round of B does). The running requests learn
+        as in a plain round (Method.plain_round), the new chunks go to the method as in admit_group. Eager only.
+        Returns (the Round, per slot what step returns; None for a new request: its first token is in r.tokens),
+        or None, nothing done, where a running request's drafter must read its full pending rows in a tree."""
+        new = {b for b, _ in pairs}
+        late = [method.pending and s.request is not None and b not in new and s.pend >= method.room
+                for b, s in enumerate(self.slots)]
+        if any(late) and not method.can_catch_up(self):
+            return None
+        self.steps.mark()
+        if any(late):
+            method.catch_up(self, late)
+        for b, r in pairs:
+            self.seat(b, r)                       # (its rows zeroed)
+            self.smp.set(b, r.sampling)
+            method.admit(self, b)
+        live = [b for b, s in enumerate(self.slots) if s.request is not None]
+        run, n = [i for i, b in enumerate(live) if b not in new], [len(self.slots[b].request.ids) if b in new else 1 for b in live]
+        k, pad, R = len(live), cache_rows(max(n)), len(run)
+        h = torch.tensor([t for b, m in zip(live, n) for t in (self.slots[b].request.ids if b in new else [0]) + [0] * (pad - m)]
+                         + n + live + run + [live[i] for i in run], device=self.device)    # one copy to the device
+        ids, lens, slots, ri, rs = (h[:k * pad].view(k, pad), *h[k * pad:].split([k, k, R, R]))
+        ids[ri, 0] = self.root[rs]                # a running request's chunk: its root
+        running = torch.zeros_like(self.active).index_fill_(0, rs, 1)           # (B,)
+        tree = Tree(self.root[:, None].clone(), torch.full_like(self.root[:, None], -1), running[:, None] > 0)
+        logits, feats, ok = self.steps.prefill(ids, self.L, lens, slots, self.cols(pad), method.pending, self.smp,
+                                               self.mode, self.root)
+        row = lambda x: x.new_zeros(self.B, 1, x.shape[-1]).index_copy_(0, rs, x[ri, :1]) if x is not None else None
+        zero = torch.zeros(self.B, 1, dtype=torch.long, device=self.device)            # (B, 1): decode's result
+        v = Verified(zero[:, 0], self.root.clone(), zero, row(logits), self.root.clone()[:, None], row(feats),
+                     torch.ones_like(ok[:1]).expand(self.B).index_copy(0, rs, ok[ri]))
+        if method.paced:                          # (ar's plain round learns nothing)
+            self.steps.plain_learn(method, tree, v, running)
+        for i, b in enumerate(live):              # the new requests' chunks, as admit_group's
+            if b in new:
+                self.slots[b].L += n[i]
+                method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
+                method.prefilled(self, b)
+        got = [None if self.slots[b].request is None or b in new else g for b, g in enumerate(commit(v, tree))]
+        if not all(g[4] for g in got if g is not None):
+            raise GraftError(NOT_FINITE)
+        out = [g and g[:4] for g in got]
+        for s, o in zip(self.slots, out):
+            if o is not None:
+                s.L, s.pend = s.L + 1, s.pend + 1
+        take = [i for i, b in enumerate(live) if b in new]
+        self.first_tokens([(live[i], self.slots[live[i]].request) for i in take], self.root.index_select(0, slots[take]),
+                          ok[take], [[] for _ in take])
+        if method.pacer is not None:              # a plain round, not a sample of a plain step's cost
+            method.pacer.seen(self, method, [False] * self.B, out, 0.0, True, caught=True)
+        return Round(tree, v, [None] * self.B, 0, 2, plain=True), out
 
     def first_tokens(self, pairs: list, roots: torch.Tensor, finite: torch.Tensor, lps: list) -> list:
         """After a prefill of requests (b, r): their first tokens (roots, (k,)) and, for those that ask,
@@ -889,6 +941,25 @@ class Scheduler:
             r.finished_s, r.done = time.perf_counter() - self.t0, True
             self.eng.free(b, self.method)
 
+    def joins(self, pairs: list) -> bool:
+        """Whether new requests (slot, request) join the next round (Engine.join) rather than take a pass
+        of their own: an eager engine where others run, prompts of one chunk, no log-probs asked, and a
+        method whose rounds may be plain (paced, or ar): an unpaced method drafts every round."""
+        eng, m, rs = self.eng, self.method, [r for r in self.eng.requests() if r is not None]
+        return bool(rs) and (m.pacer is not None or not m.paced) and not (eng.compiling or self.record or self.full) and (
+            all(len(r.ids) <= eng.chunk for _, r in pairs) and all(r.logprobs is None for r in rs + [r for _, r in pairs]))
+
+    def join(self, pairs: list) -> tuple | None:
+        """Engine.join: the round, with the new requests' prefill in its pass (its seconds count as
+        prefill); None where it cannot (then nothing ran)."""
+        t = time.perf_counter() - self.t0
+        got = self.eng.join(self.method, pairs)
+        if got is not None:
+            self.prefill_s += time.perf_counter() - self.t0 - t
+            for b, r in pairs:
+                r.admitted_s, r.first_s = t, time.perf_counter() - self.t0
+        return got
+
     def admit(self, pairs: list):
         """Prefill new requests (slot, request): the prompts that fit one chunk together in one target
         pass (Engine.admit_group, on an eager engine), the others one by one; each may end at once."""
@@ -923,10 +994,13 @@ class Scheduler:
                 pairs.append((free.pop(0), r))
             if not pairs:
                 break
+            if self.joins(pairs) and (joined := self.join(pairs)) is not None:
+                break                                # (their prefill rode on this round's pass)
             self.admit(pairs)
         if not any(eng.requests()):
             return
-        rnd, got = eng.step(method, self.record, self.full)     # 2. one round for every slot
+        # 2. one round for every slot
+        rnd, got = joined if pairs else eng.step(method, self.record, self.full)
         self.rounds += 1
         self.forwards += rnd.forwards
         if self.on_round:
@@ -954,6 +1028,10 @@ class Scheduler:
             r.stages[rnd.stages[b]] = r.stages.get(rnd.stages[b], 0) + 1
             r.tokens += new
             del r.logprob_rows[len(r.tokens):]      # (rows past the cut)
+            if self.on_tokens:
+                self.on_tokens(r)
+            self.done(b, r)
+        for b, r in pairs:                           # requests that joined the round: their first token
             if self.on_tokens:
                 self.on_tokens(r)
             self.done(b, r)

@@ -107,6 +107,31 @@ def test_one_new_token_ends_every_request_at_its_prefill(engines, prompts):
 
 
 @has_stdlib
+@pytest.mark.parametrize("method", ["ar", "graft", "pld", "recycle"])
+def test_a_request_that_joins_a_round_is_the_request_alone(engines, prompts, baselines, method, monkeypatch):
+    """A slot freed while others run: its next request is prefilled in the round's pass (Engine.join),
+    beside the others' plain steps. Requests of different limits (1: it ends at its first token) so that
+    slots free apart: rounds are joined, and every request's tokens (greedy and sampled) are its tokens
+    alone; an unpaced method (--no-pace) never joins (its rounds all draft)."""
+    joined = []
+    real = E.Engine.join
+    monkeypatch.setattr(E.Engine, "join", lambda eng, m, pairs: joined.append(len(pairs)) or real(eng, m, pairs))
+    eos, base = baselines
+    eng, one = engines[3], engines[1]
+    for kind in ("greedy", "sampled"):
+        reqs = requests(prompts[:6], kind)
+        for i, r in enumerate(reqs):
+            r.max_new_tokens = [N_NEW, 5, 1, 9, N_NEW, 3][i]
+        want = [alone(one, r, r.max_new_tokens) for r in reqs]
+        res = E.run(eng, eng.make(method, dataclasses.replace(CFG, pace=True)), reqs, N_NEW)
+        assert [r.tokens for r in res.requests] == want, (method, kind)
+        assert joined and all(r.first_s > 0 for r in res.requests)
+    joined.clear()
+    E.run(eng, eng.make(method, dataclasses.replace(CFG, pace=False)), requests(prompts[:6], "greedy"), 4)
+    assert not joined or method == "ar"
+
+
+@has_stdlib
 @pytest.mark.parametrize("method, policy", [("eagle3", None), ("graft", "replace"), ("graft", "stop"),
                                             ("prune", "stop"), ("recycle", None), ("pld", None)])
 def test_a_request_does_not_depend_on_its_neighbours(engines, prompts, method, policy):
