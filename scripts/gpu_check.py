@@ -184,8 +184,8 @@ class EveryOtherRound(E.Pacer):
 
 def placement_check(batch: int, window: bool, device: str = "meta", methods=E.METHODS, strict: bool = True,
                     tiny: dict = TINY) -> dict:
-    """Every compiled step of every method (of `methods`), in whole rounds (batch + 1 requests through
-    `batch` slots: a refill), on tensors of `device` (meta holds no data, so it runs anywhere), under
+    """Every compiled step of every method (of `methods`), in whole rounds (batch + 2 requests through
+    `batch` slots: refills, at a batch one joining the others' round), on tensors of `device` (meta holds no data, so it runs anywhere), under
     OneDevice (strict=False: meta's own checks alone, to show what they miss), greedy and sampled,
     and the verify step at every size --budget auto times. The host's reads of
     data-less tensors (the prefill's, commit's, the checkpoints') read ones. Returns {"<method>/
@@ -224,8 +224,11 @@ def placement_check(batch: int, window: bool, device: str = "meta", methods=E.ME
                 m = eng.make(name, cfg)
                 if m.paced:                                     # plain rounds, and rounds where some slots draft
                     m.pacer = EveryOtherRound()
+                # (request 1 ends first; at a batch, the last one, short, joins the others' round: Engine.join)
+                reqs = [E.Request([1] + list(range(2, 2 + (7 * i if i <= batch else 3))), s, i,
+                                  max_new_tokens=3 if i == 1 else 6) for i in range(batch + 2)]
                 try:
-                    E.run(eng, m, [E.Request([1] + list(range(2, 2 + 7 * i)), s, i) for i in range(batch + 1)], 6)
+                    E.run(eng, m, reqs, 6)
                     out[tag[0]] = "ok"
                 except Exception as e:      # noqa: BLE001 - reported, the caller fails on it
                     out[tag[0]] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

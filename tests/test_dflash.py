@@ -140,10 +140,11 @@ def stream():
     return stdlib_snippets(heldout=True, n=20, lines=3, seed=3)
 
 
-def test_block_methods_are_lossless(stream):
+def test_block_methods_are_lossless(stream, monkeypatch):
     """20 prompts, greedy and sampled requests side by side, B = 1 and B = 3 with refills, every step
     output poisoned as it expires: each request gets plain decoding's tokens alone. The shipped drafter
-    (the stdlib target finds it), so that blocks are accepted, cut and retrieved."""
+    (the stdlib target finds it), so that blocks are accepted, cut and retrieved. Paced too, at B = 3:
+    plain rounds, and refills that join them (Engine.join)."""
     assert known_dflash(STDLIB_CKPT) == STDLIB_DFLASH
     engs = {B: CLI.build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=256, batch=B,
                                 attention="window" if B == 1 else "full", check_lifetimes=True) for B in (1, 3)}
@@ -164,6 +165,12 @@ def test_block_methods_are_lossless(stream):
             else:
                 assert sum(r.from_retrieval for r in res.requests) == 0
     assert retrieved > 0 and kept > 0          # the cut fired: both the prefix and the retrieval were accepted
+    joined, real = [], E.Engine.join
+    monkeypatch.setattr(E.Engine, "join", lambda eng, m, pairs: joined.append(pairs) or real(eng, m, pairs))
+    for name in BLOCK_METHODS:
+        res = E.run(engs[3], engs[3].make(name, GR.Config(tail_threshold=TAU, pace=True)), reqs(), N_NEW)
+        assert [r.tokens for r in res.requests] == want, (name, "paced")
+    assert joined
 
 
 @pytest.mark.parametrize("run", [GR.PLAIN_RUN - 1, 2 * GR.PLAIN_RUN + 5])
