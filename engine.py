@@ -27,8 +27,8 @@ import torch
 
 from dflash import BlockDrafter
 from draft import Drafter
-from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, Round, assemble, block_tree,
-                   learn, plain_learn, recycle_tree, update)
+from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, Round, assemble,
+                   block_tree, learn, plain_learn, recycle_tree, update)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, Tree, Verified, choose, commit, decode, logprobs,
                     path_logprobs, rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
@@ -570,12 +570,13 @@ class Engine:
             self.smp.set(b, r.sampling)
             method.admit(self, b)
         live = [b for b, s in enumerate(self.slots) if s.request is not None]
-        run, n = [i for i, b in enumerate(live) if b not in new], [len(self.slots[b].request.ids) if b in new else 1 for b in live]
+        prompt = [self.slots[b].request.ids if b in new else [0] for b in live]   # a running request's: its root, below
+        run, n = [i for i, b in enumerate(live) if b not in new], [len(x) for x in prompt]
         k, pad, R = len(live), cache_rows(max(n)), len(run)
-        h = torch.tensor([t for b, m in zip(live, n) for t in (self.slots[b].request.ids if b in new else [0]) + [0] * (pad - m)]
-                         + n + live + run + [live[i] for i in run], device=self.device)    # one copy to the device
+        h = torch.tensor([t for x in prompt for t in x + [0] * (pad - len(x))] + n + live + run + [live[i] for i in run],
+                         device=self.device)                                   # one copy to the device
         ids, lens, slots, ri, rs = (h[:k * pad].view(k, pad), *h[k * pad:].split([k, k, R, R]))
-        ids[ri, 0] = self.root[rs]                # a running request's chunk: its root
+        ids[ri, 0] = self.root[rs]
         running = torch.zeros_like(self.active).index_fill_(0, rs, 1)           # (B,)
         tree = Tree(self.root[:, None].clone(), torch.full_like(self.root[:, None], -1), running[:, None] > 0)
         logits, feats, ok = self.steps.prefill(ids, self.L, lens, slots, self.cols(pad), method.pending, self.smp,
@@ -589,8 +590,10 @@ class Engine:
         for i, b in enumerate(live):              # the new requests' chunks, as admit_group's
             if b in new:
                 self.slots[b].L += n[i]
-                method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
+                method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], feats if feats is None else feats[i:i + 1],
+                                    n[i])
                 method.prefilled(self, b)
+        self.clock.mark("prefill")
         got = [None if self.slots[b].request is None or b in new else g for b, g in enumerate(commit(v, tree))]
         if not all(g[4] for g in got if g is not None):
             raise GraftError(NOT_FINITE)
@@ -599,8 +602,8 @@ class Engine:
             if o is not None:
                 s.L, s.pend = s.L + 1, s.pend + 1
         take = [i for i, b in enumerate(live) if b in new]
-        self.first_tokens([(live[i], self.slots[live[i]].request) for i in take], self.root.index_select(0, slots[take]),
-                          ok[take], [[] for _ in take])
+        self.first_tokens([(live[i], self.slots[live[i]].request) for i in take],
+                          self.root.index_select(0, slots[take]), ok[take], [[] for _ in take])
         if method.pacer is not None:              # a plain round, not a sample of a plain step's cost
             method.pacer.seen(self, method, [False] * self.B, out, 0.0, True, caught=True)
         return Round(tree, v, [None] * self.B, 0, 2, plain=True), out
@@ -915,6 +918,7 @@ class Scheduler:
         self.eng, self.method, self.max_new, self.eos = eng, method, max_new_tokens, set(eos_ids)
         self.on_tokens, self.on_round, self.record, self.full = on_tokens, on_round, record, full
         self.waiting, self.rounds, self.forwards, self.prefill_s = deque(), 0, 0, 0.0
+        self.plain = True                    # the last round was a plain one (joins)
         for b, r in enumerate(eng.requests()):        # a run that raised left its requests in their slots
             if r is not None:
                 eng.free(b, method)
@@ -944,9 +948,11 @@ class Scheduler:
     def joins(self, pairs: list) -> bool:
         """Whether new requests (slot, request) join the next round (Engine.join) rather than take a pass
         of their own: an eager engine where others run, prompts of one chunk, no log-probs asked, and a
-        method whose rounds may be plain (paced, or ar): an unpaced method drafts every round."""
+        round that would be plain: ar's, or a paced method's after a plain one (where trees pay, a forced
+        plain step would give up more than the pass saves; an unpaced method drafts every round)."""
         eng, m, rs = self.eng, self.method, [r for r in self.eng.requests() if r is not None]
-        return bool(rs) and (m.pacer is not None or not m.paced) and not (eng.compiling or self.record or self.full) and (
+        return bool(rs) and (not m.paced or m.pacer is not None and self.plain) and not (
+            eng.compiling or self.record or self.full) and (
             all(len(r.ids) <= eng.chunk for _, r in pairs) and all(r.logprobs is None for r in rs + [r for _, r in pairs]))
 
     def join(self, pairs: list) -> tuple | None:
@@ -1001,7 +1007,7 @@ class Scheduler:
             return
         # 2. one round for every slot
         rnd, got = joined if pairs else eng.step(method, self.record, self.full)
-        self.rounds += 1
+        self.rounds, self.plain = self.rounds + 1, rnd.plain
         self.forwards += rnd.forwards
         if self.on_round:
             self.on_round(rnd, got)

@@ -794,9 +794,11 @@ def test_decode_batch_rows_are_plain_decoding_of_each_request():
     assert L.tolist() == [n + 5 for n in L0[:3]] + [0]
 
 
-def test_rows_finite_sees_one_bad_logit_in_a_real_row_and_ignores_padding():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rows_finite_sees_one_bad_logit_in_a_real_row_and_ignores_padding(dtype):
+    """In every dtype (bfloat16 sums in place, float16 in float32)."""
     from verify import rows_finite
-    x = torch.randn(1, 4, 1000)
+    x = torch.randn(1, 4, 1000).to(dtype)
     valid = torch.tensor([[True, True, False, True]])
     assert rows_finite(x).tolist() == [True] and rows_finite(x, valid).tolist() == [True]
     for bad in (float("nan"), float("inf"), float("-inf")):
