@@ -493,10 +493,8 @@ class Engine:
         """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits and
         features go to the method (its matrix and the head read them). Returns the first token (one
         host sync), which is also in self.root[b]."""
-        self.seat(b, r)                       # (its rows zeroed)
+        self.enter(b, r, method)
         slot, C = self.slots[b], self.chunk
-        self.smp.set(b, r.sampling)
-        method.admit(self, b)
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
         finite = torch.ones(1, dtype=torch.bool, device=self.device)
         mode = sampling_mode([r.sampling])
@@ -526,9 +524,7 @@ class Engine:
         method, as in admit. Eager engines only (a compiled step would need a graph per B'). Returns the
         first tokens (one host sync)."""
         for b, r in pairs:
-            self.seat(b, r)                       # (its rows zeroed)
-            self.smp.set(b, r.sampling)
-            method.admit(self, b)
+            self.enter(b, r, method)
         k, n = len(pairs), [len(r.ids) for _, r in pairs]
         pad = cache_rows(max(n))
         h = torch.tensor([t for _, r in pairs for t in r.ids + [0] * (pad - len(r.ids))] + n + [b for b, _ in pairs],
@@ -566,9 +562,7 @@ class Engine:
         if any(late):
             method.catch_up(self, late)
         for b, r in pairs:
-            self.seat(b, r)                       # (its rows zeroed)
-            self.smp.set(b, r.sampling)
-            method.admit(self, b)
+            self.enter(b, r, method)
         live = [b for b, s in enumerate(self.slots) if s.request is not None]
         prompt = [self.slots[b].request.ids if b in new else [0] for b in live]   # a running request's: its root, below
         run, n = [i for i, b in enumerate(live) if b not in new], [len(x) for x in prompt]
@@ -582,9 +576,9 @@ class Engine:
         logits, feats, ok = self.steps.prefill(ids, self.L, lens, slots, self.cols(pad), method.pending, self.smp,
                                                self.mode, self.root)
         row = lambda x: x.new_zeros(self.B, 1, x.shape[-1]).index_copy_(0, rs, x[ri, :1]) if x is not None else None
-        zero = torch.zeros(self.B, 1, dtype=torch.long, device=self.device)            # (B, 1): decode's result
-        v = Verified(zero[:, 0], self.root.clone(), zero, row(logits), self.root.clone()[:, None], row(feats),
-                     torch.ones_like(ok[:1]).expand(self.B).index_copy(0, rs, ok[ri]))
+        zero, nxt = torch.zeros(self.B, 1, dtype=torch.long, device=self.device), self.root.clone()  # as decode's
+        v = Verified(zero[:, 0], nxt, zero, row(logits), nxt[:, None], row(feats),
+                     ok.new_ones(self.B).index_copy_(0, rs, ok[ri]))
         if method.paced:                          # (ar's plain round learns nothing)
             self.steps.plain_learn(method, tree, v, running)
         for i, b in enumerate(live):              # the new requests' chunks, as admit_group's
@@ -594,13 +588,7 @@ class Engine:
                                     n[i])
                 method.prefilled(self, b)
         self.clock.mark("prefill")
-        got = [None if self.slots[b].request is None or b in new else g for b, g in enumerate(commit(v, tree))]
-        if not all(g[4] for g in got if g is not None):
-            raise GraftError(NOT_FINITE)
-        out = [g and g[:4] for g in got]
-        for s, o in zip(self.slots, out):
-            if o is not None:
-                s.L, s.pend = s.L + 1, s.pend + 1
+        out = self.settle(commit(v, tree), True, new)
         take = [i for i, b in enumerate(live) if b in new]
         self.first_tokens([(live[i], self.slots[live[i]].request) for i in take],
                           self.root.index_select(0, slots[take]), ok[take], [[] for _ in take])
@@ -638,6 +626,12 @@ class Engine:
         for s in self.slots:
             if s.request is not None:
                 s.Ld += s.pend
+
+    def enter(self, b: int, r: Request, method: Method):
+        """Slot b takes request r for `method`: seated (its rows zeroed), its sampling set, the method told."""
+        self.seat(b, r)
+        self.smp.set(b, r.sampling)
+        method.admit(self, b)
 
     def seat(self, b: int, r: Request | None):
         """Slot b takes request r (None: it empties): its lengths start at 0, host and device alike, and
@@ -692,17 +686,7 @@ class Engine:
         want = [b for b, s in enumerate(self.slots) if s.request is not None and s.request.logprobs is not None]
         k = max((self.slots[b].request.logprobs for b in want), default=0)       # (no work unless asked)
         got, vals = commit(rnd.v, rnd.tree, path_logprobs(rnd.v, want, k)) if want else (commit(rnd.v, rnd.tree), [])
-        out = []
-        for b, (acc, bonus, ret, nodes, finite) in enumerate(got):
-            s = self.slots[b]
-            if s.request is None:
-                out.append(None)
-                continue
-            if not finite:
-                raise GraftError(NOT_FINITE)
-            s.L += len(acc) + 1
-            s.pend = s.pend + 1 if rnd.plain else len(acc) + 1
-            out.append((acc, bonus, ret, nodes))
+        out = self.settle(got, rnd.plain)
         P, w = rnd.v.path.shape[1], 1 + 2 * k
         for i, b in enumerate(want):          # the emitted tokens' rows: the path's first A + 1
             r = self.slots[b].request
@@ -711,6 +695,23 @@ class Engine:
         if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
             method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught, clean)
         return rnd, out
+
+    def settle(self, got: list, plain: bool, skip=()) -> list:
+        """After a round's commit (got: verify.commit's per slot): per slot (accepted tokens, bonus, sources,
+        nodes), None for an empty slot and for those in skip (requests that joined it); the host's lengths
+        follow. Errors: GraftError where a request's logits were not finite."""
+        out = []
+        for b, (acc, bonus, ret, nodes, finite) in enumerate(got):
+            s = self.slots[b]
+            if s.request is None or b in skip:
+                out.append(None)
+                continue
+            if not finite:
+                raise GraftError(NOT_FINITE)
+            s.L += len(acc) + 1
+            s.pend = s.pend + 1 if plain else len(acc) + 1
+            out.append((acc, bonus, ret, nodes))
+        return out
 
     def pending_rows(self, method: Method) -> int:
         """The rows of a method's pending buffers its drafter's next step reads: eager, as many as any

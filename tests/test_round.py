@@ -100,6 +100,7 @@ class MockEngine:
     Its step() is Engine.step itself: the method's round, then the one commit."""
     device, dtype = torch.device("cpu"), torch.float32
     step = E.Engine.step
+    settle = E.Engine.settle
     advance_head = E.Engine.advance_head
     pending_rows = E.Engine.pending_rows
     compiling = False
