@@ -350,7 +350,8 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
     eng = Engine(model, tok, head, matrix, batch, nodes, longest, top_k, depth, compile=compile,
                  window=attention == "window", chunk=chunk, backend=backend, check_lifetimes=check_lifetimes,
                  exact=exact, dflash=block, dflash_cols=cols)
-    eng.agree = tp.same             # what a rank decides from its own clock must agree (the pacer's round times)
+    if tp.world()[1] > 1:           # what a rank decides from its own clock must agree (the pacer's round times;
+        eng.agree = tp.same         # alone, the identity the engine starts with: tp.same reads the environment)
     return eng
 
 

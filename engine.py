@@ -673,9 +673,10 @@ class Engine:
         # window left dear by a noisy spell kept eagle3 plain in 97% of its rounds)
         behind = [grow is not None and s.request is not None and s.idle and s.pend > 1 for s in self.slots]
         clean = not plain and method.pending and any(behind) and method.can_catch_up(self)
+        ahead = 0.0                           # (a probe's catch-up: part of what the probe costs, not of a tree)
         if clean:
             method.catch_up(self, behind)
-            t0 = time.perf_counter()
+            ahead, t0 = time.perf_counter() - t0, time.perf_counter()
         if plain:
             rnd = method.plain_round(self)
         else:
@@ -693,7 +694,8 @@ class Engine:
             r.logprob_rows += unpack_logprobs(vals[i * P * w:(i * P + len(out[b][0]) + 1) * w], k, r.logprobs)
         self.clock.mark("update")
         if grow is not None:          # (sharded: rank 0's clock, so that every rank plans the same rounds)
-            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught, clean)
+            method.pacer.seen(self, method, grow, out, self.agree(time.perf_counter() - t0), rnd.plain, caught, clean,
+                              self.agree(ahead))
         return rnd, out
 
     def settle(self, got: list, plain: bool, skip=()) -> list:
@@ -748,8 +750,13 @@ class Pacer:
     plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method."""
-    WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN = 16, 0.03, 4, 0.1, 0.5, 2, 128
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method.
+    Probing is exploration, and it is priced too: what a probe lost (its round and its drafter's catch-up, less
+    the plain steps its tokens would have taken; the median of the last WINDOW probes, none below 0) makes
+    the plain run after a probe that does not pay at least long enough that probes cost EXPLORE of its time
+    (up to the cap): on a target whose step costs about what its head does (the 4.3M stdlib pair: a probe
+    lost ~1.8 plain steps), probes every 4-8 steps cost ~8% of ar's speed."""
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 2, 128, 0.03
     QUANTILE = 0.5
 
     def __init__(self):
@@ -761,6 +768,7 @@ class Pacer:
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
         self.paid = False             # a request's tree paid here, on measured costs (alone): see seen
+        self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (>= 0)
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -825,9 +833,18 @@ class Pacer:
         return [w or f for w, f in zip(want, full)]
 
     def back_off(self, s: Slot) -> int:
-        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, up to self.cap."""
-        s.backoff = s.plain = min(self.cap, 2 * s.backoff if s.backoff else self.MIN_RUN)
+        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, and at least
+        floor(), up to self.cap."""
+        s.backoff = s.plain = min(self.cap, max(2 * s.backoff if s.backoff else self.MIN_RUN, self.floor()))
         return s.plain
+
+    def floor(self) -> int:
+        """The shortest plain run after a probe that did not pay: probes then cost at most EXPLORE of the
+        run's time (the median probe's loss over EXPLORE plain steps); 0 before a loss is measured."""
+        tp = self.cost(0)
+        if not self.lost or not tp:
+            return 0
+        return math.ceil(sorted(self.lost)[len(self.lost) // 2] / (self.EXPLORE * tp))
 
     def explain(self, s: Slot, drafted: bool) -> str:
         """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
@@ -850,18 +867,23 @@ class Pacer:
         return f"{'drafted' if drafted else 'plain step'}; {mat}; {costs}; {nxt}"
 
     def seen(self, eng, method, grow: list, out: list, seconds: float, plain: bool, caught: bool = False,
-             clean: bool = False):
+             clean: bool = False, ahead: float = 0.0):
         """After a round: its cost, and per request what its drafting committed (a request whose trees do
         not pay goes plain for a while). No cost sample: a round whose resuming head read the plain steps'
-        features it missed (unless before the timer: clean, Engine.step), or whose drafter caught up (caught)."""
+        features it missed (unless before the timer: clean, Engine.step), or whose drafter caught up (caught).
+        ahead: the seconds a probe's drafters spent catching up before the timer (clean)."""
         k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
         shadows, pending = getattr(method, "shadows", False), getattr(method, "pending", True)   # (None: a test's)
+        n = sum(o is not None for o in out)
+        if not plain and n and not shadows and any(g and p for g, p in zip(grow, probe)) and (tp := self.cost(0)):
+            # a probe: its time against the plain steps that would have committed its tokens (n a step)
+            made = sum(len(o[0]) + 1 for o in out if o is not None)
+            self.lost.append(max(0.0, seconds + ahead - made / n * tp))
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
         if not caught and (plain or clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
-        n = sum(o is not None for o in out)
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):
             if o is None:
                 continue
@@ -880,7 +902,7 @@ class Pacer:
                 self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)
             # a new request starts where this one is: once a tree has paid here, with a plain run <= 2 MIN_RUN (the
             # next text may differ); else inside this one's run (a probe a request cost DFlash ~4% of ar)
-            run = min(s.backoff, 2 * self.MIN_RUN)
+            run = min(s.backoff, max(2 * self.MIN_RUN, self.floor()))
             self.prior = (s.mat, run, run) if self.paid else (s.mat, s.backoff, s.plain)
 
 

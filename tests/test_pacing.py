@@ -75,13 +75,18 @@ def test_a_request_goes_plain_exactly_when_its_trees_do_not_pay(tokens, goes_pla
     assert p.plan(eng, None) == [not goes_plain]
 
 
+# A probe that commits 1 token and loses little against the plain step it replaces (its round, after a plain
+# run, is no sample of a tree's cost: the head resumed): it does not pay, and its loss sets no longer run.
+CHEAP_PROBE = 0.0101
+
+
 def test_plain_runs_double_up_to_plain_run_and_reset_when_drafting_pays():
     p, eng = Pacer(), fake_engine(1)
     costs(p, 0.010, k1=0.030)
     s, runs = eng.slots[0], []
     for _ in range(7):                                     # every probe commits 1 token: never pays
         assert p.plan(eng, None) == [True]                 # (the probe drafts)
-        p.seen(eng, None, [True], [([], 0, [], 0)], 0.030, False)
+        p.seen(eng, None, [True], [([], 0, [], 0)], CHEAP_PROBE, False)
         runs.append(s.plain)
         while s.plain:                                     # the plain run: no drafting
             assert p.plan(eng, None) == [False]
@@ -108,7 +113,7 @@ def test_a_new_request_takes_up_the_last_ones_plain_run_until_a_tree_has_paid(pa
     s = eng.slots[0]
     for _ in range(4):                                     # probes that commit 1 token: runs of 4, 8, 16, 32
         assert p.plan(eng, None) == [True]
-        p.seen(eng, None, [True], [([], 0, [], 0)], 0.030, False)
+        p.seen(eng, None, [True], [([], 0, [], 0)], CHEAP_PROBE, False)
         for _ in range(s.plain if s.backoff < PLAIN_RUN else 5):    # (the last run: 5 of its 32 steps)
             assert p.plan(eng, None) == [False]
             p.seen(eng, None, [False], [([], 0, [], 0)], 0.010, True)
@@ -132,7 +137,7 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
     s, runs, m = eng.slots[0], [], CatchesUp()
     for _ in range(7):
         assert p.plan(eng, m) == [True]
-        p.seen(eng, m, [True], [([], 0, [], 0)], 0.030, False)
+        p.seen(eng, m, [True], [([], 0, [], 0)], CHEAP_PROBE, False)
         runs.append(s.plain)
         while s.plain:
             s.pend = PLAIN_RUN                             # (full: the engine has the head catch up)
@@ -140,6 +145,34 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
             p.seen(eng, m, [False], [([], 0, [], 0)], 0.010, True)
     assert runs == [4, 8, 16, 32, 64, 128, 128] and Pacer.MAX_RUN == 128
 
+
+
+@pytest.mark.parametrize("catches_up", [False, True])
+def test_probes_that_lose_set_plain_runs_long_enough_that_probing_costs_explore(catches_up):
+    """Probes that commit 1 token in 3 plain steps' time (a 10 ms step) and catch up 5 ms first: each loses
+    25 ms, so after the first such probe a plain run is long enough that probing costs EXPLORE (3%) of its
+    time: 25 / (0.03 x 10) -> 84 steps, doubling from there (up to the cap: PLAIN_RUN where the drafter cannot
+    catch up); a new request starts within that run."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.010, k1=0.030)
+    s, runs, m = eng.slots[0], [], CatchesUp() if catches_up else None
+    for _ in range(3):
+        assert p.plan(eng, m) == [True]
+        p.seen(eng, m, [True], [([], 0, [], 0)], 0.030, False, clean=True, ahead=0.005)
+        runs.append(s.plain)
+        while s.plain:
+            assert p.plan(eng, m) == [False]
+            p.seen(eng, m, [False], [([], 0, [], 0)], 0.010, True)
+    cap = Pacer.MAX_RUN if catches_up else PLAIN_RUN
+    assert p.floor() == 84 and runs == [4, min(84, cap), cap]       # (the first round: no probe; then doubling)
+    assert list(p.lost) == [pytest.approx(0.025)] * 2
+    eng.slots[0], p.paid = Slot(Request([1])), True
+    p.seen(eng, m, [True], [([0] * 3, 0, [], 0)], 0.030, False)     # (a new request's first tree pays: no probe)
+    assert p.prior[1] == 0
+    s = eng.slots[0]
+    s.backoff, s.idle = 64, True
+    p.seen(eng, m, [True], [([], 0, [], 0)], 0.030, False)          # a probe that does not pay: the run, the prior
+    assert s.plain == cap and p.prior[1:] == (min(84, cap),) * 2
 
 
 class ScoresItself:
