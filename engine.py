@@ -751,11 +751,13 @@ class Pacer:
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
     rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method.
-    Probing is exploration, and it is priced too: what a probe lost (its round and its drafter's catch-up, less
-    the plain steps its tokens would have taken; the median of the last WINDOW probes, none below 0) makes
-    the plain run after a probe that does not pay at least long enough that probes cost EXPLORE of its time
-    (up to the cap): on a target whose step costs about what its head does (the 4.3M stdlib pair: a probe
-    lost ~1.8 plain steps), probes every 4-8 steps cost ~8% of ar's speed."""
+    Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
+    drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
+    the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
+    probes cost EXPLORE of its time (up to the cap): on a target whose step costs about what its head's draft
+    does (the 4.3M stdlib pair: a probe lost ~1.8 plain steps), probes every 4-8 steps cost ~8% of ar's
+    speed; on SmolLM2 they gain on average (the median, every gain a 0, lengthened chat's runs: graft 1.39x
+    -> 1.33x)."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 2, 128, 0.03
     QUANTILE = 0.5
 
@@ -768,7 +770,7 @@ class Pacer:
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
         self.paid = False             # a request's tree paid here, on measured costs (alone): see seen
-        self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (>= 0)
+        self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (< 0: gained)
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -840,11 +842,10 @@ class Pacer:
 
     def floor(self) -> int:
         """The shortest plain run after a probe that did not pay: probes then cost at most EXPLORE of the
-        run's time (the median probe's loss over EXPLORE plain steps); 0 before a loss is measured."""
-        tp = self.cost(0)
-        if not self.lost or not tp:
-            return 0
-        return math.ceil(sorted(self.lost)[len(self.lost) // 2] / (self.EXPLORE * tp))
+        run's time (the mean probe's loss over EXPLORE plain steps); 0 where probes gain on average or
+        before one is measured."""
+        tp, lost = self.cost(0), statistics.fmean(self.lost) if self.lost else 0.0
+        return math.ceil(lost / (self.EXPLORE * tp)) if tp and lost > 0 else 0
 
     def explain(self, s: Slot, drafted: bool) -> str:
         """One line on a round of slot s just seen: what it did and the inputs of what it does next."""
@@ -878,7 +879,7 @@ class Pacer:
         if not plain and n and not shadows and any(g and p for g, p in zip(grow, probe)) and (tp := self.cost(0)):
             # a probe: its time against the plain steps that would have committed its tokens (n a step)
             made = sum(len(o[0]) + 1 for o in out if o is not None)
-            self.lost.append(max(0.0, seconds + ahead - made / n * tp))
+            self.lost.append(seconds + ahead - made / n * tp)
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
         if not caught and (plain or clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)

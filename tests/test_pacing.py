@@ -152,7 +152,7 @@ def test_probes_that_lose_set_plain_runs_long_enough_that_probing_costs_explore(
     """Probes that commit 1 token in 3 plain steps' time (a 10 ms step) and catch up 5 ms first: each loses
     25 ms, so after the first such probe a plain run is long enough that probing costs EXPLORE (3%) of its
     time: 25 / (0.03 x 10) -> 84 steps, doubling from there (up to the cap: PLAIN_RUN where the drafter cannot
-    catch up); a new request starts within that run."""
+    catch up); a new request starts within that run (of the mean loss); probes that gain set no floor."""
     p, eng = Pacer(), fake_engine(1)
     costs(p, 0.010, k1=0.030)
     s, runs, m = eng.slots[0], [], CatchesUp() if catches_up else None
@@ -172,7 +172,11 @@ def test_probes_that_lose_set_plain_runs_long_enough_that_probing_costs_explore(
     s = eng.slots[0]
     s.backoff, s.idle = 64, True
     p.seen(eng, m, [True], [([], 0, [], 0)], 0.030, False)          # a probe that does not pay: the run, the prior
-    assert s.plain == cap and p.prior[1:] == (min(84, cap),) * 2
+    assert p.floor() == 78 and s.plain == cap and p.prior[1:] == (min(78, cap),) * 2    # (mean loss 23.3 ms)
+    for _ in range(16):                                             # probes that gain: no floor
+        p.seen(eng, m, [True], [([0] * 3, 0, [], 0)], 0.030, False)
+        s.idle = True
+    assert p.floor() == 0
 
 
 class ScoresItself:
