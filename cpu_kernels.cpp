@@ -913,17 +913,21 @@ struct KeysF {
 #endif
   }
   static void query(const T* q, int64_t D, float* out) { for (int64_t d = 0; d < D; d++) out[d] = float(q[d]); }
-  template <int R>                                    // R query-heads' 16 scores (unscaled)
-  static void dots(const float* const* q, const float* kt, int64_t D, vec* out) {
-    vec acc[R];                                       // (locals: vector types may alias, out would not stay in registers)
+  template <int R, int NB = 1>                        // R query-heads' 16 scores (unscaled) in NB blocks of keys
+  static void dots(const float* const* q, const float* kt, int64_t D, vec* out) {     // out[b R + r]
+    vec acc[NB * R];                                  // (locals: vector types may alias, out would not stay in registers)
     const float* qr[R];
-    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = q[r];
+    for (int r = 0; r < R; r++) qr[r] = q[r];
+    for (int i = 0; i < NB * R; i++) acc[i] = vzero();
     for (int64_t d = 0; d < D; d++) {
-      const vec kv = vload(kt + d * 16);
-      #pragma GCC unroll 8
-      for (int r = 0; r < R; r++) acc[r] = vfma(vset1(qr[r][d]), kv, acc[r]);
+      #pragma GCC unroll 2
+      for (int b = 0; b < NB; b++) {
+        const vec kv = vload(kt + b * 16 * D + d * 16);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[b * R + r] = vfma(vset1(qr[r][d]), kv, acc[b * R + r]);
+      }
     }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
+    for (int i = 0; i < NB * R; i++) out[i] = acc[i];
   }
 };
 #if defined(__AVX512BF16__)
@@ -942,18 +946,22 @@ struct KeysBF16 {
     }
   }
   static void query(const at::BFloat16* q, int64_t D, uint32_t* out) { std::memcpy(out, q, D * sizeof(at::BFloat16)); }
-  template <int R>
+  template <int R, int NB = 1>
   static void dots(const uint32_t* const* q, const uint32_t* kt, int64_t D, vec* out) {
-    vec acc[R];
+    vec acc[NB * R];
     const float* qr[R];
-    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = reinterpret_cast<const float*>(q[r]);
+    for (int r = 0; r < R; r++) qr[r] = reinterpret_cast<const float*>(q[r]);
+    for (int i = 0; i < NB * R; i++) acc[i] = vzero();
     for (int64_t p = 0; p < D / 2; p++) {
-      const __m512i kv = _mm512_loadu_si512((const void*)(kt + p * 16));
-      #pragma GCC unroll 8
-      for (int r = 0; r < R; r++)           // q's pair broadcast straight from memory (a load, not a shuffle)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_ps(qr[r][p]), (__m512bh)kv);
+      #pragma GCC unroll 2
+      for (int b = 0; b < NB; b++) {
+        const __m512i kv = _mm512_loadu_si512((const void*)(kt + b * 8 * D + p * 16));
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++)         // q's pair broadcast straight from memory (a load, not a shuffle)
+          acc[b * R + r] = _mm512_dpbf16_ps(acc[b * R + r], (__m512bh)_mm512_set1_ps(qr[r][p]), (__m512bh)kv);
+      }
     }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
+    for (int i = 0; i < NB * R; i++) out[i] = acc[i];
   }
 };
 template <typename T> struct KeysOf { using type = KeysF<T>; };
@@ -972,7 +980,8 @@ constexpr int SCORE_GROUP = 4;
 constexpr int64_t KB = 256;                         // keys transposed at a time (a block set that stays in cache)
 
 // 3. p v, added in row order to NV accumulators per query-head (kept between calls in memory, o). vf: the
-// values widened to float32, DV = 16 NV floats a row (zero-padded). pv_shared: Q query-heads over rows
+// value rows, vs elements apart, NV vectors each: the cache's own where a row is whole vectors (read in
+// place, widened in registers: the same floats), else widened to float32 first and zero-padded. pv_shared: Q query-heads over rows
 // j0..j1-1, which each of them sees, every value row loaded once for the Q (Q NV independent FMA chains:
 // one chain's latency would bound a single query-head); pv_seen: one query-head over its seen-list
 // entries c0..c1-1 (the first `gap` of them are rows 0..gap-1).
@@ -984,8 +993,8 @@ template <int NV> constexpr int PV_Q = NV <= 1 ? 4 : NV <= 2 ? 2 : 1;     // (ve
 template <int NV> constexpr int PV_Q = 1;
 #endif
 
-template <int NV, int Q>
-void pv_shared(const float* const* p, const float* vf, int64_t DV, int64_t j0, int64_t j1, float* const* o) {
+template <int NV, int Q, typename V>
+void pv_shared(const float* const* p, const V* vf, int64_t DV, int64_t j0, int64_t j1, float* const* o) {
   vec acc[Q][NV];
   const float* pr[Q];
   #pragma GCC unroll 8
@@ -1011,8 +1020,8 @@ void pv_shared(const float* const* p, const float* vf, int64_t DV, int64_t j0, i
     for (int e = 0; e < NV; e++) store(o[q] + e * LANES, acc[q][e]);
 }
 
-template <int NV>
-void pv_seen(const float* p, const float* vf, int64_t DV, const int64_t* sn, int64_t c0, int64_t c1, int64_t gap, float* o) {
+template <int NV, typename V>
+void pv_seen(const float* p, const V* vf, int64_t DV, const int64_t* sn, int64_t c0, int64_t c1, int64_t gap, float* o) {
   vec acc[NV];
   #pragma GCC unroll 16
   for (int e = 0; e < NV; e++) acc[e] = vload(o + e * LANES);
@@ -1027,8 +1036,8 @@ void pv_seen(const float* p, const float* vf, int64_t DV, const int64_t* sn, int
 }
 
 // every query-head r of a (request, KV head): out[r] = (sum of p v over its seen rows, in row order) / l[r]
-template <int NV>
-void pv(const float* sc, int64_t sstride, const float* vf, int64_t DV, const int64_t* const* sn, const int64_t* n,
+template <int NV, typename V>
+void pv(const float* sc, int64_t sstride, const V* vf, int64_t DV, const int64_t* const* sn, const int64_t* n,
         const int64_t* gap, int64_t R, float* acc) {
   constexpr int Q = PV_Q<NV>;
   const float* p[Q];
@@ -1043,11 +1052,11 @@ void pv(const float* sc, int64_t sstride, const float* vf, int64_t DV, const int
     }
     // the rows all k of them see (their committed prefix), shared; then each one's own rest
     switch (k) {
-#define GRAFT_PVQ(K) case K: if constexpr (K <= Q) pv_shared<NV, K>(p, vf, DV, 0, common, o); break;
+#define GRAFT_PVQ(K) case K: if constexpr (K <= Q) pv_shared<NV, K, V>(p, vf, DV, 0, common, o); break;
       GRAFT_PVQ(1) GRAFT_PVQ(2) GRAFT_PVQ(3) GRAFT_PVQ(4) GRAFT_PVQ(5) GRAFT_PVQ(6)
 #undef GRAFT_PVQ
     }
-    for (int64_t q = 0; q < k; q++) pv_seen<NV>(p[q], vf, DV, sn[r0 + q], common, n[r0 + q], gap[r0 + q], o[q]);
+    for (int64_t q = 0; q < k; q++) pv_seen<NV, V>(p[q], vf, DV, sn[r0 + q], common, n[r0 + q], gap[r0 + q], o[q]);
   }
 }
 
@@ -1112,7 +1121,21 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
       for (int64_t c0 = 0; c0 <= most; c0 += KB) {
         const int64_t c1 = std::min(most + 1, c0 + KB);
         for (int64_t j = c0; j < c1; j += 16) Keys::block(kb + j * k.st, k.st, std::min<int64_t>(16, c1 - j), D, kt.data() + (j - c0) * DE);
-        for (int64_t j = c0; j < c1; j += 16) {
+        int64_t j = c0;
+        if (2 * R <= SCORE_GROUP)                     // a few query-heads (decoding): two blocks at once, so that
+          for (; j + 16 < c1; j += 32) {              // 2R FMA chains hide their latency (each lane's sum unchanged)
+            const E* blk = kt.data() + (j - c0) * DE;
+            vec acc[8];
+            switch (R) {
+#define GRAFT_DOTS2(M_) case M_: if constexpr (2 * M_ <= SCORE_GROUP) Keys::template dots<M_, 2>(qp.data(), blk, D, acc); break;
+              GRAFT_DOTS2(1) GRAFT_DOTS2(2) GRAFT_DOTS2(3) GRAFT_DOTS2(4)
+#undef GRAFT_DOTS2
+            }
+            for (int64_t b = 0; b < 2; b++)
+              for (int64_t u = 0; u < R; u++)
+                if (rl[u] >= j + 16 * b) store(sc.data() + u * S16 + j + 16 * b, vmul(acc[b * R + u], vset1(scale)));
+          }
+        for (; j < c1; j += 16) {
           const E* blk = kt.data() + (j - c0) * DE;
           for (int64_t r = 0; r < R; r += SCORE_GROUP) {
             vec acc[SCORE_GROUP];
@@ -1147,17 +1170,23 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
         l[r] = vsum(tot);
         for (int64_t c = in_place; c < nr; c++) row[sn[c]] = sbuf[c];
       }
-      // 3. p V: the values the request's queries see, widened once; then each query-head's sum
+      // 3. p V: each query-head's sum, the values read in place where a row is whole vectors (64, 128: a
+      //    widening pass wrote and reread 4 bytes a value, ~2 MB a layer at 2,048 keys), else widened once
       const T* vb = v.at(kb_, h, 0);
       const int64_t NVT = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : 16, DV = NVT * LANES;
-      vf.resize((most + 1) * DV);
-      for (int64_t j = 0; j <= most; j++)
-        for (int64_t d = 0; d < DV; d += LANES)
-          store(vf.data() + j * DV + d, d + LANES <= D ? vload(vb + j * v.st + d) : d < D ? vload_tail(vb + j * v.st + d, D - d) : vzero());
+      const bool in_place = D == DV;
+      if (!in_place) {
+        vf.resize((most + 1) * DV);
+        for (int64_t j = 0; j <= most; j++)
+          for (int64_t d = 0; d < DV; d += LANES)
+            store(vf.data() + j * DV + d, d + LANES <= D ? vload(vb + j * v.st + d) : d < D ? vload_tail(vb + j * v.st + d, D - d) : vzero());
+      }
       acc.assign(R * DV, 0.f);
       for (int64_t r = 0; r < R; r++) snr[r] = seen.data() + (b * Tq + rt[r]) * S;
       switch (NVT) {
-#define GRAFT_PVN(NV_) case NV_: pv<NV_>(sc.data(), S16, vf.data(), DV, snr.data(), rn.data(), rg.data(), R, acc.data()); break;
+#define GRAFT_PVN(NV_) case NV_: \
+        if (in_place) pv<NV_, T>(sc.data(), S16, vb, v.st, snr.data(), rn.data(), rg.data(), R, acc.data()); \
+        else pv<NV_, float>(sc.data(), S16, vf.data(), DV, snr.data(), rn.data(), rg.data(), R, acc.data()); break;
         GRAFT_PVN(1) GRAFT_PVN(2) GRAFT_PVN(4) GRAFT_PVN(8) GRAFT_PVN(16)
 #undef GRAFT_PVN
       }

@@ -122,6 +122,26 @@ def test_attention_is_masked_attention(dtype):
         q[:1], k[:1], v[:1], mask[:1, :, :1].expand(1, 1, T, S), D ** -0.5)[0, :, 5])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 24])
+def test_a_query_alone_is_the_query_among_many(dtype, D):
+    """Decoding's few query-heads (scored two key blocks at a time; values read in place where D is whole
+    vectors) and a tree's many (scored in groups; D = 24 widens the values first): one query's output is
+    the same bits alone, beside 8 others, and in every request of a batch."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, T, S = 2, 6, 2, 9, 100                    # G = 3: one row is 3 query-heads, nine rows 27
+    q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    mask = torch.zeros(B, 1, T, S, dtype=torch.bool)
+    mask[..., :90] = True
+    mask[:, :, 4, 37] = False                            # (a row whose seen list has a hole)
+    many = cpu_kernels.attention(q, k, v, mask, D ** -0.5)
+    for t in range(T):
+        one = cpu_kernels.attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], D ** -0.5)
+        assert torch.equal(one[:, :, 0], many[:, :, t])
+        assert torch.equal(cpu_kernels.attention(q[1:, :, t:t + 1], k[1:], v[1:], mask[1:, :, t:t + 1], D ** -0.5)[0],
+                           one[1])
+
+
 def test_a_query_reads_its_keys_in_row_order_wherever_they_sit():
     """A tree node sees the committed rows and then its ancestors at tree rows; plain decoding sees the
     same keys at consecutive rows. The same keys in the same order: the same bits."""
