@@ -55,10 +55,9 @@ SECTIONS = [
             "whose bfloat16 linears run on AMX tiles (docs/cpu.md).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
     Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
-            "The same on the AVX2 path (AMD Zen 2/3, Intel to Skylake client), float32 (what the demo "
+            "The same on the AVX2 path (Zen 2/3, Intel to Skylake client), float32 (what the demo "
             "picks there), run on this AVX-512 machine with `GRAFT_KERNELS_MARCH=x86-64-v3 "
-            "ATEN_CPU_CAPABILITY=avx2` set before the command below: graft's kernels and torch's built for "
-            "AVX2.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
+            "ATEN_CPU_CAPABILITY=avx2` set before the command below.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread; "
             "each request's tokens checked against the same prompt decoded alone with `ar`; each method's "
@@ -67,12 +66,12 @@ SECTIONS = [
             legend="a cell: total tokens/s over `ar`'s at the same B (MAT of drafting rounds; share of plain "
                    "rounds); `ar`: its tokens/s"),
     Section("Two threads", ["results/cpu_smollm2_t2.json"],
-            "The demo pair on both cores (`--threads 2`): the second core adds arithmetic, not bandwidth, "
-            "yet plain steps and trees ran about as fast as on one (the cores share the memory's bandwidth).",
+            "The demo pair on both cores (`--threads 2`): plain steps and trees ran about as fast as on one "
+            "(the cores share the memory's bandwidth).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
             "The shipped demo pair, the head and the DFlash drafter trained here, greedy, bfloat16, one thread, "
-            "exact mode, 64 tokens a prompt, every method calibrated by its warm-up.",
+            "exact mode, 64 tokens a prompt.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
             "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
@@ -83,24 +82,24 @@ SECTIONS = [
             "(docs/cpu.md), so TTFT grows and the pacer takes more plain steps.",
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
-            "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread: a "
-            "target small enough that a one-token step costs little, so trees rarely pay on this CPU; MAT "
-            "compares the methods."),
+            "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread, paced: "
+            "a step (~1.4 ms) costs about a head's draft, so the methods take plain steps, ~40 us dearer than `ar`'s.",
+            cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Retrieval sources: chat and code", ["results/sources_chat.json"],
             "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`). "
             "These ran before exact mode was the CPU default: in bfloat16 some outputs parted from `ar`'s at "
             "near-equal logits (the lossless column); with exact mode they do not.",
             fix=[("/work/shared/", "../shared/")]),
-    Section("Retrieval sources: long code (lcc, 2,048 tokens)", ["results/sources_lcc2048.json"],
-            "The same on long code files, where the context repeats most (run before exact mode, as above).",
-            fix=[("/work/shared/", "../shared/")]),
     Section("Long context: lcc at 2,048 tokens", ["results/exact-default/smol_lcc_bf16.json"],
-            "SmolLM2 continuing code files of exactly 2,048 tokens (the target's own head, bfloat16, exact)."),
+            "SmolLM2 continuing code files of exactly 2,048 tokens (the target's own head, bfloat16, exact, paced).",
+            cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches", ["results/exact-default/smol_batch_bfloat16.json"],
             "Four requests a target pass, sampled (temperature 0.8, request i with seed 7 + i), every method "
-            "at B = 4; a request's tokens are checked against the same prompt decoded alone with `ar`.",
-            cell="{speedup} ({mat})", base_cell="{tokens_per_s}",
-            legend="a cell: total tokens/s over batched `ar`'s (MAT); `ar`: its tokens/s"),
+            "at B = 4, paced; a request's tokens are checked against the same prompt decoded alone with `ar`. A "
+            "sampled node's draw costs ~1.3 ms: recycle's first (timed) 81-node trees halved its MT-bench rate.",
+            cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
+            legend="a cell: total tokens/s over batched `ar`'s (MAT of drafting rounds; share of plain rounds); "
+                   "`ar`: its tokens/s"),
     Section("What exactness costs", ["results/exact-default/smol_cost.json"],
             "One process, interleaved prompt by prompt: `eager` is graft's linear with torch's attention "
             "(`--no-exact`), `exact` the default. Each execution's speedups are over its own `ar`."),
@@ -111,8 +110,7 @@ SECTIONS = [
         "stdlib_lcc2k_float16", "stdlib_batch", "smol_bf16", "smol_fp16", "smol_lcc_bf16", "smol_lcc_fp16",
         "smol_batch_bfloat16", "smol_batch_float16")],
             "Every output of every method against `ar`'s, token for token, in reduced precision (exact mode, the "
-            "CPU default). The ablations ran under their earlier names (graft-root, graft-tail), now "
-            "graft-naive-root and graft-naive-tail; the commands below use today's.",
+            "CPU default). Ablations ran as graft-root and graft-tail (today's graft-naive-*).",
             kind="lossless", fix=[("graft-root", "graft-naive-root"), ("graft-tail", "graft-naive-tail")]),
 ]
 
