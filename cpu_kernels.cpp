@@ -1627,6 +1627,60 @@ std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_
 // values float32. What the continuation matrix learns (graft.update) and greedy decoding chooses.
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { return top_impl(x, k, false); }
 
+// Sampling's draw (verify.choose): per row of x (rows, V) float32 (the warped logits), argmax over v of
+// x[v] + g[v], g = -log(-log(u)), u = ((h >> 8) + 0.5) / 2^24, h = hash32(h_pos[row] ^ th[v]) (verify.py's
+// position_noise), ties to the lower v, as torch's argmax. The hashes and u are integer and exact float64
+// steps in C++; the logs are torch's own (at::log_ over the whole (rows, V) float64 buffer, as
+// position_noise's torch.log runs over (..., V)), so every g is the same float64 bits; the sum and the
+// comparison are IEEE float64. One buffer of 8 bytes a logit instead of a dozen int64/float64 temporaries.
+inline uint64_t hash32(uint64_t x) {             // verify._hash32 (its int64 arithmetic never overflows)
+  x &= 0xFFFFFFFFull;
+  x = ((x ^ (x >> 16)) * 0x45D9F3Bull) & 0xFFFFFFFFull;
+  x = ((x ^ (x >> 16)) * 0x45D9F3Bull) & 0xFFFFFFFFull;
+  return x ^ (x >> 16);
+}
+
+at::Tensor gumbel_argmax(const at::Tensor& x, const at::Tensor& h_pos, const at::Tensor& th) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1, "graft::gumbel_argmax: float32 (..., V)");
+  const int64_t V = x.size(-1), rows = x.numel() / std::max<int64_t>(V, 1);
+  TORCH_CHECK(th.scalar_type() == at::kLong && th.numel() == V && h_pos.scalar_type() == at::kLong && h_pos.numel() == rows,
+              "graft::gumbel_argmax: token hashes (V,) and position hashes (...,) int64");
+  auto xc = x.contiguous();
+  auto hp = h_pos.contiguous(), thc = th.contiguous();
+  auto g = at::empty({rows, V}, x.options().dtype(at::kDouble));
+  const int64_t* hpp = hp.data_ptr<int64_t>();
+  const int64_t* tp = thc.data_ptr<int64_t>();
+  double* gp = g.data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const uint64_t base = (uint64_t)hpp[r];
+      double* row = gp + r * V;
+      for (int64_t v = 0; v < V; v++) row[v] = ((double)(hash32(base ^ (uint64_t)tp[v]) >> 8) + 0.5) / 16777216.0;
+    }
+  });
+  at::log_(g);                                    // -log(-log(u)), as torch computes it
+  g.neg_();
+  at::log_(g);
+  auto out = at::empty(h_pos.sizes(), x.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* xr = xp + r * V;
+      const double* lr = gp + r * V;
+      double best = 0.0;
+      int64_t arg = -1;
+      for (int64_t v = 0; v < V; v++) {
+        const double s = (double)xr[v] + -lr[v];    // x + g, g = -log(-log u)
+        if (std::isnan(s)) { arg = v; break; }       // (torch's argmax: the first NaN)
+        if (arg < 0 || s > best) best = s, arg = v;
+      }
+      op[r] = arg;
+    }
+  });
+  return out;
+}
+
 // A plain round's learn (graft.plain_learn, one node a request) in one call: ~12 small torch ops cost a
 // plain step ~0.2 ms on a CPU (each one's dispatch runs cold after the weights have streamed through the
 // caches), 1-2% of a step. For every request b: its matrix row at its root (an empty slot's: the spare row
@@ -1882,6 +1936,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
   lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  lib.def("gumbel_argmax(Tensor x, Tensor h_pos, Tensor th) -> Tensor");
   lib.def("plain_learn(Tensor logits, Tensor tokens, Tensor valid, Tensor nxt, Tensor active, Tensor? feats, "
           "Tensor(a!)? M, Tensor(b!)? written, Tensor(c!)? ctx, Tensor(d!)? clen, Tensor(e!)? pend_feats, "
           "Tensor(f!)? pend_ids, Tensor(g!)? pend_n) -> ()");
@@ -1907,6 +1962,7 @@ TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("move_rows", &move_rows);
   lib.impl("top_logprobs", &top_logprobs);
   lib.impl("topk_rows", &topk_rows);
+  lib.impl("gumbel_argmax", &gumbel_argmax);
   lib.impl("plain_learn", &plain_learn);
   lib.impl("norm_top_logprobs", &norm_top_logprobs);
   lib.impl("layers", &layers);

@@ -104,6 +104,10 @@ def _register_shapes():
         shape = (*x.shape[:-1], k)
         return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.long)
 
+    @torch.library.register_fake("graft::gumbel_argmax")
+    def _(x, h_pos, th):
+        return x.new_empty(x.shape[:-1], dtype=torch.long)
+
     @torch.library.register_fake("graft::graft_trees")
     def _(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free):
         return d_tok.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape), kept.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape)
@@ -162,6 +166,13 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple:
     index (k = 1: argmax, first max): (values float32 (..., k), indices (..., k)). One pass a row, 16
     values at a time, no sort."""
     return torch.ops.graft.topk_rows(x, k)
+
+
+def gumbel_argmax(x: torch.Tensor, h_pos: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
+    """verify.choose's draw: per row of x (..., V) float32 (warped logits), the argmax of x + the Gumbel noise
+    verify.position_noise makes from the row's position hash h_pos (...,) and the token hashes th (V,), the
+    same float64 bits (its logs are torch's), ties to the lower index. Returns (...,) int64."""
+    return torch.ops.graft.gumbel_argmax(x, h_pos, th)
 
 
 def plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats, pend_ids, pend_n):

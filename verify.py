@@ -110,13 +110,17 @@ def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     reproduce plain sampling token for token (docs/graft.md section 5). seed: int64, broadcastable to
     positions ((B, 1) against (B, N)); data, so a new seed compiles nothing. Every seed in [0, 2^63)
     keys its own stream: the high 32 bits, when not zero, rehash each position's key."""
+    h = _hash32(position_hash(seed, positions)[..., None] ^ token_hash(vocab, positions.device))   # (..., N, V)
+    u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
+
+
+def position_hash(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """position_noise's key of each position (..., N) int64 in [0, 2^32): the seed's, mixed with the position."""
     base = _hash32(seed * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (..., N)
     hi = seed >> 32
-    h_pos = torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
-    h = _hash32(h_pos[..., None] ^ token_hash(vocab, positions.device))            # (..., N, V)
-    u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
+    return torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
 
 
 def warp(logits: torch.Tensor, temperature, top_k, top_p, mode: tuple) -> torch.Tensor:
@@ -148,8 +152,12 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mod
         best = (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)
     if not mode[0]:
         return best
-    x = warp(logits, smp.temperature, smp.top_k, smp.top_p, mode).double()
-    drawn = (x + position_noise(smp.seed[:, None], positions, logits.shape[-1])).argmax(-1)
+    x = warp(logits, smp.temperature, smp.top_k, smp.top_p, mode)                 # (B, N, V) float32
+    if use_kernels(logits) and not torch.compiler.is_compiling():   # the same draw, without (B, N, V) temporaries
+        drawn = cpu_kernels.gumbel_argmax(x, position_hash(smp.seed[:, None], positions),
+                                          token_hash(logits.shape[-1], logits.device))
+    else:
+        drawn = (x.double() + position_noise(smp.seed[:, None], positions, logits.shape[-1])).argmax(-1)
     return torch.where(smp.greedy[:, None], best, drawn)
 
 

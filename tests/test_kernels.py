@@ -388,3 +388,23 @@ print("ok")
     env = dict(os.environ, GRAFT_KERNELS_MARCH="x86-64-v3", GRAFT_KERNELS_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.split() == ["avx2", "ok"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("V", [49152, 1000, 37])
+def test_sampling_draw_is_the_torch_draw(V):
+    """verify.choose's draw on a CPU (cpu_kernels.gumbel_argmax: hashes in C++, torch's logs over one
+    buffer) picks what the torch formula picks, (warped logits in float64 + position_noise).argmax: rows of
+    three requests at five positions each, seeds above 2^32 too, logits cut by top-k (-inf), a NaN row."""
+    import verify as V_
+    g = torch.Generator().manual_seed(4)
+    B, N = 3, 5
+    seed = torch.tensor([[7], [2**40 + 3], [0]])
+    pos = torch.randint(0, 4096, (B, N), generator=g)
+    for scale in (1.0, 8.0):                            # flat and peaked rows
+        x = torch.randn(B, N, V, generator=g) * scale
+        x[1, 2, : V // 2] = float("-inf")                # (top-k's removed tokens)
+        want = (x.double() + V_.position_noise(seed, pos, V)).argmax(-1)
+        got = cpu_kernels.gumbel_argmax(x, V_.position_hash(seed, pos), V_.token_hash(V, "cpu"))
+        assert torch.equal(got, want)
+    x[0, 1, 3] = float("nan")
+    assert cpu_kernels.gumbel_argmax(x, V_.position_hash(seed, pos), V_.token_hash(V, "cpu"))[0, 1] == 3
