@@ -69,7 +69,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 595
 
 
-def test_the_algorithm_fits_in_3210_lines():
+def test_the_algorithm_fits_in_3240_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -102,12 +102,14 @@ def test_the_algorithm_fits_in_3210_lines():
     drafter reading a plain run's rows outside a drafting round, its context step and catch-up, the row
     counts' buffers shared with the head's; a new request taking up the plain run of a method that never paid);
     and admission rounds (+85: a request whose slot frees while others run is prefilled in the pass that takes
-    their plain steps after a plain round, Engine.join, and the scheduler's choice of it)."""
+    their plain steps after a plain round, Engine.join, and the scheduler's choice of it); and probing priced
+    as exploration (+20: Pacer.floor, each probe's net loss, its catch-up timed apart) and a sampled draw in
+    one C++ call (+8: verify.position_hash split out of position_noise, the kernel's route)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3210, lines
+    assert lines <= 3240, lines
 
 
 def test_no_batched_twins():
