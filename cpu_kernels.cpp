@@ -913,21 +913,17 @@ struct KeysF {
 #endif
   }
   static void query(const T* q, int64_t D, float* out) { for (int64_t d = 0; d < D; d++) out[d] = float(q[d]); }
-  template <int R, int NB = 1>                        // R query-heads' 16 scores (unscaled) in NB blocks of keys
-  static void dots(const float* const* q, const float* kt, int64_t D, vec* out) {     // out[b R + r]
-    vec acc[NB * R];                                  // (locals: vector types may alias, out would not stay in registers)
+  template <int R>                                    // R query-heads' 16 scores (unscaled)
+  static void dots(const float* const* q, const float* kt, int64_t D, vec* out) {
+    vec acc[R];                                       // (locals: vector types may alias, out would not stay in registers)
     const float* qr[R];
-    for (int r = 0; r < R; r++) qr[r] = q[r];
-    for (int i = 0; i < NB * R; i++) acc[i] = vzero();
+    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = q[r];
     for (int64_t d = 0; d < D; d++) {
-      #pragma GCC unroll 2
-      for (int b = 0; b < NB; b++) {
-        const vec kv = vload(kt + b * 16 * D + d * 16);
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[b * R + r] = vfma(vset1(qr[r][d]), kv, acc[b * R + r]);
-      }
+      const vec kv = vload(kt + d * 16);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; r++) acc[r] = vfma(vset1(qr[r][d]), kv, acc[r]);
     }
-    for (int i = 0; i < NB * R; i++) out[i] = acc[i];
+    for (int r = 0; r < R; r++) out[r] = acc[r];
   }
 };
 #if defined(__AVX512BF16__)
@@ -946,22 +942,18 @@ struct KeysBF16 {
     }
   }
   static void query(const at::BFloat16* q, int64_t D, uint32_t* out) { std::memcpy(out, q, D * sizeof(at::BFloat16)); }
-  template <int R, int NB = 1>
+  template <int R>
   static void dots(const uint32_t* const* q, const uint32_t* kt, int64_t D, vec* out) {
-    vec acc[NB * R];
+    vec acc[R];
     const float* qr[R];
-    for (int r = 0; r < R; r++) qr[r] = reinterpret_cast<const float*>(q[r]);
-    for (int i = 0; i < NB * R; i++) acc[i] = vzero();
+    for (int r = 0; r < R; r++) acc[r] = vzero(), qr[r] = reinterpret_cast<const float*>(q[r]);
     for (int64_t p = 0; p < D / 2; p++) {
-      #pragma GCC unroll 2
-      for (int b = 0; b < NB; b++) {
-        const __m512i kv = _mm512_loadu_si512((const void*)(kt + b * 8 * D + p * 16));
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; r++)         // q's pair broadcast straight from memory (a load, not a shuffle)
-          acc[b * R + r] = _mm512_dpbf16_ps(acc[b * R + r], (__m512bh)_mm512_set1_ps(qr[r][p]), (__m512bh)kv);
-      }
+      const __m512i kv = _mm512_loadu_si512((const void*)(kt + p * 16));
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; r++)           // q's pair broadcast straight from memory (a load, not a shuffle)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_ps(qr[r][p]), (__m512bh)kv);
     }
-    for (int i = 0; i < NB * R; i++) out[i] = acc[i];
+    for (int r = 0; r < R; r++) out[r] = acc[r];
   }
 };
 template <typename T> struct KeysOf { using type = KeysF<T>; };
@@ -980,7 +972,7 @@ constexpr int SCORE_GROUP = 4;
 constexpr int64_t KB = 256;                         // keys transposed at a time (a block set that stays in cache)
 
 // 3. p v, added in row order to NV accumulators per query-head (kept between calls in memory, o). vf: the
-// value rows, vs elements apart, NV vectors each: the cache's own where a row is whole vectors (read in
+// value rows, DV elements apart, NV vectors each: the cache's own where a row is whole vectors (read in
 // place, widened in registers: the same floats), else widened to float32 first and zero-padded. pv_shared: Q query-heads over rows
 // j0..j1-1, which each of them sees, every value row loaded once for the Q (Q NV independent FMA chains:
 // one chain's latency would bound a single query-head); pv_seen: one query-head over its seen-list
@@ -1121,21 +1113,7 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
       for (int64_t c0 = 0; c0 <= most; c0 += KB) {
         const int64_t c1 = std::min(most + 1, c0 + KB);
         for (int64_t j = c0; j < c1; j += 16) Keys::block(kb + j * k.st, k.st, std::min<int64_t>(16, c1 - j), D, kt.data() + (j - c0) * DE);
-        int64_t j = c0;
-        if (2 * R <= SCORE_GROUP)                     // a few query-heads (decoding): two blocks at once, so that
-          for (; j + 16 < c1; j += 32) {              // 2R FMA chains hide their latency (each lane's sum unchanged)
-            const E* blk = kt.data() + (j - c0) * DE;
-            vec acc[8];
-            switch (R) {
-#define GRAFT_DOTS2(M_) case M_: if constexpr (2 * M_ <= SCORE_GROUP) Keys::template dots<M_, 2>(qp.data(), blk, D, acc); break;
-              GRAFT_DOTS2(1) GRAFT_DOTS2(2) GRAFT_DOTS2(3) GRAFT_DOTS2(4)
-#undef GRAFT_DOTS2
-            }
-            for (int64_t b = 0; b < 2; b++)
-              for (int64_t u = 0; u < R; u++)
-                if (rl[u] >= j + 16 * b) store(sc.data() + u * S16 + j + 16 * b, vmul(acc[b * R + u], vset1(scale)));
-          }
-        for (; j < c1; j += 16) {
+        for (int64_t j = c0; j < c1; j += 16) {
           const E* blk = kt.data() + (j - c0) * DE;
           for (int64_t r = 0; r < R; r += SCORE_GROUP) {
             vec acc[SCORE_GROUP];

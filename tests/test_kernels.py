@@ -125,9 +125,9 @@ def test_attention_is_masked_attention(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D", [64, 24])
 def test_a_query_alone_is_the_query_among_many(dtype, D):
-    """Decoding's few query-heads (scored two key blocks at a time; values read in place where D is whole
-    vectors) and a tree's many (scored in groups; D = 24 widens the values first): one query's output is
-    the same bits alone, beside 8 others, and in every request of a batch."""
+    """Decoding's few query-heads and a tree's many (values read in place where D is whole vectors; D = 24
+    widens them first): one query's output is the same bits alone, beside 8 others, and in every request
+    of a batch."""
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, T, S = 2, 6, 2, 9, 100                    # G = 3: one row is 3 query-heads, nine rows 27
     q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
