@@ -65,8 +65,11 @@ def server(chat_ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve-log") / "serve.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", GRAFT_CACHE=str(tmp_path_factory.mktemp("cache")))
+    # --no-pace: every round drafts, so that these tests see speculation's work (the metrics count it); paced,
+    # on this tiny model no tree pays and, once probes are seen to lose, a request can run without one
     cmd = [sys.executable, str(ROOT / "serve.py"), "--ckpt", str(chat_ckpt), "--draft", str(HEAD), "--method", "graft",
-           "--batch", "4", "--warmup", "1", "--port", str(port), "--served-model-name", NAME, "--dtype", "float32"]
+           "--batch", "4", "--warmup", "1", "--port", str(port), "--served-model-name", NAME, "--dtype", "float32",
+           "--no-pace"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = start(proc, port, log, lambda h: h["method"] == "graft")   # graft in force: calibrated between requests
