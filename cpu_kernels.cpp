@@ -83,6 +83,8 @@ inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 inline vec vmin2(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline vec vif_nonneg(vec c, vec a, vec b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, vzero(), _CMP_GE_OQ), b, a); }
+inline uint32_t vmask_ge(vec a, vec c) { return _mm512_cmp_ps_mask(a, c, _CMP_GE_OQ); }     // lanes a >= c (a NaN: no)
+inline uint32_t vmask_nan(vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 // float32 -> T, rounded to nearest even (as c10's conversions), n lanes stored; vround: the same rounding, kept as float32
 inline __m256i bf16_bits(vec a) {
   const __m512i u = _mm512_castps_si512(a);
@@ -148,6 +150,14 @@ inline vec vif_nonneg(vec c, vec a, vec b) {
   const __m256 z = _mm256_setzero_ps();
   return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(c.lo, z, _CMP_GE_OQ)), _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(c.hi, z, _CMP_GE_OQ))};
 }
+inline uint32_t vmask_ge(vec a, vec c) {
+  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, c.lo, _CMP_GE_OQ)) |
+         (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, c.hi, _CMP_GE_OQ)) << 8;
+}
+inline uint32_t vmask_nan(vec a) {
+  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q)) |
+         (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)) << 8;
+}
 // float32 -> bfloat16 rounded to nearest even (c10's rounding; NaN: c10's quiet NaN), kept in the top 16 bits
 inline __m256i bf16_round8(__m256 a) {
   const __m256i u = _mm256_castps_si256(a);
@@ -210,6 +220,8 @@ inline vec vmul(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] *= b.v[i]; r
 inline vec vdiv(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] /= b.v[i]; return a; }
 inline vec vmin2(vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = std::min(a.v[i], b.v[i]); return a; }
 inline vec vif_nonneg(vec c, vec a, vec b) { for (int i = 0; i < 16; i++) a.v[i] = c.v[i] >= 0.f ? a.v[i] : b.v[i]; return a; }
+inline uint32_t vmask_ge(vec a, vec c) { uint32_t m = 0; for (int i = 0; i < 16; i++) m |= (uint32_t)(a.v[i] >= c.v[i]) << i; return m; }
+inline uint32_t vmask_nan(vec a) { uint32_t m = 0; for (int i = 0; i < 16; i++) m |= (uint32_t)std::isnan(a.v[i]) << i; return m; }
 template <typename T> inline void vstore(T* p, vec a, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = T(a.v[i]); }
 template <typename T> inline vec vround(vec a) { for (int i = 0; i < 16; i++) a.v[i] = float(T(a.v[i])); return a; }
 #endif
@@ -1605,12 +1617,16 @@ std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_
 // values float32. What the continuation matrix learns (graft.update) and greedy decoding chooses.
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { return top_impl(x, k, false); }
 
-// Sampling's draw (verify.choose): per row of x (rows, V) float32 (the warped logits), argmax over v of
-// x[v] + g[v], g = -log(-log(u)), u = ((h >> 8) + 0.5) / 2^24, h = hash32(h_pos[row] ^ th[v]) (verify.py's
-// position_noise), ties to the lower v, as torch's argmax. The hashes and u are integer and exact float64
-// steps in C++; the logs are torch's own (at::log_ over the whole (rows, V) float64 buffer, as
-// position_noise's torch.log runs over (..., V)), so every g is the same float64 bits; the sum and the
-// comparison are IEEE float64. One buffer of 8 bytes a logit instead of a dozen int64/float64 temporaries.
+// Sampling's draw (verify.choose): per row of x = logits / temperature (rows, V), argmax over v of x[v] + g[v],
+// g = -log(-log(u)), u = ((h >> 8) + 0.5) / 2^24, h = hash32(h_pos ^ th[v]), h_pos the row's position hash
+// (verify.py's position_noise and position_hash), ties to the lower v, as torch's argmax. x is the float32
+// quotient warp computes; the hashes and u are integer and exact float64 steps in C++; the logs are torch's
+// own (at::log_, whose value for an element does not depend on where it sits in the buffer:
+// tests/test_kernels.py), so every g is the same float64 bits; the sum and the comparison are IEEE float64.
+// Only tokens that can win get their noise: u's 2^24 values bound g to [G_MIN, G_MAX] = [-2.85, 17.33], so a
+// token whose x is below s - G_MAX, s the x + g of any token, can never reach the best sum; s: the best sum
+// of the row's 16 largest x, which is nearly always the best (on SmolLM2 at temperature 0.8, 0.01-20% of a
+// row's vocabulary stays: a draw costs two passes over the logits and its candidates' logs).
 inline uint64_t hash32(uint64_t x) {             // verify._hash32 (its int64 arithmetic never overflows)
   x &= 0xFFFFFFFFull;
   x = ((x ^ (x >> 16)) * 0x45D9F3Bull) & 0xFFFFFFFFull;
@@ -1618,44 +1634,119 @@ inline uint64_t hash32(uint64_t x) {             // verify._hash32 (its int64 ar
   return x ^ (x >> 16);
 }
 
-at::Tensor gumbel_argmax(const at::Tensor& x, const at::Tensor& h_pos, const at::Tensor& th) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1, "graft::gumbel_argmax: float32 (..., V)");
-  const int64_t V = x.size(-1), rows = x.numel() / std::max<int64_t>(V, 1);
-  TORCH_CHECK(th.scalar_type() == at::kLong && th.numel() == V && h_pos.scalar_type() == at::kLong && h_pos.numel() == rows,
-              "graft::gumbel_argmax: token hashes (V,) and position hashes (...,) int64");
-  auto xc = x.contiguous();
-  auto hp = h_pos.contiguous(), thc = th.contiguous();
-  auto g = at::empty({rows, V}, x.options().dtype(at::kDouble));
-  const int64_t* hpp = hp.data_ptr<int64_t>();
-  const int64_t* tp = thc.data_ptr<int64_t>();
+inline uint64_t position_hash(int64_t seed, int64_t pos) {   // verify.position_hash (int64 products wrap alike)
+  const uint64_t base = hash32((uint64_t)seed * 0x2545F491ull + 0x1234567ull);
+  const uint64_t h = hash32(base ^ (((uint64_t)pos * 0x27D4EB2Dull) & 0xFFFFFFFFull));
+  const int64_t hi = seed >> 32;
+  return hi == 0 ? h : hash32(h ^ hash32((uint64_t)hi * 0x2F1E9B7ull + 0x5A5A5A5ull));
+}
+
+inline double gumbel_u(uint64_t h_pos, int64_t th) { return ((double)(hash32(h_pos ^ (uint64_t)th) >> 8) + 0.5) / 16777216.0; }
+
+template <typename T>
+void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* temp, const uint64_t* hpos,
+                 const int64_t* tp, int64_t* op) {
+  const double g_max = -std::log(-std::log(1.0 - 0.5 / 16777216.0)), g_min = -std::log(-std::log(0.5 / 16777216.0));
+  const int64_t V16 = V / LANES * LANES;
+  std::vector<std::vector<int32_t>> cand(rows);   // per row, the tokens that can win, ascending
+  // 1. per row: its best x (a NaN decides at once: torch's argmax picks the first; so does an infinite best:
+  // +inf, the first +inf, every other sum finite; -inf, token 0, every sum -inf), then its candidates
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    float tv[16];
+    int64_t ti[16];
+    for (int64_t r = r0; r < r1; r++) {
+      const T* xr = xp + r * V;
+      const float t = temp ? temp[r / N] : 1.f;
+      const vec tq = vset1(t);
+      vec mx = vset1(-std::numeric_limits<float>::infinity());
+      uint32_t nan = 0;
+      for (int64_t v = 0; v < V16; v += LANES) {
+        const vec a = vdiv(vload(xr + v), tq);
+        nan |= vmask_nan(a);
+        mx = vmax2(a, mx);                        // (a NaN lane keeps mx: counted in nan)
+      }
+      float m16[LANES], best = -std::numeric_limits<float>::infinity();
+      store(m16, mx);
+      for (int64_t i = 0; i < LANES; i++) best = std::max(best, m16[i]);
+      for (int64_t v = V16; v < V; v++) nan |= std::isnan(float(xr[v]) / t), best = std::max(best, float(xr[v]) / t);
+      op[r] = 0;
+      if (nan || std::isinf(best)) {
+        for (int64_t v = 0; v < V; v++)
+          if (std::isnan(float(xr[v]) / t) || (!nan && float(xr[v]) / t == best)) { op[r] = v; break; }
+        continue;
+      }
+      // the bound s: the best sum of the 16 largest (their noise by std::log: a bound with a margin for
+      // float64 rounding and std::log's ulps, never a result); the candidates: x >= s - G_MAX
+      const int64_t n = row_topk(xr, V, std::min<int64_t>(16, V), tv, ti);     // (x's order: temperature > 0)
+      double s = (double)best + g_min;
+      for (int64_t i = 0; i < n; i++) s = std::max(s, (double)(tv[i] / t) - std::log(-std::log(gumbel_u(hpos[r], tp[ti[i]]))));
+      const float cut = std::nextafter((float)(s - g_max - 1e-6 - 1e-12 * std::fabs(s)), -std::numeric_limits<float>::infinity());
+      const vec cv = vset1(cut);                  // (in float32, rounded down: a few more, never fewer)
+      auto& c = cand[r];
+      for (int64_t v = 0; v < V16; v += LANES)
+        for (uint32_t m = vmask_ge(vdiv(vload(xr + v), tq), cv); m; m &= m - 1) c.push_back((int32_t)(v + __builtin_ctz(m)));
+      for (int64_t v = V16; v < V; v++) if (float(xr[v]) / t >= cut) c.push_back((int32_t)v);
+    }
+  });
+  // 2. every candidate's u in one float64 buffer (rows one after another, padded to whole vectors), its logs
+  std::vector<int64_t> off(rows + 1, 0);
+  for (int64_t r = 0; r < rows; r++) off[r + 1] = off[r] + (int64_t)cand[r].size();
+  auto g = at::full({std::max<int64_t>((off[rows] + 63) / 64 * 64, 64)}, 0.5, at::TensorOptions().dtype(at::kDouble));
   double* gp = g.data_ptr<double>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const uint64_t base = (uint64_t)hpp[r];
-      double* row = gp + r * V;
-      for (int64_t v = 0; v < V; v++) row[v] = ((double)(hash32(base ^ (uint64_t)tp[v]) >> 8) + 0.5) / 16777216.0;
-    }
+    for (int64_t r = r0; r < r1; r++)
+      for (size_t i = 0; i < cand[r].size(); i++) gp[off[r] + i] = gumbel_u(hpos[r], tp[cand[r][i]]);
   });
   at::log_(g);                                    // -log(-log(u)), as torch computes it
   g.neg_();
   at::log_(g);
-  auto out = at::empty(h_pos.sizes(), x.options().dtype(at::kLong));
-  const float* xp = xc.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+  // 3. per row, the best x + g among its candidates (ascending: a tie keeps the lower token)
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
-      const float* xr = xp + r * V;
-      const double* lr = gp + r * V;
+      const T* xr = xp + r * V;
+      const float t = temp ? temp[r / N] : 1.f;
+      const double* lr = gp + off[r];
       double best = 0.0;
       int64_t arg = -1;
-      for (int64_t v = 0; v < V; v++) {
-        const double s = (double)xr[v] + -lr[v];    // x + g, g = -log(-log u)
-        if (std::isnan(s)) { arg = v; break; }       // (torch's argmax: the first NaN)
-        if (arg < 0 || s > best) best = s, arg = v;
+      for (size_t i = 0; i < cand[r].size(); i++) {
+        const double sum = (double)(float(xr[cand[r][i]]) / t) + -lr[i];    // x + g, g = -log(-log u)
+        if (arg < 0 || sum > best) best = sum, arg = cand[r][i];
       }
-      op[r] = arg;
+      if (arg >= 0) op[r] = arg;
     }
   });
+}
+
+// logits (B, N, V) float32, bfloat16 or float16; seed (B,), positions (B, N) int64; th (V,) int64; temperature
+// (B,) float32 > 0 or None (then logits are float32, already warped). Returns (B, N) int64.
+at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& seed, const at::Tensor& positions, const at::Tensor& th,
+                         const c10::optional<at::Tensor>& temperature) {
+  const bool warm = temperature.has_value() && temperature->defined();
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 3 && (logits.scalar_type() == at::kFloat || (warm &&
+              (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf))),
+              "graft::gumbel_argmax: logits (B, N, V) float32 (bfloat16, float16 with a temperature)");
+  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2);
+  TORCH_CHECK(th.scalar_type() == at::kLong && th.numel() == V && seed.scalar_type() == at::kLong && seed.numel() == B &&
+              positions.scalar_type() == at::kLong && positions.numel() == B * N,
+              "graft::gumbel_argmax: token hashes (V,), seeds (B,) and positions (B, N) int64");
+  auto x = logits.contiguous();
+  auto sc = seed.contiguous(), pc = positions.contiguous(), thc = th.contiguous();
+  at::Tensor tc;
+  if (warm) {
+    tc = temperature->to(at::kFloat).contiguous();
+    TORCH_CHECK(tc.numel() == B, "graft::gumbel_argmax: temperatures (B,)");
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(tc.data_ptr<float>()[b] > 0 && std::isfinite(tc.data_ptr<float>()[b]), "graft::gumbel_argmax: temperatures > 0");
+  }
+  std::vector<uint64_t> hpos(B * N);
+  for (int64_t i = 0; i < B * N; i++) hpos[i] = position_hash(sc.data_ptr<int64_t>()[i / N], pc.data_ptr<int64_t>()[i]);
+  auto out = at::empty({B, N}, logits.options().dtype(at::kLong));
+  const float* tp_ = warm ? tc.data_ptr<float>() : nullptr;
+  switch (x.scalar_type()) {
+    case at::kFloat: gumbel_rows(x.data_ptr<float>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+    case at::kBFloat16: gumbel_rows(x.data_ptr<at::BFloat16>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+    default: gumbel_rows(x.data_ptr<at::Half>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+  }
   return out;
 }
 
@@ -1914,7 +2005,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
   lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
-  lib.def("gumbel_argmax(Tensor x, Tensor h_pos, Tensor th) -> Tensor");
+  lib.def("gumbel_argmax(Tensor logits, Tensor seed, Tensor positions, Tensor th, Tensor? temperature) -> Tensor");
   lib.def("plain_learn(Tensor logits, Tensor tokens, Tensor valid, Tensor nxt, Tensor active, Tensor? feats, "
           "Tensor(a!)? M, Tensor(b!)? written, Tensor(c!)? ctx, Tensor(d!)? clen, Tensor(e!)? pend_feats, "
           "Tensor(f!)? pend_ids, Tensor(g!)? pend_n) -> ()");

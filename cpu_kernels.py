@@ -105,8 +105,8 @@ def _register_shapes():
         return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.long)
 
     @torch.library.register_fake("graft::gumbel_argmax")
-    def _(x, h_pos, th):
-        return x.new_empty(x.shape[:-1], dtype=torch.long)
+    def _(logits, seed, positions, th, temperature):
+        return logits.new_empty(logits.shape[:-1], dtype=torch.long)
 
     @torch.library.register_fake("graft::graft_trees")
     def _(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free):
@@ -168,11 +168,14 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple:
     return torch.ops.graft.topk_rows(x, k)
 
 
-def gumbel_argmax(x: torch.Tensor, h_pos: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
-    """verify.choose's draw: per row of x (..., V) float32 (warped logits), the argmax of x + the Gumbel noise
-    verify.position_noise makes from the row's position hash h_pos (...,) and the token hashes th (V,), the
-    same float64 bits (its logs are torch's), ties to the lower index. Returns (...,) int64."""
-    return torch.ops.graft.gumbel_argmax(x, h_pos, th)
+def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor, th: torch.Tensor,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """verify.choose's draw: per row of x = logits / temperature (B, N, V) (float32 x when temperature is None:
+    warped already; else logits float32, bfloat16 or float16, temperature (B,) > 0), the argmax of x + the
+    Gumbel noise verify.position_noise makes for (seed (B,), positions (B, N)) from the token hashes th (V,):
+    the same float64 bits (its logs are torch's), ties to the lower index; noise only for the tokens that can
+    win. Returns (B, N) int64."""
+    return torch.ops.graft.gumbel_argmax(logits, seed, positions, th, temperature)
 
 
 def plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats, pend_ids, pend_n):

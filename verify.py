@@ -152,11 +152,13 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mod
         best = (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)
     if not mode[0]:
         return best
-    x = warp(logits, smp.temperature, smp.top_k, smp.top_p, mode)                 # (B, N, V) float32
     if use_kernels(logits) and not torch.compiler.is_compiling():   # the same draw, without (B, N, V) temporaries
-        drawn = cpu_kernels.gumbel_argmax(x, position_hash(smp.seed[:, None], positions),
-                                          token_hash(logits.shape[-1], logits.device))
+        cut = mode[1] or mode[2]             # (temperature alone: the kernel divides, no warped copy)
+        drawn = cpu_kernels.gumbel_argmax(warp(logits, smp.temperature, smp.top_k, smp.top_p, mode) if cut else logits,
+                                          smp.seed, positions.long(), token_hash(logits.shape[-1], logits.device),
+                                          None if cut else smp.temperature)
     else:
+        x = warp(logits, smp.temperature, smp.top_k, smp.top_p, mode)              # (B, N, V) float32
         drawn = (x.double() + position_noise(smp.seed[:, None], positions, logits.shape[-1])).argmax(-1)
     return torch.where(smp.greedy[:, None], best, drawn)
 

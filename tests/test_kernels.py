@@ -392,19 +392,43 @@ print("ok")
 
 @pytest.mark.parametrize("V", [49152, 1000, 37])
 def test_sampling_draw_is_the_torch_draw(V):
-    """verify.choose's draw on a CPU (cpu_kernels.gumbel_argmax: hashes in C++, torch's logs over one
-    buffer) picks what the torch formula picks, (warped logits in float64 + position_noise).argmax: rows of
-    three requests at five positions each, seeds above 2^32 too, logits cut by top-k (-inf), a NaN row."""
+    """verify.choose's draw on a CPU (cpu_kernels.gumbel_argmax: hashes in C++, torch's logs, noise for the
+    tokens that can win alone) picks what the torch formula picks, (warped logits in float64 +
+    position_noise).argmax: rows of three requests at five positions each, seeds above 2^32 too; flat,
+    peaked and very peaked rows (few candidates); logits cut by top-k (-inf); bfloat16 and float16 logits
+    with the temperature divided in the kernel; near-ties of two tokens one float32 step apart on either
+    side; NaN, +inf and all -inf rows (torch's argmax: the first NaN, the first +inf, token 0)."""
     import verify as V_
     g = torch.Generator().manual_seed(4)
     B, N = 3, 5
-    seed = torch.tensor([[7], [2**40 + 3], [0]])
+    seed = torch.tensor([7, 2**40 + 3, 0])
     pos = torch.randint(0, 4096, (B, N), generator=g)
-    for scale in (1.0, 8.0):                            # flat and peaked rows
+    th = V_.token_hash(V, "cpu")
+    noise = V_.position_noise(seed[:, None], pos, V)                                   # (B, N, V) float64
+    draw = lambda x, t=None: cpu_kernels.gumbel_argmax(x, seed, pos, th, t)           # noqa: E731
+    for scale in (1.0, 8.0, 40.0):                      # flat and peaked rows
         x = torch.randn(B, N, V, generator=g) * scale
         x[1, 2, : V // 2] = float("-inf")                # (top-k's removed tokens)
-        want = (x.double() + V_.position_noise(seed, pos, V)).argmax(-1)
-        got = cpu_kernels.gumbel_argmax(x, V_.position_hash(seed, pos), V_.token_hash(V, "cpu"))
-        assert torch.equal(got, want)
-    x[0, 1, 3] = float("nan")
-    assert cpu_kernels.gumbel_argmax(x, V_.position_hash(seed, pos), V_.token_hash(V, "cpu"))[0, 1] == 3
+        assert torch.equal(draw(x), (x.double() + noise).argmax(-1))
+        t = torch.tensor([0.7, 1.0, 1.3])
+        for dt in (torch.bfloat16, torch.float16):
+            lg = (x / 4).to(dt)
+            want = (V_.warp(lg, t, torch.zeros(B, dtype=torch.long), torch.ones(B), (True, False, False)).double()
+                    + noise).argmax(-1)
+            assert torch.equal(draw(lg, t), want)
+    x = torch.full((B, N, V), float("-inf"))             # two tokens a row: the row's extremes of noise
+    lo, hi = noise.argmin(-1), noise.argmax(-1)
+    x.scatter_(-1, lo[..., None], 0.0)
+    gap = (noise.gather(-1, lo[..., None]) - noise.gather(-1, hi[..., None]))[..., 0].float()   # (B, N)
+    for steps in (-2, -1, 0, 1, 2):                      # the high-noise token's x one float32 step apart
+        y, near = x.clone(), gap.clone()
+        for _ in range(abs(steps)):
+            near = torch.nextafter(near, torch.full_like(near, float("inf") if steps > 0 else float("-inf")))
+        y.scatter_(-1, hi[..., None], near[..., None])
+        assert torch.equal(draw(y), (y.double() + noise).argmax(-1)), steps
+    x = torch.randn(B, N, V, generator=g)
+    x[0, 1, 3] = x[0, 1, 5] = float("nan")
+    x[1, 1, 2] = x[1, 1, 7] = float("inf")
+    x[2, 3] = float("-inf")
+    got = draw(x)
+    assert (got[0, 1], got[1, 1], got[2, 3]) == (3, 2, 0) and torch.equal(got, (x.double() + noise).argmax(-1))
