@@ -1644,8 +1644,8 @@ inline uint64_t position_hash(int64_t seed, int64_t pos) {   // verify.position_
 inline double gumbel_u(uint64_t h_pos, int64_t th) { return ((double)(hash32(h_pos ^ (uint64_t)th) >> 8) + 0.5) / 16777216.0; }
 
 template <typename T>
-void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* temp, const uint64_t* hpos,
-                 const int64_t* tp, int64_t* op) {
+void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* temp, const bool* real,
+                 const uint64_t* hpos, const int64_t* tp, int64_t* op) {
   const double g_max = -std::log(-std::log(1.0 - 0.5 / 16777216.0)), g_min = -std::log(-std::log(0.5 / 16777216.0));
   const int64_t V16 = V / LANES * LANES;
   std::vector<std::vector<int32_t>> cand(rows);   // per row, the tokens that can win, ascending
@@ -1655,6 +1655,8 @@ void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* t
     float tv[16];
     int64_t ti[16];
     for (int64_t r = r0; r < r1; r++) {
+      op[r] = 0;
+      if (real && !real[r]) continue;             // (a padding row: no candidates, 0)
       const T* xr = xp + r * V;
       const float t = temp ? temp[r / N] : 1.f;
       const vec tq = vset1(t);
@@ -1669,7 +1671,6 @@ void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* t
       store(m16, mx);
       for (int64_t i = 0; i < LANES; i++) best = std::max(best, m16[i]);
       for (int64_t v = V16; v < V; v++) nan |= std::isnan(float(xr[v]) / t), best = std::max(best, float(xr[v]) / t);
-      op[r] = 0;
       if (nan || std::isinf(best)) {
         for (int64_t v = 0; v < V; v++)
           if (std::isnan(float(xr[v]) / t) || (!nan && float(xr[v]) / t == best)) { op[r] = v; break; }
@@ -1718,9 +1719,10 @@ void gumbel_rows(const T* xp, int64_t rows, int64_t V, int64_t N, const float* t
 }
 
 // logits (B, N, V) float32, bfloat16 or float16; seed (B,), positions (B, N) int64; th (V,) int64; temperature
-// (B,) float32 > 0 or None (then logits are float32, already warped). Returns (B, N) int64.
+// (B,) float32 > 0 or None (then logits are float32, already warped); real (B, N) bool or None: the rows
+// drawn (another's result: 0). Returns (B, N) int64.
 at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& seed, const at::Tensor& positions, const at::Tensor& th,
-                         const c10::optional<at::Tensor>& temperature) {
+                         const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& real) {
   const bool warm = temperature.has_value() && temperature->defined();
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 3 && (logits.scalar_type() == at::kFloat || (warm &&
               (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf))),
@@ -1740,12 +1742,18 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& seed, const
   }
   std::vector<uint64_t> hpos(B * N);
   for (int64_t i = 0; i < B * N; i++) hpos[i] = position_hash(sc.data_ptr<int64_t>()[i / N], pc.data_ptr<int64_t>()[i]);
+  at::Tensor rc;
+  if (real.has_value() && real->defined()) {
+    TORCH_CHECK(real->scalar_type() == at::kBool && real->numel() == B * N, "graft::gumbel_argmax: real rows (B, N) bool");
+    rc = real->contiguous();
+  }
   auto out = at::empty({B, N}, logits.options().dtype(at::kLong));
   const float* tp_ = warm ? tc.data_ptr<float>() : nullptr;
+  const bool* rp = rc.defined() ? rc.data_ptr<bool>() : nullptr;
   switch (x.scalar_type()) {
-    case at::kFloat: gumbel_rows(x.data_ptr<float>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
-    case at::kBFloat16: gumbel_rows(x.data_ptr<at::BFloat16>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
-    default: gumbel_rows(x.data_ptr<at::Half>(), B * N, V, N, tp_, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+    case at::kFloat: gumbel_rows(x.data_ptr<float>(), B * N, V, N, tp_, rp, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+    case at::kBFloat16: gumbel_rows(x.data_ptr<at::BFloat16>(), B * N, V, N, tp_, rp, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
+    default: gumbel_rows(x.data_ptr<at::Half>(), B * N, V, N, tp_, rp, hpos.data(), thc.data_ptr<int64_t>(), out.data_ptr<int64_t>()); break;
   }
   return out;
 }
@@ -2005,7 +2013,7 @@ TORCH_LIBRARY(graft, lib) {
   lib.def("move_rows(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()");
   lib.def("top_logprobs(Tensor logits, int k) -> (Tensor, Tensor)");
   lib.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
-  lib.def("gumbel_argmax(Tensor logits, Tensor seed, Tensor positions, Tensor th, Tensor? temperature) -> Tensor");
+  lib.def("gumbel_argmax(Tensor logits, Tensor seed, Tensor positions, Tensor th, Tensor? temperature, Tensor? real) -> Tensor");
   lib.def("plain_learn(Tensor logits, Tensor tokens, Tensor valid, Tensor nxt, Tensor active, Tensor? feats, "
           "Tensor(a!)? M, Tensor(b!)? written, Tensor(c!)? ctx, Tensor(d!)? clen, Tensor(e!)? pend_feats, "
           "Tensor(f!)? pend_ids, Tensor(g!)? pend_n) -> ()");

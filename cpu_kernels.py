@@ -105,7 +105,7 @@ def _register_shapes():
         return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.long)
 
     @torch.library.register_fake("graft::gumbel_argmax")
-    def _(logits, seed, positions, th, temperature):
+    def _(logits, seed, positions, th, temperature, real):
         return logits.new_empty(logits.shape[:-1], dtype=torch.long)
 
     @torch.library.register_fake("graft::graft_trees")
@@ -169,13 +169,14 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple:
 
 
 def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor, th: torch.Tensor,
-                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
     """verify.choose's draw: per row of x = logits / temperature (B, N, V) (float32 x when temperature is None:
     warped already; else logits float32, bfloat16 or float16, temperature (B,) > 0), the argmax of x + the
     Gumbel noise verify.position_noise makes for (seed (B,), positions (B, N)) from the token hashes th (V,):
     the same float64 bits (its logs are torch's), ties to the lower index; noise only for the tokens that can
-    win. Returns (B, N) int64."""
-    return torch.ops.graft.gumbel_argmax(logits, seed, positions, th, temperature)
+    win; real (B, N) bool: the rows drawn (None: all; another row's result is 0: a tree's padding, whose
+    logits are zeros, would cost a draw over the whole vocabulary). Returns (B, N) int64."""
+    return torch.ops.graft.gumbel_argmax(logits, seed, positions, th, temperature, real)
 
 
 def plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats, pend_ids, pend_n):

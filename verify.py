@@ -142,10 +142,12 @@ def warp(logits: torch.Tensor, temperature, top_k, top_p, mode: tuple) -> torch.
     return x
 
 
-def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mode: tuple) -> torch.Tensor:
+def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mode: tuple,
+           real: torch.Tensor | None = None) -> torch.Tensor:
     """The target's token after each row: argmax, or a Gumbel-max draw keyed by (the request's seed,
     the position it fills). logits (B, N, V); positions (B, N) absolute positions *of the tokens being
-    chosen*. Returns (B, N) long."""
+    chosen*; real (B, N) bool: the rows whose choice is read (None: all; an eager CPU draws no other:
+    a padding row's is 0). Returns (B, N) long."""
     if use_kernels(logits) and not torch.compiler.is_compiling():
         best = cpu_kernels.topk_rows(logits, 1)[1][..., 0]      # one pass a row (the first max, as argmax)
     else:     # a CPU's argmax over bfloat16/float16 is ~5x slower than widening first (exact: the same first max)
@@ -156,7 +158,7 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mod
         cut = mode[1] or mode[2]             # (temperature alone: the kernel divides, no warped copy)
         drawn = cpu_kernels.gumbel_argmax(warp(logits, smp.temperature, smp.top_k, smp.top_p, mode) if cut else logits,
                                           smp.seed, positions.long(), token_hash(logits.shape[-1], logits.device),
-                                          None if cut else smp.temperature)
+                                          None if cut else smp.temperature, real)
     else:
         x = warp(logits, smp.temperature, smp.top_k, smp.top_p, mode)              # (B, N, V) float32
         drawn = (x.double() + position_noise(smp.seed[:, None], positions, logits.shape[-1])).argmax(-1)
@@ -259,7 +261,7 @@ def verify(model, cache, tree: Tree, L: torch.Tensor, active: torch.Tensor, cols
     ar = torch.arange(N, device=L.device)
     out = model(tree.tokens, L[:, None] + depth, L[:, None] + ar, attend, capture, cache, keep=tree.valid)
     logits, feats = out if capture else (out, None)
-    target = choose(logits, L[:, None] + depth + 1, smp, mode)                         # (B, N)
+    target = choose(logits, L[:, None] + depth + 1, smp, mode, tree.valid)             # (B, N)
     A, bonus, path = accept(tree.tokens, tree.parents, tree.valid, mask, depth, target, P)
     cache.move_rows(L[:, None] + path, L[:, None] + torch.arange(P, device=L.device))
     L.add_((A + 1) * active)

@@ -397,7 +397,7 @@ def test_sampling_draw_is_the_torch_draw(V):
     position_noise).argmax: rows of three requests at five positions each, seeds above 2^32 too; flat,
     peaked and very peaked rows (few candidates); logits cut by top-k (-inf); bfloat16 and float16 logits
     with the temperature divided in the kernel; near-ties of two tokens one float32 step apart on either
-    side; NaN, +inf and all -inf rows (torch's argmax: the first NaN, the first +inf, token 0)."""
+    side; NaN, +inf and all -inf rows (torch's argmax: the first NaN, the first +inf, token 0); rows left out."""
     import verify as V_
     g = torch.Generator().manual_seed(4)
     B, N = 3, 5
@@ -432,3 +432,5 @@ def test_sampling_draw_is_the_torch_draw(V):
     x[2, 3] = float("-inf")
     got = draw(x)
     assert (got[0, 1], got[1, 1], got[2, 3]) == (3, 2, 0) and torch.equal(got, (x.double() + noise).argmax(-1))
+    real = torch.rand(B, N, generator=g) < 0.5           # a tree's padding rows are not drawn: 0
+    assert torch.equal(cpu_kernels.gumbel_argmax(x, seed, pos, th, None, real), torch.where(real, got, 0))
