@@ -750,7 +750,7 @@ class Pacer:
     plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft (at B > 1 one request's tree a round), then PLAIN_SAMPLES plain steps measure t_plain, once per method.
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method.
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -816,9 +816,6 @@ class Pacer:
                 return [x and self.pays(s.mat) for x, s in zip(live, eng.slots)]
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= getattr(method, 'room', PLAIN_RUN) and not catch for x, s in zip(live, eng.slots)]
-        if n > 1 and any(want) and not (tp and self.cost(1)):    # costs unmeasured: one request's tree (B trees
-            pick = min((i for i in range(eng.B) if want[i]), key=lambda i: (i - self.turn) % eng.B)    # of 81 nodes
-            return [f or i == pick for i, f in enumerate(full)]     # cost 11 steps at B = 4, sampled; one, 3)
         if n > 1 and tp and any(want) and self.cost(sum(want)):
             if b.plain:                                    # the batch's plain run
                 b.plain -= 1

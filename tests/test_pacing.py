@@ -308,20 +308,6 @@ def test_at_b_above_one_probes_draft_one_tree_in_turn_and_runs_double():
     assert p.plan(eng, None) == [False, False, True]
 
 
-def test_at_b_above_one_unmeasured_trees_are_drafted_one_at_a_time():
-    """Before a drafting round's cost is known, a batch drafts one request's tree a round (B trees of
-    recycle's 81 nodes cost 11 plain steps, sampled at B = 4; one, 3), the same request's (a request that
-    resumes drafting is no sample of a tree's cost): 2 PLAIN_SAMPLES such rounds, then plain steps measure
-    t_plain, then the costs decide (here every tree pays: all three draft)."""
-    p, eng = Pacer(), fake_engine(3)
-    plans = [feed(p, eng, 0.012, False, [2, 2, 2]) for _ in range(2 * Pacer.PLAIN_SAMPLES)]
-    assert plans == [[True, False, False]] * (2 * Pacer.PLAIN_SAMPLES)
-    assert p.plan(eng, None) == [False] * 3                 # a plain step's cost
-    for _ in range(Pacer.PLAIN_SAMPLES):
-        feed(p, eng, 0.010, True, [0, 0, 0])
-    assert p.cost(1) == pytest.approx(0.012) and p.plan(eng, None) == [True] * 3
-
-
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp", "torch"])
 def test_a_plain_rounds_learn_is_the_general_one_for_one_node(fused, monkeypatch):
     """graft.plain_learn (one C++ call, or one indexed write each) leaves what update, context_append and
