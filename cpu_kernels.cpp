@@ -1619,7 +1619,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) { r
 
 // Sampling's draw (verify.choose): per row of x = logits / temperature (rows, V), argmax over v of x[v] + g[v],
 // g = -log(-log(u)), u = ((h >> 8) + 0.5) / 2^24, h = hash32(h_pos ^ th[v]), h_pos the row's position hash
-// (verify.py's position_noise and position_hash), ties to the lower v, as torch's argmax. x is the float32
+// (verify.py's position_noise), ties to the lower v, as torch's argmax. x is the float32
 // quotient warp computes; the hashes and u are integer and exact float64 steps in C++; the logs are torch's
 // own (at::log_, whose value for an element does not depend on where it sits in the buffer:
 // tests/test_kernels.py), so every g is the same float64 bits; the sum and the comparison are IEEE float64.
@@ -1634,7 +1634,7 @@ inline uint64_t hash32(uint64_t x) {             // verify._hash32 (its int64 ar
   return x ^ (x >> 16);
 }
 
-inline uint64_t position_hash(int64_t seed, int64_t pos) {   // verify.position_hash (int64 products wrap alike)
+inline uint64_t position_hash(int64_t seed, int64_t pos) {   // verify.position_noise's key (int64 products wrap alike)
   const uint64_t base = hash32((uint64_t)seed * 0x2545F491ull + 0x1234567ull);
   const uint64_t h = hash32(base ^ (((uint64_t)pos * 0x27D4EB2Dull) & 0xFFFFFFFFull));
   const int64_t hi = seed >> 32;

@@ -110,17 +110,13 @@ def position_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     reproduce plain sampling token for token (docs/graft.md section 5). seed: int64, broadcastable to
     positions ((B, 1) against (B, N)); data, so a new seed compiles nothing. Every seed in [0, 2^63)
     keys its own stream: the high 32 bits, when not zero, rehash each position's key."""
-    h = _hash32(position_hash(seed, positions)[..., None] ^ token_hash(vocab, positions.device))   # (..., N, V)
-    u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
-
-
-def position_hash(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """position_noise's key of each position (..., N) int64 in [0, 2^32): the seed's, mixed with the position."""
     base = _hash32(seed * 0x2545F491 + 0x1234567)
     h_pos = _hash32(base ^ (positions.long() * 0x27D4EB2D & _M32))                 # (..., N)
     hi = seed >> 32
-    return torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
+    h_pos = torch.where(hi == 0, h_pos, _hash32(h_pos ^ _hash32(hi * 0x2F1E9B7 + 0x5A5A5A5)))
+    h = _hash32(h_pos[..., None] ^ token_hash(vocab, positions.device))            # (..., N, V)
+    u = ((h >> 8).double() + 0.5) / float(1 << 24)                                 # (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
 
 
 def warp(logits: torch.Tensor, temperature, top_k, top_p, mode: tuple) -> torch.Tensor:
@@ -148,13 +144,14 @@ def choose(logits: torch.Tensor, positions: torch.Tensor, smp: SlotSampling, mod
     the position it fills). logits (B, N, V); positions (B, N) absolute positions *of the tokens being
     chosen*; real (B, N) bool: the rows whose choice is read (None: all; an eager CPU draws no other:
     a padding row's is 0). Returns (B, N) long."""
-    if use_kernels(logits) and not torch.compiler.is_compiling():
+    kernels = use_kernels(logits) and not torch.compiler.is_compiling()
+    if kernels:
         best = cpu_kernels.topk_rows(logits, 1)[1][..., 0]      # one pass a row (the first max, as argmax)
     else:     # a CPU's argmax over bfloat16/float16 is ~5x slower than widening first (exact: the same first max)
         best = (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)
     if not mode[0]:
         return best
-    if use_kernels(logits) and not torch.compiler.is_compiling():   # the same draw, without (B, N, V) temporaries
+    if kernels:                          # the same draw, without (B, N, V) temporaries
         cut = mode[1] or mode[2]             # (temperature alone: the kernel divides, no warped copy)
         drawn = cpu_kernels.gumbel_argmax(warp(logits, smp.temperature, smp.top_k, smp.top_p, mode) if cut else logits,
                                           smp.seed, positions.long(), token_hash(logits.shape[-1], logits.device),

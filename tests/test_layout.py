@@ -104,7 +104,7 @@ def test_the_algorithm_fits_in_3245_lines():
     and admission rounds (+85: a request whose slot frees while others run is prefilled in the pass that takes
     their plain steps after a plain round, Engine.join, and the scheduler's choice of it); and probing priced
     as exploration (+20: Pacer.floor, each probe's net loss, its catch-up timed apart) and a sampled draw in
-    one C++ call (+8: verify.position_hash split out of position_noise, the kernel's route); and a batch's
+    one C++ call (+8: the kernel's route); and a batch's
     probe of every tree where one costs more a request, a sampled draw that divides by the temperature in
     its kernel and skips a tree's padding rows (+5)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
