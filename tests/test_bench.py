@@ -50,6 +50,7 @@ def test_report_rows_lossless_and_baseline(tiny, capsys):
     assert ar["speedup"] == 1.0 and ar["mat"] == 1.0 and ar["verified_per_round"] == 0
     assert rows[1]["draft_forwards_per_round"] > 0 and rows[1]["verified_per_round"] > 0
     assert saved["meta"]["mismatches"] == [] and saved["meta"]["machine"]["cpu_count"]
+    assert saved["meta"]["machine"]["kernels"] == cpu_kernels.isa()        # which path the linears ran on
     work = {k.split("@")[0]: v for k, v in saved["meta"]["round_work"].items()}   # the host's work per round
     assert set(work) == {f"eager {m}" for m in ("ar", "eagle3", "graft", "recycle", "pld")}
     assert work["eager ar"]["replays_per_round"] == 1 and work["eager ar"]["syncs_per_round"] == 1

@@ -115,6 +115,16 @@ def test_results_md_is_what_the_script_writes():
     assert r.main(["--check"]) == 0
 
 
+def test_a_table_names_the_cpu_and_kernels_its_report_ran_on():
+    """A report that records its CPU and kernel path (bench.machine) shows them under its table; an older
+    one, its processor."""
+    r = results_script()
+    m = {"processor": "x86_64", "cpu_count": 2, "torch_threads": 1, "torch": "2.13.0+cpu", "device": "cpu"}
+    assert r.machine({"machine": m}).startswith("x86_64, 2 cores, 1 torch thread")
+    m |= {"cpu": "AMD EPYC (family 25, model 17)", "kernels": "avx512_bf16"}
+    assert r.machine({"machine": m}).startswith("AMD EPYC (family 25, model 17), 2 cores, avx512_bf16 kernels, 1 torch thread")
+
+
 def test_every_results_table_names_its_report_and_command():
     r = results_script()
     for s in r.SECTIONS:
