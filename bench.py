@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import calibrate as CAL
-import cpu_kernels
 import cli as CLI
 import data as DATA
 import engine as E
@@ -323,31 +321,6 @@ def quantized_quality(eng, a, datasets: list, log) -> dict:
         f"greedy outputs agree with {name}'s for a median {median} of {a.max_new_tokens} tokens ({len(prompts)} prompts)")
     return {"perplexity": ppl, "common_prefix": prefix, "median_common_prefix": median,
             "identical": sum(w == g for w, g in zip(want, got)), "prompts": len(prompts), "ppl_tokens": PPL_TOKENS}
-
-
-def cpu_model() -> str | None:
-    """The CPU's model as Linux names it (/proc/cpuinfo: name, family, model), e.g. "AMD EPYC (family 25,
-    model 17)"; None elsewhere. A virtual machine's name can be as short as that, which is why the family and
-    model are kept: they tell a Zen 4 from a Zen 3."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
-    except OSError:
-        return None
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    name = info.get("model name")
-    return name and f"{name} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
-
-
-def machine(device) -> dict:
-    """A report's meta.machine: where it ran. kernels: the instructions graft's linears run
-    (cpu_kernels.isa(), e.g. "avx512_bf16+amx"): two CPUs of one name can differ there, and it decides
-    what a tree costs (docs/cpu.md)."""
-    cpu = str(device) == "cpu"
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_model(), "kernels": cpu_kernels.isa() if cpu else None, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1], "python": platform.python_version(),
-            "torch": torch.__version__, "device": str(device),
-            "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None}
 
 
 def calibration_meta(cal) -> dict:
@@ -744,7 +717,7 @@ def main(argv=None) -> dict:
 
     sweep = len({r["budget"] for r in rows if r["budget"]}) > 1     # a budget column when budgets differ
     report = {"meta": {
-        "machine": machine(a.device),
+        "machine": CLI.machine(a.device),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "ckpt": a.ckpt, "draft": draft, "dflash": block if need_block else None, "dtype": dtype,
@@ -928,7 +901,7 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         print(f"B={B}: B tokens {c[1]:.2f} ms ({c[1] / B:.2f} a request), B trees {c[nodes]:.2f} ms "
               f"({c[nodes] / c[1]:.2f}x B tokens)")
     report = {"meta": {
-        "machine": machine(a.device),
+        "machine": CLI.machine(a.device),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "ckpt": a.ckpt, "draft": draft, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "limit": a.limit,

@@ -3,6 +3,8 @@ engine from checkpoint files, streamed text, --show-tree rendering, and the one-
 import argparse
 import dataclasses
 import math
+import os
+import platform
 import sys
 
 import torch
@@ -264,6 +266,32 @@ def core_peak(eng) -> float | None:
     """GMAC/s: the core's multiply-add peak for the engine's dtype, measured now on this thread
     (cpu_kernels.peak: the instruction the linear's inner loop runs); None off a CPU or without the kernels."""
     return cpu_kernels.peak(eng.dtype, 0.2) if eng.device.type == "cpu" and cpu_kernels.ready() else None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model as Linux names it (/proc/cpuinfo: name, family, model), e.g. "AMD EPYC (family 25,
+    model 17)"; None elsewhere. A virtual machine's name can be as short as that, which is why the family and
+    model are kept: they tell a Zen 4 from a Zen 3."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()[:30]                 # the first processor's block
+    except OSError:
+        return None
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
+    name = info.get("model name")
+    return name and f"{name} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def machine(device) -> dict:
+    """A report's meta.machine: where it ran. kernels: the instructions graft's linears run
+    (cpu_kernels.isa(), e.g. "avx512_bf16+amx"): two CPUs of one name can differ there, and it decides
+    what a tree costs (docs/cpu.md)."""
+    cpu = str(device) == "cpu"
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(), "kernels": cpu_kernels.isa() if cpu else None, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "tp_ranks": tp.world()[1], "python": platform.python_version(),
+            "torch": torch.__version__, "device": str(device),
+            "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None}
 
 
 def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:

@@ -116,7 +116,7 @@ def test_results_md_is_what_the_script_writes():
 
 
 def test_a_table_names_the_cpu_and_kernels_its_report_ran_on():
-    """A report that records its CPU and kernel path (bench.machine) shows them under its table; an older
+    """A report that records its CPU and kernel path (cli.machine) shows them under its table; an older
     one, its processor."""
     r = results_script()
     m = {"processor": "x86_64", "cpu_count": 2, "torch_threads": 1, "torch": "2.13.0+cpu", "device": "cpu"}
