@@ -416,7 +416,10 @@ void amx_configure(int64_t kt, int64_t R) {
   c.palette = 1;
   for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = uint8_t(t < 6 ? R : 16);
   if (kt) c.colsb[5] = uint16_t(2 * kt), c.rows[7] = uint8_t(kt / 2);
-  _tile_loadconfig(&c);
+  // LDTILECFG with the whole 64 bytes as its operand: GCC 12's _tile_loadconfig names only the first 8,
+  // so where this was inlined with constant arguments (amx_peak) the optimiser dropped the stores to the
+  // rest, the tiles were configured with 0 rows and the first tile load raised SIGILL
+  asm volatile("ldtilecfg %0" : : "m"(c));
 }
 
 // The G (1 or 4) C tiles of packed blocks wb[j] against R rows of x (x's rows K apart), stored to out[j]

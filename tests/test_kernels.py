@@ -83,6 +83,21 @@ print(cpu_kernels.isa())
     assert r.returncode == 0 and r.stdout.split() == ["avx512_bf16"], r.stderr[-2000:]
 
 
+def test_peak_runs_for_every_dtype():
+    """The multiply-add peak (bench's % of peak) runs for every dtype a linear takes, in a process of its own
+    (a fault there must fail this test, not end the suite): a tile configuration the compiler had cut to
+    its first 8 bytes once configured AMX's tiles with 0 rows, and the first tile load raised SIGILL."""
+    code = """
+import math, torch, cpu_kernels
+assert cpu_kernels.ready(), "no build"
+got = [cpu_kernels.peak(d, 0.01) for d in (torch.float32, torch.bfloat16, torch.float16)]
+assert all(math.isfinite(p) and p > 0 for p in got), got
+print(*got)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and len(r.stdout.split()) == 3, (r.returncode, r.stderr[-2000:])
+
+
 def test_threads_split_outputs_never_sums():
     """Two threads split the output columns (linear) and the queries (attention), never one output's
     sum: the same bits as one thread."""
