@@ -750,7 +750,10 @@ class Pacer:
     a drafting round halving its run; no drafter, a plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, once per method.
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, and again (the old samples dropped) after
+    STALE rounds without one: a plain step's cost grows with the context, and a method drafting every round
+    kept the plain steps of a long-context data set (CNN/DM's 5 ms, the stdlib pair) as its t_plain on
+    the short prompts after it, where its trees did not pay (graft-tail 0.58x ar on Alpaca).
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -759,7 +762,7 @@ class Pacer:
     speed; on SmolLM2 probes gain on average (a median with every gain counted 0 had lengthened chat's plain
     runs: graft 14% plain rounds, against 3%)."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 2, 128, 0.03
-    QUANTILE = 0.5
+    QUANTILE, STALE = 0.5, 128
 
     def __init__(self):
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
@@ -771,6 +774,7 @@ class Pacer:
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
         self.paid = False             # a request's tree paid here, on measured costs (alone): see seen
         self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (< 0: gained)
+        self.rounds = self.plain_at = 0          # rounds seen; the round of the newest plain step's cost sample
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -798,6 +802,8 @@ class Pacer:
         catch = method is not None and method.can_catch_up(eng)
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
         trees = sum(len(x) for j, x in self.times.items() if j)
+        if self.times.get(0) and self.rounds - self.plain_at > self.STALE:
+            self.times[0].clear()                          # stale: measured at another context length
         if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and trees >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
@@ -884,8 +890,10 @@ class Pacer:
             made = sum(len(o[0]) + 1 for o in out if o is not None)
             self.lost.append(seconds + ahead - made / n * tp)
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
+        self.rounds += 1
         if not caught and (plain or clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
+            self.plain_at = self.rounds if k == 0 else self.plain_at
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):

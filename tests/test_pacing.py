@@ -64,6 +64,25 @@ def test_a_plain_steps_cost_is_measured_before_anything_is_compared():
     assert p.cost(0) == pytest.approx(0.010) and p.cost(1) == pytest.approx(0.020)
 
 
+def test_a_stale_plain_cost_is_measured_again():
+    """A plain step's cost grows with the context: measured at 5 ms on long prompts, it makes trees of 12 ms
+    that commit 3 tokens look paying (3 x 5 > 12). After STALE rounds without a plain step the pacer drops
+    it and measures again (2 ms: 3 x 2 < 12), and the request goes plain."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.005, k1=0.012)
+    drafted = 0
+    while p.plan(eng, None) == [True] and drafted <= Pacer.STALE + 1:
+        p.seen(eng, None, [True], [([0, 0], 0, [], 0)], 0.012, False)
+        drafted += 1
+    assert drafted == Pacer.STALE + 1 and not p.times[0]          # the old samples dropped, a plain step next
+    for _ in range(Pacer.PLAIN_SAMPLES):
+        p.seen(eng, None, [False], [([], 0, [], 0)], 0.002, True)
+    assert p.cost(0) == pytest.approx(0.002)
+    assert p.plan(eng, None) == [True]                             # a drafting round, read against the new cost
+    p.seen(eng, None, [True], [([0, 0], 0, [], 0)], 0.012, False)
+    assert p.plan(eng, None) == [False] and eng.slots[0].plain > 0
+
+
 @pytest.mark.parametrize("tokens, goes_plain", [(1, True), (2, True), (3, False), (4, False)])
 def test_a_request_goes_plain_exactly_when_its_trees_do_not_pay(tokens, goes_plain):
     """A drafting round costs 2.5 plain steps: it pays when it commits 3 tokens or more."""
