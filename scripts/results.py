@@ -174,11 +174,13 @@ def machine(meta: dict) -> str:
     """Where a report ran, from its meta."""
     m = meta.get("machine", {})
     threads = m.get("torch_threads")
+    peak = f" (multiply-add peak {meta['peak_gmacs']:.0f} GMAC/s)" if meta.get("peak_gmacs") else ""
+    named = m.get("cpu") and m.get("device") == "cpu" and not m.get("gpu")     # the peak beside its kernels
     return (f"{m.get('cpu') or m.get('processor', '?')}, {m.get('cpu_count', '?')} cores"
-            + (f", {m['kernels']} kernels" if m.get("kernels") else "")
+            + (f", {m['kernels']} kernels" + (peak if named else "") if m.get("kernels") else "")
             + (f", {threads} torch thread{'s' if threads != 1 else ''}" if threads else "")
-            + f", torch {m.get('torch', '?')}, " + (m.get("gpu") or ("the CPU" if m.get("device") == "cpu" else m.get("device", "?")))
-            + (f" (multiply-add peak {meta['peak_gmacs']:.0f} GMAC/s)" if meta.get("peak_gmacs") else ""))
+            + f", torch {m.get('torch', '?')}"
+            + ("" if named and m.get("kernels") else ", " + (m.get("gpu") or ("the CPU" if m.get("device") == "cpu" else m.get("device", "?"))) + peak))
 
 
 def when(meta: dict) -> datetime.datetime:
