@@ -750,10 +750,7 @@ class Pacer:
     a drafting round halving its run; no drafter, a plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, and again (the old samples dropped) after
-    STALE rounds without one: a plain step's cost grows with the context, and a method drafting every round
-    kept the plain steps of a long-context data set (CNN/DM's 5 ms, the stdlib pair) as its t_plain on
-    the short prompts after it, where its trees did not pay (graft-tail 0.58x ar on Alpaca).
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, and again after STALE rounds without one.
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -772,9 +769,8 @@ class Pacer:
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
-        self.paid = False             # a request's tree paid here, on measured costs (alone): see seen
+        self.paid, self.stale = False, 0   # a tree paid here, alone (seen); rounds since a plain step's cost sample
         self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (< 0: gained)
-        self.rounds = self.plain_at = 0          # rounds seen; the round of the newest plain step's cost sample
 
     def cost(self, k: int) -> float | None:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
@@ -802,8 +798,8 @@ class Pacer:
         catch = method is not None and method.can_catch_up(eng)
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
         trees = sum(len(x) for j, x in self.times.items() if j)
-        if self.times.get(0) and self.rounds - self.plain_at > self.STALE:
-            self.times[0].clear()                          # stale: measured at another context length
+        if self.times.get(0) and self.stale > self.STALE:   # a plain step's cost grows with the context: one
+            self.times[0].clear()            # kept from a long prompt made trees look paying on short ones after it
         if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and trees >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
@@ -890,10 +886,9 @@ class Pacer:
             made = sum(len(o[0]) + 1 for o in out if o is not None)
             self.lost.append(seconds + ahead - made / n * tp)
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
-        self.rounds += 1
         if not caught and (plain or clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
-            self.plain_at = self.rounds if k == 0 else self.plain_at
+        self.stale = 0 if plain and not caught else self.stale + 1      # (a plain round's cost: sampled above)
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):
