@@ -175,12 +175,12 @@ def machine(meta: dict) -> str:
     m = meta.get("machine", {})
     threads = m.get("torch_threads")
     peak = f" (multiply-add peak {meta['peak_gmacs']:.0f} GMAC/s)" if meta.get("peak_gmacs") else ""
-    named = m.get("cpu") and m.get("device") == "cpu" and not m.get("gpu")     # the peak beside its kernels
+    kernels = m.get("kernels")                   # (cli.machine records them on a CPU: the peak goes beside them)
     return (f"{m.get('cpu') or m.get('processor', '?')}, {m.get('cpu_count', '?')} cores"
-            + (f", {m['kernels']} kernels" + (peak if named else "") if m.get("kernels") else "")
+            + (f", {kernels} kernels{peak}" if kernels else "")
             + (f", {threads} torch thread{'s' if threads != 1 else ''}" if threads else "")
             + f", torch {m.get('torch', '?')}"
-            + ("" if named and m.get("kernels") else ", " + (m.get("gpu") or ("the CPU" if m.get("device") == "cpu" else m.get("device", "?"))) + peak))
+            + ("" if kernels else ", " + (m.get("gpu") or ("the CPU" if m.get("device") == "cpu" else m.get("device", "?"))) + peak))
 
 
 def when(meta: dict) -> datetime.datetime:
