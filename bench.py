@@ -660,13 +660,15 @@ def main(argv=None) -> dict:
             acc = {k: Row(d, k[1], k[2], skipped[d, c], execution=k[0], context=c) for k in runs}
             try:
                 for i, ids in enumerate(prompts[d, c]):
-                    # every method on this prompt before the next prompt: slow drifts of a shared machine's
-                    # load then hit all methods alike instead of whichever ran last
-                    base = {}      # each execution against its own ar (exact mode rounds otherwise)
-                    for (x, m, b), meth in runs.items():
+                    # every method on this prompt before the next prompt, in the reverse order every other
+                    # prompt: slow drifts of a shared machine's load, and whatever one run leaves the next
+                    # (caches, the allocator), then fall on all methods alike instead of on whichever ran last
+                    base, got = {}, {}      # each execution against its own ar (exact mode rounds otherwise)
+                    for (x, m, b), meth in list(runs.items())[::1 if i % 2 == 0 else -1]:
                         bar.set_description(f"{Path(label(d, c)).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
                                             + (f" {x}" if len(engines) > 1 else ""))
-                        res = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                        got[x, m, b] = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
+                    for (x, m, b), res in [(k, got[k]) for k in runs]:      # ar first: each execution's reference
                         edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
                                 if refs[d, c] else None)
                         acc[(x, m, b)].add(res, edit)
@@ -685,7 +687,7 @@ def main(argv=None) -> dict:
                                        f"position={why['position']}" +
                                        (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else ""),
                                        file=sys.stderr)
-                        if jsonl:      # each finished run at once: an interrupted bench keeps what it did
+                        if jsonl:      # each prompt's runs at once: an interrupted bench keeps what it did
                             jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m,
                                                     "budget": b, "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
                                                     "seconds": round(res.seconds, 5),

@@ -750,7 +750,8 @@ class Pacer:
     a drafting round halving its run; no drafter, a plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, and again after STALE rounds without one.
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain (3: of 2, the median was the slower, and one step
+    a neighbour slowed kept the stdlib pair drafting at 0.7x ar), and again after STALE rounds without one.
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -758,7 +759,7 @@ class Pacer:
     does (the 4.3M stdlib pair: a probe lost ~1.8 plain steps), probes every 4-8 steps cost ~8% of ar's
     speed; on SmolLM2 probes gain on average (a median with every gain counted 0 had lengthened chat's plain
     runs: graft 14% plain rounds, against 3%)."""
-    WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 2, 128, 0.03
+    WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 3, 128, 0.03
     QUANTILE, STALE = 0.5, 128
 
     def __init__(self):
@@ -797,15 +798,15 @@ class Pacer:
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
-        trees = sum(len(x) for j, x in self.times.items() if j)
         if self.times.get(0) and self.stale > self.STALE:   # a plain step's cost grows with the context: one
             self.times[0].clear()            # kept from a long prompt made trees look paying on short ones after it
-        if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and trees >= 2 * self.PLAIN_SAMPLES:
+        if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and \
+                sum(len(x) for j, x in self.times.items() if j) >= 2 * self.PLAIN_SAMPLES:
             return [False] * eng.B                         # measure a plain step's cost (what ar's is)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
             s.mat, s.backoff, s.plain = self.prior                            # starts where the last one left off
-        n, b, tp = sum(live), self.batch, self.cost(0)
         shadow = method.shadow(eng) if getattr(method, "shadows", False) else None
+        n, b, tp = sum(live), self.batch, self.cost(0) if eng.B > 1 or shadow else None     # (a plain run: no sorts)
         if shadow is not None:       # the method scores every proposal, drafted or not: no plain runs, no probes;
             settled, kinds = shadow              # each round decides from the MAT of its proposal's kind
             for kind, a in [x for got in settled for x in got]:
@@ -885,8 +886,7 @@ class Pacer:
             # a probe: its time against the plain steps that would have committed its tokens (n a step)
             made = sum(len(o[0]) + 1 for o in out if o is not None)
             self.lost.append(seconds + ahead - made / n * tp)
-        resumed = any(g and s.idle for s, g in zip(eng.slots, grow))
-        if not caught and (plain or clean or not pending or not resumed):
+        if not caught and (plain or clean or not pending or not any(g and s.idle for s, g in zip(eng.slots, grow))):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         self.stale = 0 if plain and not caught else self.stale + 1      # (a plain round's cost: sampled above)
         for s, g in zip(eng.slots, grow):

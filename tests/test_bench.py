@@ -147,6 +147,23 @@ def test_mismatch_is_reported_and_exits_1(tiny, monkeypatch, capsys):
     assert {(m["prompt"], m["position"]) for m in saved["meta"]["mismatches"]} == {(0, 3), (1, 3), (2, 3)}
 
 
+def test_methods_run_in_the_reverse_order_every_other_prompt(tiny, monkeypatch):
+    """A prompt's runs in the order ar, eagle3, ..., the next prompt's in reverse: what one run leaves the next
+    (and a drift of the machine's load) falls on every method alike; each is still checked against ar's."""
+    real, order = bench.E.generate, []
+
+    def logged(model, method, ids, *args, **kw):
+        order.append((tuple(ids), method.name))
+        return real(model, method, ids, *args, **kw)
+
+    monkeypatch.setattr(bench.E, "generate", logged)
+    _, saved = run_bench(tiny, "--warmup", "0")
+    prompts = list(dict.fromkeys(p for p, _ in order))[-3:]      # (the first-call run before the clock: left out)
+    per = [[m for p, m in order if p == q][-5:] for q in prompts]
+    assert per[0] == ["ar", "eagle3", "graft", "recycle", "pld"] and per[1] == per[0][::-1] and per[2] == per[0]
+    assert all(r["lossless"] is True for r in saved["rows"])
+
+
 def test_recycle_size_sets_the_retrieval_tree(tiny):
     _, saved = run_bench(tiny, "--methods", "ar,recycle", "--recycle-size", "5")
     assert [(r["method"], r["verified_per_round"], r["lossless"]) for r in saved["rows"]] == \

@@ -64,6 +64,21 @@ def test_a_plain_steps_cost_is_measured_before_anything_is_compared():
     assert p.cost(0) == pytest.approx(0.010) and p.cost(1) == pytest.approx(0.020)
 
 
+def test_one_slow_plain_step_does_not_make_trees_pay():
+    """Trees of 12 ms that commit 2 tokens against 2 ms plain steps, one of which a neighbour slowed to 9 ms:
+    the plain cost is their median, 2 ms, and the request goes plain (of two samples the median was 9 ms:
+    2 x 9 > 12, and it drafted at a loss until the samples went stale)."""
+    p, eng = Pacer(), fake_engine(1)
+    while p.plan(eng, None) == [True]:
+        p.seen(eng, None, [True], [([0], 0, [], 0)], 0.012, False)
+    for t in [0.002, 0.009, 0.002][:Pacer.PLAIN_SAMPLES]:
+        assert p.plan(eng, None) == [False]
+        p.seen(eng, None, [False], [([], 0, [], 0)], t, True)
+    assert p.cost(0) == pytest.approx(0.002)
+    p.seen(eng, None, [True], [([0], 0, [], 0)], 0.012, False)
+    assert p.plan(eng, None) == [False] and eng.slots[0].plain > 0
+
+
 def test_a_stale_plain_cost_is_measured_again():
     """A plain step's cost grows with the context: measured at 5 ms on long prompts, it makes trees of 12 ms
     that commit 3 tokens look paying (3 x 5 > 12). After STALE rounds without a plain step the pacer drops
