@@ -750,8 +750,8 @@ class Pacer:
     a drafting round halving its run; no drafter, a plain step (Method.plain_round).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain (3: of 2, the median was the slower, and one step
-    a neighbour slowed kept the stdlib pair drafting at 0.7x ar), and again after STALE rounds without one.
+    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, each after a plain step (the stdlib pair's two after
+    trees: 3.3, 2.9 ms, a plain run's 2.0, its weights out of cache: trees looked paying), and again after STALE rounds.
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -770,7 +770,7 @@ class Pacer:
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
-        self.paid, self.stale = False, 0   # a tree paid here, alone (seen); rounds since a plain step's cost sample
+        self.paid, self.stale = False, 0   # a tree paid here, alone (seen); rounds since a plain step
         self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (< 0: gained)
 
     def cost(self, k: int) -> float | None:
@@ -879,16 +879,16 @@ class Pacer:
         not pay goes plain for a while). No cost sample: a round whose resuming head read the plain steps'
         features it missed (unless before the timer: clean, Engine.step), or whose drafter caught up (caught).
         ahead: the seconds a probe's drafters spent catching up before the timer (clean)."""
-        k, probe = 0 if plain else sum(grow), [s.idle for s in eng.slots]
+        k, probe, n = 0 if plain else sum(grow), [s.idle for s in eng.slots], sum(o is not None for o in out)
         shadows, pending = getattr(method, "shadows", False), getattr(method, "pending", True)   # (None: a test's)
-        n = sum(o is not None for o in out)
         if not plain and n and not shadows and any(g and p for g, p in zip(grow, probe)) and (tp := self.cost(0)):
             # a probe: its time against the plain steps that would have committed its tokens (n a step)
             made = sum(len(o[0]) + 1 for o in out if o is not None)
             self.lost.append(seconds + ahead - made / n * tp)
-        if not caught and (plain or clean or not pending or not any(g and s.idle for s, g in zip(eng.slots, grow))):
+        if not caught and (not self.stale if plain else clean or not pending or not any(g and s.idle for s, g in
+                                                                                        zip(eng.slots, grow))):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
-        self.stale = 0 if plain and not caught else self.stale + 1      # (a plain round's cost: sampled above)
+        self.stale = 0 if plain and not caught else self.stale + 1
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g
         for s, g, o, fresh in zip(eng.slots, grow, out, probe):
