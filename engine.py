@@ -742,8 +742,8 @@ class Pacer:
     steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
     outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN; a
-    new request starts where the last one left off (its mat; once any request's tree has paid on this engine,
-    a plain run of <= 8, else the rest of its run: a method that never pays probes less than once a request).
+    new request starts where the last one left off (its mat and the rest of its run, at most 8 or floor() once any
+    request's tree has paid here: a method that never pays probes less than once a request).
     At B > 1 a tree pass costs every request, so the batch is paced as one (plan): its drafters are the
     requests of highest mat, as many as pay, its probes one request's tree beside the others' roots
     (Engine.grow; a CPU skips a padding row's arithmetic; every request's, where that costs less a request),
@@ -896,8 +896,8 @@ class Pacer:
                 continue
             if plain or not g or shadows:          # (a shadowing method scored its drafted proposals too: plan)
                 s.plain = max(s.plain - 1, 0)
-                if n == 1 and not self.paid and self.prior is not None:
-                    self.prior = (s.mat, s.backoff, s.plain)        # (its run goes on into the next request)
+                if n == 1 and self.prior is not None:     # (its run goes on into the next request; once paid, <= run)
+                    self.prior = self.prior[:2] + (min(self.prior[2], s.plain),) if self.paid else (s.mat, s.backoff, s.plain)
                 continue
             a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left it stale)
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
@@ -907,8 +907,8 @@ class Pacer:
             else:
                 s.backoff = 0
                 self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)
-            # a new request starts where this one is: once a tree has paid here, with a plain run <= 2 MIN_RUN (the
-            # next text may differ); else inside this one's run (a probe a request cost DFlash ~4% of ar)
+            # a new request starts where this one is: once a tree has paid here, with the rest of a run <= 2 MIN_RUN or
+            # the floor (the next text may differ); else inside this one's run (a probe a request cost DFlash ~4% of ar)
             run = min(s.backoff, max(2 * self.MIN_RUN, self.floor()))
             self.prior = (s.mat, run, run) if self.paid else (s.mat, s.backoff, s.plain)
 

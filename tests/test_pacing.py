@@ -163,6 +163,32 @@ class CatchesUp:
     can_catch_up = lambda self, eng: True                  # noqa: E731
 
 
+def test_once_a_tree_has_paid_a_run_longer_than_a_request_goes_on_into_the_next():
+    """Once a tree has paid, a new request starts with the rest of the run, at most max(2 MIN_RUN, floor()): where
+    probes lose enough that the floor outlasts a request, the run counts on across requests (restarted at every
+    request, the stdlib pair's graft never probed again: all plain over 28 requests, where its trees had paid)."""
+    p, eng = Pacer(), fake_engine(1)
+    costs(p, 0.010, k1=0.030)
+    p.seen(eng, None, [True], [([0] * 3, 0, [], 0)], 0.030, False)      # a tree that paid
+    p.lost.extend([0.030] * 8)                 # probes that lost 3 plain steps each: floor() 100
+    assert p.paid and p.floor() == 100
+    eng.slots[0].mat = 1.0
+    p.seen(eng, None, [True], [([], 0, [], 0)], 0.030, False)           # a tree that does not pay: a run of 32
+    run, steps = eng.slots[0].plain, 0
+    assert run == PLAIN_RUN
+    for request in range(3):                   # requests of 20 plain steps
+        eng.slots[0] = Slot(Request([1])) if request else eng.slots[0]
+        for _ in range(20):
+            if p.plan(eng, None) == [True]:
+                break
+            p.seen(eng, None, [False], [([], 0, [], 0)], 0.010, True)
+            steps += 1
+        else:
+            continue
+        break
+    assert steps == run                        # the probe after 20 + 12 plain steps, in the second request
+
+
 def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
     """A method that catches up (an EAGLE-3 head, eager) is not bound by its pending rows: the runs go on
     doubling to Pacer.MAX_RUN, and a slot whose rows are full is not made to draft."""
