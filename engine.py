@@ -885,8 +885,8 @@ class Pacer:
             # a probe: its time against the plain steps that would have committed its tokens (n a step)
             made = sum(len(o[0]) + 1 for o in out if o is not None)
             self.lost.append(seconds + ahead - made / n * tp)
-        if not caught and (not self.stale if plain else clean or not pending or not any(g and s.idle for s, g in
-                                                                                        zip(eng.slots, grow))):
+        resumed = any(g and s.idle for s, g in zip(eng.slots, grow))      # (a plain step: sampled after a plain one)
+        if not caught and (not self.stale if plain else clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
         self.stale = 0 if plain and not caught else self.stale + 1
         for s, g in zip(eng.slots, grow):
