@@ -60,13 +60,13 @@ SECTIONS = [
             "ATEN_CPU_CAPABILITY=avx2` set before the command below.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread; "
-            "each request's tokens checked against the same prompt decoded alone with `ar`; each method's "
+            "each request checked against its prompt decoded alone with `ar`; each "
             "stream run three times, interleaved.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
             legend="a cell: total tokens/s over `ar`'s at the same B (MAT of drafting rounds; share of plain "
                    "rounds); `ar`: its tokens/s"),
     Section("Two threads", ["results/cpu_smollm2_t2.json"],
-            "The demo pair on both cores (`--threads 2`): plain steps and trees ran about as fast as on one "
+            "The demo pair on both cores (`--threads 2`): about as fast as on one "
             "(the cores share the memory's bandwidth).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Block drafting: SmolLM2-135M-Instruct with its DFlash drafter", ["results/dflash_smollm2.json"],
@@ -78,24 +78,24 @@ SECTIONS = [
             "it and its lm_head in int8 with one scale a row (the head float), each run with its own warm-up. "
             "Perplexity: on 2,048 held-out tokens (Python's reference documentation); greedy agreement: the "
             "tokens before each int8 output first parts from the bfloat16 target's on the same prompt. The "
-            "one-token step reads half the bytes; a prefill or a tree pass does twice the bfloat16 dot products "
-            "(docs/cpu.md), so TTFT grows and the pacer takes more plain steps.",
+            "one-token step reads half the bytes; a prefill or a tree pass does twice the bfloat16 dot products, "
+            "so TTFT grows and the pacer takes more plain steps.",
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread, paced: "
-            "a step (~1.4 ms) costs about a head's draft, so the methods take plain steps, ~40 us dearer than `ar`'s.",
+            "a step (~1.5 ms) costs about a head's draft, so the methods mostly take plain steps, ~3% dearer than `ar`'s.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Retrieval sources: chat and code", ["results/sources_chat.json"],
             "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`). "
-            "These ran before exact mode was the CPU default: in bfloat16 some outputs parted from `ar`'s at "
-            "near-equal logits (the lossless column); with exact mode they do not.",
+            "These ran before exact mode was the CPU default: some bfloat16 outputs parted from `ar`'s at "
+            "near-equal logits.",
             fix=[("/work/shared/", "../shared/")]),
     Section("Long context: lcc at 2,048 tokens", ["results/exact-default/smol_lcc_bf16.json"],
             "SmolLM2 continuing code files of exactly 2,048 tokens (the target's own head, bfloat16, exact, paced).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches", ["results/exact-default/smol_batch_bfloat16.json"],
             "Four requests a target pass, sampled (temperature 0.8, request i with seed 7 + i), every method "
-            "at B = 4, paced; a request's tokens are checked against the same prompt decoded alone with `ar`. Recycle: "
+            "at B = 4, paced; each request checked against its prompt decoded alone with `ar`. Recycle: "
             "its first (timed) 81-node trees.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
             legend="a cell: total tokens/s over batched `ar`'s (MAT of drafting rounds; share of plain rounds); "
