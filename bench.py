@@ -646,7 +646,7 @@ def main(argv=None) -> dict:
             log(f"{label(d, c)}: refused {skipped[d, c]} of {len(ids)} prompts: longer than --max-seq-len "
                 f"{eng.model.max_seq_len} minus --max-new-tokens {a.max_new_tokens} (never truncated)")
 
-    rows, mismatches, done = [], [], 0
+    rows, mismatches, done, held = [], [], 0, []
     total = sum(len(p) for p in prompts.values()) * len(runs)
     # what a verify pass's compute rate is a share of: a row's linear multiply-adds, the core's peak for
     # the dtype (graft's CPU kernels, measured now on this thread; None elsewhere)
@@ -655,6 +655,35 @@ def main(argv=None) -> dict:
     bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)     # a count, the time, an estimate
     jsonl = open(runs_path(a.json_out), "w") if a.json_out else None
     interrupted = False
+
+    def record(acc, d, c, i, ids, x, m, b, res, want):
+        """One finished run of prompt i: into its row, checked against its execution's ar (want), to the runs file."""
+        nonlocal done
+        edit = DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i]) if refs[d, c] else None
+        acc[(x, m, b)].add(res, edit)
+        same = res.tokens == want
+        if not same:      # float32, exact mode: always a real difference; bf16/fp16: maybe a near-tie
+            why = ({"kind": "differs", "position": CLI.first_difference(res.tokens, want)}
+                   if eng.dtype == torch.float32 or engines[x].exact else
+                   CLI.classify_mismatch(engines[x], ids, want, res.tokens, sampling))
+            acc[(x, m, b)].mismatches += why["kind"] == "differs"
+            acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
+            mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b, "prompt": i, **why})
+            tqdm.write(f"{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={label(d, c)} "
+                       f"execution={x} method={m} budget={b} prompt={i} first differing position={why['position']}" +
+                       (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else ""),
+                       file=sys.stderr)
+        if jsonl:      # each run once checked: an interrupted bench keeps what it did
+            jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m, "budget": b, "prompt": i,
+                                    "same_as_ar": same, "tokens": len(res.tokens), "seconds": round(res.seconds, 5),
+                                    "decode_tokens_per_s": round(decode_rate(res), 3),
+                                    "ttft_ms": round(res.times.get("prefill", 0.0) * 1000, 3),
+                                    "edit_similarity": None if edit is None else round(edit, 2),
+                                    **res.stats()}) + "\n")
+            jsonl.flush()
+        done += 1
+        bar.update(1)
+
     try:
         for d, c in units:
             acc = {k: Row(d, k[1], k[2], skipped[d, c], execution=k[0], context=c) for k in runs}
@@ -663,48 +692,25 @@ def main(argv=None) -> dict:
                     # every method on this prompt before the next prompt, in the reverse order every other
                     # prompt: slow drifts of a shared machine's load, and whatever one run leaves the next
                     # (caches, the allocator), then fall on all methods alike instead of on whichever ran last
-                    base, got = {}, {}      # each execution against its own ar (exact mode rounds otherwise)
+                    base = {}      # each execution against its own ar (exact mode rounds otherwise)
                     for (x, m, b), meth in list(runs.items())[::1 if i % 2 == 0 else -1]:
                         bar.set_description(f"{Path(label(d, c)).name} {m}" + (f"@{b}" if len(budgets) > 1 and b else "")
                                             + (f" {x}" if len(engines) > 1 else ""))
-                        got[x, m, b] = E.generate(engines[x], meth, ids, a.max_new_tokens, sampling, eng.tokenizer.eos_ids)
-                    for (x, m, b), res in [(k, got[k]) for k in runs]:      # ar first: each execution's reference
-                        edit = (DATA.edit_similarity(eng.tokenizer.decode(res.tokens), refs[d, c][i])
-                                if refs[d, c] else None)
-                        acc[(x, m, b)].add(res, edit)
-                        base.setdefault(x, res.tokens)      # the execution's ar: its every run must equal it
-                        same = res.tokens == base[x]
-                        if not same:      # float32, exact mode: always a real difference; bf16/fp16: maybe a near-tie
-                            why = ({"kind": "differs", "position": CLI.first_difference(res.tokens, base[x])}
-                                   if eng.dtype == torch.float32 or engines[x].exact else
-                                   CLI.classify_mismatch(engines[x], ids, base[x], res.tokens, sampling))
-                            acc[(x, m, b)].mismatches += why["kind"] == "differs"
-                            acc[(x, m, b)].near_ties += why["kind"] == "near-tie"
-                            mismatches.append({"dataset": d, "context": c, "execution": x, "method": m, "budget": b,
-                                               "prompt": i, **why})
-                            tqdm.write(f"{'NEAR-TIE' if why['kind'] == 'near-tie' else 'MISMATCH'} dataset={label(d, c)} "
-                                       f"execution={x} method={m} budget={b} prompt={i} first differing "
-                                       f"position={why['position']}" +
-                                       (f" (gap {why['gap']}, tolerance {why['tolerance']})" if why.get("gap") is not None else ""),
-                                       file=sys.stderr)
-                        if jsonl:      # each prompt's runs at once: an interrupted bench keeps what it did
-                            jsonl.write(json.dumps({"dataset": d, "context": c, "execution": x, "method": m,
-                                                    "budget": b, "prompt": i, "same_as_ar": same, "tokens": len(res.tokens),
-                                                    "seconds": round(res.seconds, 5),
-                                                    "decode_tokens_per_s": round(decode_rate(res), 3),
-                                                    "ttft_ms": round(res.times.get("prefill", 0.0) * 1000, 3),
-                                                    "edit_similarity": None if edit is None else round(edit, 2),
-                                                    **res.stats()}) + "\n")
-                            jsonl.flush()
-                        done += 1
-                        bar.update(1)
+                        held.append((x, m, b, E.generate(engines[x], meth, ids, a.max_new_tokens, sampling,
+                                                         eng.tokenizer.eos_ids)))
+                        if m == "ar":                       # the execution's ar: its every run must equal it
+                            base[x] = held[-1][3].tokens
+                        ready, held[:] = [h for h in held if h[0] in base], [h for h in held if h[0] not in base]
+                        for h in sorted(ready, key=lambda h: h[1] != "ar"):     # (a run before its ar waits)
+                            record(acc, d, c, i, ids, *h, base[h[0]])
             finally:        # on an interrupt too: the rows of what finished; speedups within an execution
                 ar = {x: acc[(x, "ar", None)].rates() for x in engines}
                 # a long-context unit keeps its rows when every prompt was refused: the table shows it
                 rows += [r.report(*ar[r.execution], row_macs, peak) for r in acc.values() if r.tps or r.context]
     except KeyboardInterrupt:
         interrupted = True
-        log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished")
+        log(f"\ninterrupted after {done} of {total} runs: the table below holds what finished" +
+            (f" ({len(held)} run(s) of the last prompt left out: its ar had not run)" if held else ""))
     finally:
         if jsonl:
             jsonl.close()

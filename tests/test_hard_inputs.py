@@ -442,6 +442,30 @@ def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch,
     assert "| ar | 3 | 0 |" in out and "| pld | 2 | 0 |" in out
 
 
+def test_bench_interrupted_before_a_prompts_ar_says_what_it_left_out(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Every other prompt runs its methods in reverse, ar last: a run that finished before its prompt's ar (the
+    reference it is checked against) is left out of an interrupted report, and the message says so."""
+    target = tiny_ckpt("llama31")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe ball\nShe saw\n")
+    real, calls = E.generate, {"n": 0}
+
+    def interrupted_generate(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2 + 3 + 1:      # 2 untimed first calls; prompt 0's ar and pld, prompt 1's pld; then its ar
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(E, "generate", interrupted_generate)
+    with pytest.raises(SystemExit) as e:
+        bench.cli(["--ckpt", str(target), "--methods", "ar,pld", "--datasets", str(prompts), "--max-new-tokens",
+                   "8", "--warmup", "0", "--json-out", str(tmp_path / "r.json"), "--max-seq-len", "64"])
+    assert e.value.code == 130
+    assert "1 run(s) of the last prompt left out: its ar had not run" in capsys.readouterr().err
+    lines = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(l["prompt"], l["method"]) for l in lines] == [(0, "ar"), (0, "pld")]
+
+
 # ============================================================================ 6. the warm-up cache
 
 @pytest.fixture
