@@ -414,45 +414,16 @@ def test_non_utf8_warmup_file_is_one_line_error(ckpt, tmp_path):
 
 # ============================================================================ 5. bench interrupted
 
-def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch, capsys):
+def interrupted_bench(tiny_ckpt, tmp_path, monkeypatch, texts: str, runs: int) -> list:
+    """bench.py on ar and pld over `texts`, interrupted (Ctrl-C) after `runs` timed runs; returns the runs file's lines."""
     target = tiny_ckpt("llama31")
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\nThe ball\nShe saw\nOne day\n")
+    prompts.write_text(texts)
     real, calls = E.generate, {"n": 0}
 
     def interrupted_generate(*args, **kw):
         calls["n"] += 1
-        if calls["n"] == 2 + 5 + 1:      # 2 untimed first calls, then 5 timed runs finish
-            raise KeyboardInterrupt
-        return real(*args, **kw)
-
-    monkeypatch.setattr(E, "generate", interrupted_generate)
-    report_file = tmp_path / "r.json"
-    with pytest.raises(SystemExit) as e:
-        bench.cli(["--ckpt", str(target), "--methods", "ar,pld", "--datasets", str(prompts), "--max-new-tokens",
-                   "8", "--warmup", "0", "--json-out", str(report_file), "--max-seq-len", "64"])
-    assert e.value.code == 130
-    out = capsys.readouterr().out
-    lines = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert len(lines) == 5 and [l["method"] for l in lines] == ["ar", "pld"] * 2 + ["ar"]
-    assert all(l["same_as_ar"] for l in lines)
-    report = json.loads(report_file.read_text())
-    assert report["meta"]["interrupted"] and report["meta"]["runs_done"] == 5
-    assert {(r["method"], r["prompts"]) for r in report["rows"]} == {("ar", 3), ("pld", 2)}
-    assert "| ar | 3 | 0 |" in out and "| pld | 2 | 0 |" in out
-
-
-def test_bench_interrupted_before_a_prompts_ar_says_what_it_left_out(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    """Every other prompt runs its methods in reverse, ar last: a run that finished before its prompt's ar (the
-    reference it is checked against) is left out of an interrupted report, and the message says so."""
-    target = tiny_ckpt("llama31")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\nThe ball\nShe saw\n")
-    real, calls = E.generate, {"n": 0}
-
-    def interrupted_generate(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2 + 3 + 1:      # 2 untimed first calls; prompt 0's ar and pld, prompt 1's pld; then its ar
+        if calls["n"] == 2 + runs + 1:      # 2 untimed first calls, then the timed runs
             raise KeyboardInterrupt
         return real(*args, **kw)
 
@@ -461,8 +432,26 @@ def test_bench_interrupted_before_a_prompts_ar_says_what_it_left_out(tiny_ckpt, 
         bench.cli(["--ckpt", str(target), "--methods", "ar,pld", "--datasets", str(prompts), "--max-new-tokens",
                    "8", "--warmup", "0", "--json-out", str(tmp_path / "r.json"), "--max-seq-len", "64"])
     assert e.value.code == 130
+    return [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
+
+
+def test_bench_interrupted_keeps_finished_runs(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    lines = interrupted_bench(tiny_ckpt, tmp_path, monkeypatch, "Once upon a time\nThe ball\nShe saw\nOne day\n", 5)
+    out = capsys.readouterr().out
+    assert len(lines) == 5 and [l["method"] for l in lines] == ["ar", "pld"] * 2 + ["ar"]
+    assert all(l["same_as_ar"] for l in lines)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["meta"]["interrupted"] and report["meta"]["runs_done"] == 5
+    assert {(r["method"], r["prompts"]) for r in report["rows"]} == {("ar", 3), ("pld", 2)}
+    assert "| ar | 3 | 0 |" in out and "| pld | 2 | 0 |" in out
+
+
+def test_bench_interrupted_before_a_prompts_ar_says_what_it_left_out(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Every other prompt runs its methods in reverse, ar last: a run that finished before its prompt's ar (the
+    reference it is checked against) is left out of an interrupted report, and the message says so."""
+    # prompt 0's ar and pld, prompt 1's pld; then its ar is interrupted
+    lines = interrupted_bench(tiny_ckpt, tmp_path, monkeypatch, "Once upon a time\nThe ball\nShe saw\n", 3)
     assert "1 run(s) of the last prompt left out: its ar had not run" in capsys.readouterr().err
-    lines = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [(l["prompt"], l["method"]) for l in lines] == [(0, "ar"), (0, "pld")]
 
 
