@@ -749,9 +749,9 @@ class Pacer:
     (Engine.grow; a CPU skips a padding row's arithmetic; every request's, where that costs less a request), a
     drafting round halving its run, which ends once its first requests have all left; no drafter, a plain step.
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
-    round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: the first
-    rounds draft, then PLAIN_SAMPLES plain steps measure t_plain, each after a plain step (the stdlib pair's two after
-    trees: 3.3, 2.9 ms, a plain run's 2.0, its weights out of cache: trees looked paying), and again after STALE rounds.
+    round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: PLAIN_SAMPLES plain
+    steps first measure t_plain, each after a plain step (the stdlib pair's two after trees: 3.3, 2.9 ms, a plain run's
+    2.0, its weights out of cache: trees looked paying), and again after STALE rounds; then trees, two of each count.
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
@@ -800,9 +800,8 @@ class Pacer:
         self.cap = self.MAX_RUN if catch else PLAIN_RUN
         if self.times.get(0) and self.stale > self.STALE:   # a plain step's cost grows with the context: one
             self.times[0].clear()            # kept from a long prompt made trees look paying on short ones after it
-        if len(self.times.get(0, ())) < self.PLAIN_SAMPLES and \
-                sum(len(x) for j, x in self.times.items() if j) >= 2 * self.PLAIN_SAMPLES:
-            return [False] * eng.B                         # measure a plain step's cost (what ar's is)
+        if len(self.times.get(0, ())) < self.PLAIN_SAMPLES:   # measure a plain step's cost (what ar's is) first:
+            return [False] * eng.B      # it costs nothing over ar (drafting first, recycle's 81-node trees at B = 4: 13x)
         for s in [s for x, s in zip(live, eng.slots) if x and s.mat is None and self.prior]:   # a new request
             s.mat, s.backoff, s.plain = self.prior                            # starts where the last one left off
         shadow = method.shadow(eng) if getattr(method, "shadows", False) else None

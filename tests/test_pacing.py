@@ -54,14 +54,16 @@ def feed(p: Pacer, eng, seconds: float, plain: bool, accepted: list):
     return grow
 
 
-def test_a_plain_steps_cost_is_measured_before_anything_is_compared():
-    p, eng = Pacer(), fake_engine(1)
-    plans = [feed(p, eng, 0.020, False, [0]) for _ in range(2 * Pacer.PLAIN_SAMPLES)]
-    assert all(g == [True] for g in plans)                 # drafting rounds first: nothing to compare yet
-    assert p.plan(eng, None) == [False]                    # then a plain step, to measure one
-    for _ in range(Pacer.PLAIN_SAMPLES):
-        feed(p, eng, 0.010, True, [0])
-    assert p.cost(0) == pytest.approx(0.010) and p.cost(1) == pytest.approx(0.020)
+@pytest.mark.parametrize("B", [1, 4])
+def test_a_plain_steps_cost_is_measured_before_anything_is_compared(B):
+    """Plain steps first (they cost what ar's do: drafting first, recycle's 81-node trees at B = 4 cost 13 plain
+    steps each while measured), then drafting rounds until two are timed (a head's first after plain steps reads
+    their rows: no sample), and a decision from both costs."""
+    p, eng = Pacer(), fake_engine(B)
+    plans = [feed(p, eng, 0.010, True, [0] * B) for _ in range(Pacer.PLAIN_SAMPLES)]
+    assert plans == [[False] * B] * Pacer.PLAIN_SAMPLES and p.cost(0) == pytest.approx(0.010)
+    assert [feed(p, eng, 0.060, False, [0] * B) for _ in range(3)] == [[True] * B] * 3     # nothing to compare yet
+    assert p.cost(B) == pytest.approx(0.060) and p.plan(eng, None) == [False] * B       # 6 plain steps' worth: none pays
 
 
 def test_a_plain_steps_cost_is_a_plain_runs():
@@ -69,8 +71,9 @@ def test_a_plain_steps_cost_is_a_plain_runs():
     target's weights out of cache) is no sample, and one a neighbour slowed (9 ms) is outvoted: the plain cost is
     2 ms, and the request goes plain (of the first two, 9 ms: 2 x 9 > 12, drafting at a loss until STALE)."""
     p, eng = Pacer(), fake_engine(1)
-    while p.plan(eng, None) == [True]:
-        p.seen(eng, None, [True], [([0], 0, [], 0)], 0.012, False)
+    costs(p, 0.002, k1=0.012)
+    p.times[0].clear()                                      # measured again (as after STALE rounds of trees)
+    p.seen(eng, None, [True], [([0], 0, [], 0)], 0.012, False)
     for t in [0.009, 0.009, 0.002, 0.002]:
         assert p.plan(eng, None) == [False]
         p.seen(eng, None, [False], [([], 0, [], 0)], t, True)
