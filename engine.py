@@ -747,7 +747,7 @@ class Pacer:
     At B > 1 a tree pass costs every request, so the batch is paced as one (plan): its drafters are the
     requests of highest mat, as many as pay, its probes one request's tree beside the others' roots
     (Engine.grow; a CPU skips a padding row's arithmetic; every request's, where that costs less a request), a
-    drafting round halving its run, which ends once its first requests have all left; no drafter, a plain step.
+    drafting round halving its run (once its first requests have all left, the rest as a new request's alone).
     A method that scores every proposal (Method.shadow: pld's chains) needs no plain runs nor probes: each
     round reads the mat of its proposal's kind (self.kinds). Costs are measured, never assumed: PLAIN_SAMPLES plain
     steps first measure t_plain, each after a plain step (the stdlib pair's two after trees: 3.3, 2.9 ms, a plain run's
@@ -819,8 +819,10 @@ class Pacer:
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= getattr(method, 'room', PLAIN_RUN) and not catch for x, s in zip(live, eng.slots)]
         if n > 1 and tp and any(want) and self.cost(sum(want)):
-            if b.plain and any(s.request is r for s in eng.slots for r in self.cohort):   # the batch's plain run, while
-                b.plain -= 1               # a request it began with runs (then a probe: the next text may differ)
+            if b.plain and not any(s.request is r for s in eng.slots for r in self.cohort):   # its first requests left
+                b.plain, self.cohort = min(b.plain, max(2 * self.MIN_RUN, self.floor())), [s.request for s in eng.slots if s.request]
+            if b.plain:                                    # the batch's plain run (its rest at most B = 1's for a new request)
+                b.plain -= 1
                 return full
             order = sorted((i for i in range(eng.B) if want[i]), key=lambda i: -(eng.slots[i].mat or 1.0))
             if b.backoff and not self.probed:              # the run is over: a probe, one request's tree,
@@ -832,7 +834,7 @@ class Pacer:
                 return [f or i == pick for i, f in enumerate(full)]
             gain = [sum((eng.slots[i].mat or 1.0) - 1 for i in order[:k]) for k in range(len(order) + 1)]
             k = max(range(len(order) + 1), key=lambda k: (n + gain[k]) / (self.cost(k) * (1 + self.MARGIN * (k > 0))))
-            self.probed, b.backoff, b.plain = False, b.backoff if k == 0 else b.backoff // 2, 0   # (a lucky probe: not back to MIN_RUN)
+            self.probed, b.backoff = False, b.backoff if k == 0 else b.backoff // 2   # (a lucky probe: not back to MIN_RUN)
             if k == 0:                                     # no count pays: a plain run (twice the last after a probe)
                 b.plain, self.cohort = self.back_off(b) - 1 if shadow is None else 0, [s.request for s in eng.slots if s.request]
                 return full

@@ -69,7 +69,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 595
 
 
-def test_the_algorithm_fits_in_3245_lines():
+def test_the_algorithm_fits_in_3246_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -106,12 +106,13 @@ def test_the_algorithm_fits_in_3245_lines():
     as exploration (+20: Pacer.floor, each probe's net loss, its catch-up timed apart) and a sampled draw in
     one C++ call (+8: the kernel's route); and a batch's
     probe of every tree where one costs more a request, a sampled draw that divides by the temperature in
-    its kernel and skips a tree's padding rows (+5)."""
+    its kernel and skips a tree's padding rows (+5); and a batch's plain run cut short once the requests it
+    began with have all left (+1)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3245, lines
+    assert lines <= 3246, lines
 
 
 def test_no_batched_twins():

@@ -383,24 +383,31 @@ def test_at_b_above_one_a_probe_drafts_every_tree_where_that_costs_less_a_reques
 
 
 
-def test_at_b_above_one_a_plain_run_ends_once_every_request_it_began_with_has_left():
+@pytest.mark.parametrize("lost", [0.0, 0.5])
+def test_at_b_above_one_a_plain_run_shortens_once_every_request_it_began_with_has_left(lost):
     """A batch's plain run is evidence about the requests it began with: while one of them runs it goes on
     (a request joining beside it changes nothing); once all have left (a new stream, maybe another kind
-    of text: HumanEval after MT-bench had graft at B = 4 plain in 99% of its rounds), the next round probes."""
+    of text: HumanEval after MT-bench had graft at B = 4 plain in 99% of its rounds), what is left of it is
+    at most what a new request alone takes up: 2 MIN_RUN, or floor() where probes lose (recycle's 81-node
+    trees at B = 4 cost ~5 plain steps: a probe at every change of requests cost it 20%)."""
     p, eng = Pacer(), fake_engine(3)
     costs(p, 0.010, k1=0.012, k2=0.015, k3=0.018)
+    p.lost.extend([lost] * 4)                               # floor(): 0, or 0.5 s / (3% of 10 ms) = 1667 steps
     p.batch.backoff, p.probed = 8, True                     # after a probe that did not pay: a run of 16
     for s in eng.slots:
         s.mat = 1.1
-    assert p.plan(eng, None) == [False] * 3 and p.batch.plain == 15
+    assert p.plan(eng, None) == [False] * 3 and p.batch.plain == (31 if lost else 15)     # (floor: the cap, 32)
     eng.slots[0], eng.slots[1] = Slot(Request([1])), Slot(Request([1]))      # two leave, two join
     for s in eng.slots[:2]:
         s.mat = 1.1
-    assert [p.plan(eng, None) for _ in range(5)] == [[False] * 3] * 5 and p.batch.plain == 10
+    assert [p.plan(eng, None) for _ in range(5)] == [[False] * 3] * 5 and p.batch.plain == (26 if lost else 10)
     eng.slots[2] = Slot(Request([1]))                       # the last of the run's requests leaves
     eng.slots[2].mat = 1.1
-    assert p.plan(eng, None) == [True, False, False]        # a probe, at once
-    assert p.plan(eng, None) == [False] * 3 and p.batch.plain == 31     # (still no pay: twice the run)
+    plans = [p.plan(eng, None) for _ in range(10)]
+    if lost:                                                # probes lose: the run goes on (26 left)
+        assert plans == [[False] * 3] * 10 and p.batch.plain == 16
+    else:                                                   # 8 plain steps, then a probe
+        assert plans[:8] == [[False] * 3] * 8 and plans[8] == [True, False, False]
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp", "torch"])
 def test_a_plain_rounds_learn_is_the_general_one_for_one_node(fused, monkeypatch):
     """graft.plain_learn (one C++ call, or one indexed write each) leaves what update, context_append and
