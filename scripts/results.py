@@ -95,8 +95,7 @@ SECTIONS = [
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches", ["results/exact-default/smol_batch_bfloat16.json"],
             "Four requests a target pass, sampled (temperature 0.8, request i with seed 7 + i), every method "
-            "at B = 4, paced; each request checked against its prompt decoded alone with `ar`. Recycle: "
-            "its first (timed) 81-node trees.",
+            "at B = 4, paced; each request checked against its prompt decoded alone with `ar`.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
             legend="a cell: total tokens/s over batched `ar`'s (MAT of drafting rounds; share of plain rounds); "
                    "`ar`: its tokens/s"),
