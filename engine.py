@@ -819,9 +819,9 @@ class Pacer:
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= getattr(method, 'room', PLAIN_RUN) and not catch for x, s in zip(live, eng.slots)]
         if n > 1 and tp and any(want) and self.cost(sum(want)):
-            if b.plain and not any(s.request is r for s in eng.slots for r in self.cohort):   # its first requests left
+            if b.plain and not any(s.request is r for s in eng.slots for r in self.cohort):   # its first requests left:
                 b.plain, self.cohort = min(b.plain, max(2 * self.MIN_RUN, self.floor())), [s.request for s in eng.slots if s.request]
-            if b.plain:                                    # the batch's plain run (its rest at most B = 1's for a new request)
+            if b.plain:                                    # the batch's plain run (the rest as a new request's alone)
                 b.plain -= 1
                 return full
             order = sorted((i for i in range(eng.B) if want[i]), key=lambda i: -(eng.slots[i].mat or 1.0))

@@ -382,7 +382,6 @@ def test_at_b_above_one_a_probe_drafts_every_tree_where_that_costs_less_a_reques
     assert len(plans) == Pacer.MIN_RUN + 1 and plans[-1] == [True] * 3
 
 
-
 @pytest.mark.parametrize("lost", [0.0, 0.5])
 def test_at_b_above_one_a_plain_run_shortens_once_every_request_it_began_with_has_left(lost):
     """A batch's plain run is evidence about the requests it began with: while one of them runs it goes on
@@ -408,6 +407,8 @@ def test_at_b_above_one_a_plain_run_shortens_once_every_request_it_began_with_ha
         assert plans == [[False] * 3] * 10 and p.batch.plain == 16
     else:                                                   # 8 plain steps, then a probe
         assert plans[:8] == [[False] * 3] * 8 and plans[8] == [True, False, False]
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp", "torch"])
 def test_a_plain_rounds_learn_is_the_general_one_for_one_node(fused, monkeypatch):
     """graft.plain_learn (one C++ call, or one indexed write each) leaves what update, context_append and
