@@ -213,7 +213,7 @@ class KVCache:
         shape = (batch, n_kv, rows, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.rows = rows
+        self.rows, self.used = rows, [0] * batch     # used[b]: request b's rows from it on are zeros (clear keeps it)
         # index grids for the writes and moves (request, head): made once, read by every step
         self.bi = torch.arange(batch, device=device)[:, None, None]                 # (B, 1, 1)
         self.hi = torch.arange(n_kv, device=device)[None, :, None]                  # (1, H_kv, 1)
@@ -225,10 +225,15 @@ class KVCache:
         self.k[i].index_put_((b, self.hi, rows[:, None, :]), k.to(self.k[i].dtype))      # (no-op but under autocast)
         self.v[i].index_put_((b, self.hi, rows[:, None, :]), v.to(self.v[i].dtype))
 
+    def mark(self, b: int, n: int):
+        """Rows 0..n-1 of request b may hold values (a write there, or anyone's: a test's poison)."""
+        self.used[b] = max(self.used[b], min(n, self.rows))
+
     def clear(self, b: int):
-        """Zero request b's rows in every layer (Engine.seat, when a request takes the slot)."""
+        """Zero request b's rows that may hold values (mark) in every layer (Engine.seat, admitting a request)."""
         for t in self.k + self.v:
-            t[b].zero_()
+            t[b, :, :self.used[b]].zero_()
+        self.used[b] = 0
 
     def read(self, i: int, n_keys: int, slots: torch.Tensor | None) -> tuple:
         """Layer i's cache rows 0..n_keys-1, (B', H_kv, n_keys, D) each: a view for every request, a

@@ -24,7 +24,8 @@ from checkpoint import load_dflash, load_model
 from conftest import ROOT
 from data import STDLIB_CKPT, STDLIB_DFLASH, known_dflash, stdlib_snippets
 from model import GraftError
-from test_gpu_contract import as_if_cuda, count_prefills, placement_check, transfers, unmarked  # noqa: F401  (fixtures)
+from test_gpu_contract import (as_if_cuda, count_prefills, placement_check, rows_past_use_are_zeros,  # noqa: F401
+                               transfers, unmarked)  # (fixtures)
 from test_pacing import Forced
 from verify import Sampling
 
@@ -144,10 +145,12 @@ def test_block_methods_are_lossless(stream, monkeypatch):
     """20 prompts, greedy and sampled requests side by side, B = 1 and B = 3 with refills, every step
     output poisoned as it expires: each request gets plain decoding's tokens alone. The shipped drafter
     (the stdlib target finds it), so that blocks are accepted, cut and retrieved. Paced too, at B = 3:
-    plain rounds, and refills that join them (Engine.join)."""
+    plain rounds, and refills that join them (Engine.join). Every admission finds the slot's rows past
+    what its requests may have written zeros (Engine.seat clears only theirs), the block's cache too."""
     assert known_dflash(STDLIB_CKPT) == STDLIB_DFLASH
     engs = {B: CLI.build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=256, batch=B,
                                 attention="window" if B == 1 else "full", check_lifetimes=True) for B in (1, 3)}
+    clears = rows_past_use_are_zeros(monkeypatch)
     ids = [engs[1].tokenizer.encode(t) for t in stream]
     reqs = lambda: [E.Request(x, sampling(i), i) for i, x in enumerate(ids)]
     assert len(ids) == 20
@@ -170,7 +173,7 @@ def test_block_methods_are_lossless(stream, monkeypatch):
     for name in BLOCK_METHODS:
         res = E.run(engs[3], engs[3].make(name, GR.Config(tail_threshold=TAU, pace=True)), reqs(), N_NEW)
         assert [r.tokens for r in res.requests] == want, (name, "paced")
-    assert joined
+    assert joined and {id(c) for c in clears} >= {id(c) for c, _ in engs[3].caches} and len(engs[3].caches) == 2
 
 
 @pytest.mark.parametrize("run", [GR.PLAIN_RUN - 1, 2 * GR.PLAIN_RUN + 5])

@@ -431,11 +431,51 @@ def test_nonfinite_unwritten_rows_change_no_token(engines, reference, taus, atte
     attention reads every row under the mask."""
     for B in (1, 3):
         eng = engines(attention, B, False)
-        for t in eng.cache.tensors() + eng.drafter.cache.tensors():
-            t.fill_(float("nan"))
-            t[..., ::3, :] = float("inf")
+        for c in [eng.cache, eng.drafter.cache]:
+            for t in c.tensors():
+                t.fill_(float("nan"))
+                t[..., ::3, :] = float("inf")
+            for b in range(B):
+                c.mark(b, c.rows)        # (a slot's rows past its requests' writes are zeros the engine keeps)
         res = E.run(eng, method(eng, name, taus), requests("greedy"), 24, ())
         assert [r.tokens for r in res.requests] == [reference(r, 24) for r in res.requests], (name, B)
+
+
+def rows_past_use_are_zeros(monkeypatch) -> list:
+    """Checks, at every clear (Engine.seat), that the slot's rows past what its requests may have written
+    (KVCache.used, after the seat's mark) are zeros: the rows a clear leaves alone. Returns the list of
+    caches checked, one entry a clear."""
+    seen, clear = [], M.KVCache.clear
+
+    def checked(c, b):
+        assert all(bool((t[b, :, c.used[b]:] == 0).all()) for t in c.tensors()), (b, c.used[b])
+        seen.append(c)
+        clear(c, b)
+    monkeypatch.setattr(M.KVCache, "clear", checked)
+    return seen
+
+
+@pytest.mark.parametrize("name", NO_BLOCK)
+def test_a_request_writes_no_cache_row_past_its_length_and_scratch(engines, taus, monkeypatch, name):
+    """A slot's admission zeroes only the rows its requests may have written: below each one's length plus
+    its cache's scratch (Engine.caches: trees, head levels, prefill chunks). Every row past that is still
+    zero when the next request takes the slot, in both caches, three slots refilled (joins, three prefill
+    chunks), greedy and sampled requests side by side; and what each cache clears is a request's rows,
+    not the slot's (SmolLM2's whole slot took 12.6 ms an admission)."""
+    eng = engines("full", 3, False)
+    for c, _ in eng.caches:
+        for t in c.tensors():
+            t.zero_()
+        c.used = [0] * eng.B
+    seen = rows_past_use_are_zeros(monkeypatch)
+    m = method(eng, name, taus)
+    for kind in ("greedy", "sampled"):
+        E.run(eng, m, requests(kind), 20, ())
+    assert len(seen) == 2 * len(STREAM) * len(eng.caches)
+    for c, scratch in eng.caches:
+        assert scratch < c.rows // 2 and all(0 < n <= len(max(STREAM, key=len)) + 20 + scratch for n in c.used)
+        for b in range(eng.B):
+            M.KVCache.clear(c, b)          # (the last requests' rows: zeros past them too)
 
 
 def test_padding_rows_write_zeros(pair):

@@ -66,10 +66,11 @@ def test_the_model_file_is_the_model():
     # + 4 for reading that route's weights from the modules' dicts (nn.Module.__getattr__: ~1.5 ms a step),
     # + 5 for the real rows' logits only (a tree's padding rows cost the lm_head ~0.4 ms each on SmolLM2),
     # + 11 for the fused route's test in two halves: the step's (fused_step, once) and each layer's (fusable)
-    assert len((ROOT / "model.py").read_text().splitlines()) <= 595
+    # + 5 for the rows of a slot that may hold values (KVCache.mark): admission zeroes them, not the whole slot
+    assert len((ROOT / "model.py").read_text().splitlines()) <= 600
 
 
-def test_the_algorithm_fits_in_3246_lines():
+def test_the_algorithm_fits_in_3255_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -107,12 +108,13 @@ def test_the_algorithm_fits_in_3246_lines():
     one C++ call (+8: the kernel's route); and a batch's
     probe of every tree where one costs more a request, a sampled draw that divides by the temperature in
     its kernel and skips a tree's padding rows (+5); and a batch's plain run cut short once the requests it
-    began with have all left (+1)."""
+    began with have all left (+1); and admission zeroing only the rows a slot's requests may have written,
+    not the whole slot (+9: KVCache.mark, Engine.caches; SmolLM2's slot took 12.6 ms an admission)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3246, lines
+    assert lines <= 3255, lines
 
 
 def test_no_batched_twins():
