@@ -91,7 +91,7 @@ def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.
 #   3. Nothing in a step syncs with the host; a round makes one transfer (verify.commit) plus one per
 #      checkpoint reached, and host values reach the device by fills of static buffers, not copies.
 #   4. A cache row a query may not see is zero or was written by a real node whose logits were checked:
-#      padding rows and empty slots write zeros, and the caches start zeroed.
+#      padding rows and empty slots write zeros, caches start zeroed, admission zeroes a slot's written rows.
 #   5. Each step has its own code object, so its graphs live in a dynamo cache of their own (Steps.compile),
 #      and the verify step takes the tree size as a dynamic dimension: one compile serves every budget.
 #      Requests coming and going change data only (lengths, seeds, which slots are active): no recompile.
