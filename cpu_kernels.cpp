@@ -452,6 +452,41 @@ void amx_blocks(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K,
 #undef GRAFT_EACH
 }
 
+// Two blocks of rows at once (M > 16, K a multiple of 32): C tiles 0, 1 the first block's 16 rows against
+// packed blocks wb[0], wb[1] (G = 2; G = 1: wb[0] alone), 2, 3 the second's R2 rows against the same; A tiles
+// 4, 5; B tiles 6, 7, each loaded once for both blocks of rows, so a pass of 17-32 rows reads W once, not
+// twice (a tree at B = 4: 20 rows took 33 ms a SmolLM2 pass, 16 rows 28). Every output's sum is the one a
+// single block's tile multiply makes (amx_blocks): the same chunks in the same order. Stored to out[j]
+// (first block) and out[512 + j] (second), 16 floats a row.
+void amx_configure_pair(int64_t R2) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = uint8_t(t == 2 || t == 3 || t == 5 ? R2 : 16);
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+template <int G>
+void amx_pair(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K, int64_t KC, float* out) {
+  _tile_zero(0); _tile_zero(2);
+  if constexpr (G > 1) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t kc = 0; kc < KC; kc++) {
+    for (int j = 0; j < G; j++)
+      for (int l = 0; l < 16; l++) _mm_prefetch(reinterpret_cast<const char*>(wb[j] + (kc + 4) * 512 + l * 32), _MM_HINT_T0);
+    _tile_loadd(4, x + kc * 32, 2 * K);
+    _tile_loadd(5, x + 16 * K + kc * 32, 2 * K);
+    _tile_loadd(6, wb[0] + kc * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (G > 1) {
+      _tile_loadd(7, wb[1] + kc * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 64); _tile_stored(2, out + 512, 64);
+  if constexpr (G > 1) { _tile_stored(1, out + 256, 64); _tile_stored(3, out + 768, 64); }
+}
+
 // The same G blocks for one row of x (xf: x in float32) on AVX-512, the tile multiply's arithmetic chunk
 // by chunk (above), stored to out[j] (16 floats).
 template <int G>
@@ -498,6 +533,42 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   // four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the memory's
   // prefetchers follow four far-apart streams better than two neighbours), the last NB - 4 Q blocks alone
   const int64_t Q = NB / 4;
+  // past 16 rows (K a multiple of 32), blocks of rows in pairs (amx_pair), each pair against two output blocks
+  // at a time; an odd last block as above, its rows read in place (tiles of its rows)
+  const bool pairs = M > 16 && kt == 0;
+  auto emit = [&](const float* out, int64_t n0, int64_t m0, int64_t rows) {
+    const int64_t nn = std::min<int64_t>(16, N - n0);
+    const vec bias = b ? vload_tail(b + n0, nn) : vzero();
+    for (int64_t r = 0; r < rows; r++) {
+      vec s = _mm512_loadu_ps(out + r * 16);
+      if (b) s = vadd(s, bias);
+      vstore<T>(y + (m0 + r) * N + n0, s, nn);
+    }
+  };
+  auto run_pairs = [&](int64_t t, bool four, float* out, int64_t& config) {
+    const at::BFloat16* wb[4];
+    const int64_t G = four ? 4 : 1;
+    for (int64_t j = 0; j < G; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
+    for (int64_t mb = 0; mb < MB; mb += 2) {
+      const int64_t r1 = std::min<int64_t>(16, M - mb * 16), r2 = mb + 1 < MB ? std::min<int64_t>(16, M - mb * 16 - 16) : 0;
+      const int64_t want = r2 ? 100 + r2 : r1;             // (a pair's config: 100 + R2; a lone block's: R)
+      if (config != want) r2 ? amx_configure_pair(r2) : amx_configure(0, r1), config = want;
+      if (!r2) {                                           // a lone last block: all G output blocks at once
+        four ? amx_blocks<4>(wb, x + mb * 16 * K, K, KC, 0, out) : amx_blocks<1>(wb, x + mb * 16 * K, K, KC, 0, out);
+        for (int64_t j = 0; j < G; j++) emit(out + j * 256, (four ? t + j * Q : t) * 16, mb * 16, r1);
+        continue;
+      }
+      for (int64_t g = 0; g < G; g += 2) {
+        const at::BFloat16* wg[2] = {wb[g], wb[std::min<int64_t>(g + 1, G - 1)]};
+        G > 1 ? amx_pair<2>(wg, x + mb * 16 * K, K, KC, out) : amx_pair<1>(wg, x + mb * 16 * K, K, KC, out);
+        for (int64_t j = 0; j < std::min<int64_t>(2, G - g); j++) {
+          const int64_t n0 = (four ? t + (g + j) * Q : t) * 16;
+          emit(out + j * 256, n0, mb * 16, r1);
+          emit(out + 512 + j * 256, n0, mb * 16 + 16, r2);
+        }
+      }
+    }
+  };
   auto run = [&](int64_t t, bool four, float* out) {
     const at::BFloat16* wb[4];
     for (int64_t j = 0; j < 4; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
@@ -520,8 +591,13 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
     }
   };
   at::parallel_for(0, Q + (NB - 4 * Q), 4, [&](int64_t t0, int64_t t1) {
-    if (M > 1) amx_configure(kt, R);
     alignas(64) float out[4 * 256];
+    if (pairs) {
+      int64_t config = -1;
+      for (int64_t t = t0; t < t1; t++) run_pairs(t < Q ? t : 3 * Q + t, t < Q, out, config);
+      return;
+    }
+    if (M > 1) amx_configure(kt, R);
     for (int64_t t = t0; t < t1; t++) run(t < Q ? t : 3 * Q + t, t < Q, out);
   });
 }

@@ -20,9 +20,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def test_linear_is_the_linear_and_row_invariant(dtype):
     """Odd K (a masked tail) and N (a partial tile), a bias: the product within the dtype's rounding of a
     float64 reference, and any row's output the same bits for M = 1..40 rows around it (on AMX, bfloat16
-    with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block)."""
+    with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block; K a
+    multiple of 32 past 16 rows, blocks of rows in pairs and a lone last one, against four output blocks at
+    a time and against one)."""
     g = torch.Generator().manual_seed(0)
-    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70)):
+    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96)):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
         xs = torch.randn(40, K, generator=g).to(dtype)
