@@ -453,11 +453,11 @@ void amx_blocks(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K,
 }
 
 // Two blocks of rows at once (M > 16, K a multiple of 32): C tiles 0, 1 the first block's 16 rows against
-// packed blocks wb[0], wb[1] (G = 2; G = 1: wb[0] alone), 2, 3 the second's R2 rows against the same; A tiles
-// 4, 5; B tiles 6, 7, each loaded once for both blocks of rows, so a pass of 17-32 rows reads W once, not
-// twice (a tree at B = 4: 20 rows took 33 ms a SmolLM2 pass, 16 rows 28). Every output's sum is the one a
-// single block's tile multiply makes (amx_blocks): the same chunks in the same order. Stored to out[j]
-// (first block) and out[512 + j] (second), 16 floats a row.
+// packed blocks wb[0], wb[1] (G = 2; G = 1: wb[0] alone), 2, 3 the second's R2 rows against the same; A
+// tiles 4, 5; B tiles 6, 7, each loaded once for both blocks of rows, so a pass of 17-32 rows reads W once,
+// not twice (a block at a time, a SmolLM2 tree pass at B = 4 of 20 rows took 33 ms, of 16 rows 28). Every
+// output's sum is the one a single block's tile multiply makes (amx_blocks): the same chunks in the same
+// order. Stored to out[j] (first block) and out[512 + j] (second), 16 floats a row.
 void amx_configure_pair(int64_t R2) {
   TileConfig c{};
   c.palette = 1;
@@ -526,16 +526,16 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   const int64_t KC = K / 32, kt = K % 32, KT = KC + (kt > 0), MB = (M + 15) / 16, NB = (N + 15) / 16;
   std::vector<float> xf;                                       // one row: x in float32, for amx_row
   if (M == 1) xf.assign(x, x + K);
-  // tiles of R = min(M, 16) rows; past 16, a last block of fewer rows is read from a copy padded with zeros
-  const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 ? M % 16 : 0;
+  // tiles of R = min(M, 16) rows; past 16, blocks of rows in pairs where K is a multiple of 32 (amx_pair, each
+  // pair against two output blocks at a time, an odd last block's rows read in place), else a last block of
+  // fewer rows read from a copy padded with zeros
+  const bool pairs = M > 16 && kt == 0;
+  const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 && !pairs ? M % 16 : 0;
   std::vector<at::BFloat16> pad(tail_rows ? 16 * K : 0, at::BFloat16(0.f));
   if (tail_rows) std::memcpy(pad.data(), x + (M - tail_rows) * K, tail_rows * K * sizeof(at::BFloat16));
   // four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the memory's
   // prefetchers follow four far-apart streams better than two neighbours), the last NB - 4 Q blocks alone
   const int64_t Q = NB / 4;
-  // past 16 rows (K a multiple of 32), blocks of rows in pairs (amx_pair), each pair against two output blocks
-  // at a time; an odd last block as above, its rows read in place (tiles of its rows)
-  const bool pairs = M > 16 && kt == 0;
   auto emit = [&](const float* out, int64_t n0, int64_t m0, int64_t rows) {
     const int64_t nn = std::min<int64_t>(16, N - n0);
     const vec bias = b ? vload_tail(b + n0, nn) : vzero();
@@ -579,15 +579,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
         const at::BFloat16* xb = rows < R ? pad.data() : x + mb * 16 * K;
         four ? amx_blocks<4>(wb, xb, K, KC, kt, out) : amx_blocks<1>(wb, xb, K, KC, kt, out);
       }
-      for (int64_t j = 0; j < (four ? 4 : 1); j++) {
-        const int64_t n0 = (four ? t + j * Q : t) * 16, nn = std::min<int64_t>(16, N - n0);
-        const vec bias = b ? vload_tail(b + n0, nn) : vzero();
-        for (int64_t r = 0; r < rows; r++) {
-          vec s = _mm512_loadu_ps(out + j * 256 + r * 16);
-          if (b) s = vadd(s, bias);
-          vstore<T>(y + (mb * 16 + r) * N + n0, s, nn);
-        }
-      }
+      for (int64_t j = 0; j < (four ? 4 : 1); j++) emit(out + j * 256, (four ? t + j * Q : t) * 16, mb * 16, rows);
     }
   };
   at::parallel_for(0, Q + (NB - 4 * Q), 4, [&](int64_t t0, int64_t t1) {
