@@ -536,6 +536,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   // four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the memory's
   // prefetchers follow four far-apart streams better than two neighbours), the last NB - 4 Q blocks alone
   const int64_t Q = NB / 4;
+  auto block = [&](int64_t t, bool four, int64_t j) { return four ? t + j * Q : t; };   // a task's j-th output block
   auto emit = [&](const float* out, int64_t n0, int64_t m0, int64_t rows) {
     const int64_t nn = std::min<int64_t>(16, N - n0);
     const vec bias = b ? vload_tail(b + n0, nn) : vzero();
@@ -548,21 +549,21 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   auto run_pairs = [&](int64_t t, bool four, float* out, int64_t& config) {
     const at::BFloat16* wb[4];
     const int64_t G = four ? 4 : 1;
-    for (int64_t j = 0; j < G; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
+    for (int64_t j = 0; j < G; j++) wb[j] = wp + block(t, four, j) * KT * 512;
     for (int64_t mb = 0; mb < MB; mb += 2) {
       const int64_t r1 = std::min<int64_t>(16, M - mb * 16), r2 = mb + 1 < MB ? std::min<int64_t>(16, M - mb * 16 - 16) : 0;
       const int64_t want = r2 ? 100 + r2 : r1;             // (a pair's config: 100 + R2; a lone block's: R)
       if (config != want) r2 ? amx_configure_pair(r2) : amx_configure(0, r1), config = want;
       if (!r2) {                                           // a lone last block: all G output blocks at once
         four ? amx_blocks<4>(wb, x + mb * 16 * K, K, KC, 0, out) : amx_blocks<1>(wb, x + mb * 16 * K, K, KC, 0, out);
-        for (int64_t j = 0; j < G; j++) emit(out + j * 256, (four ? t + j * Q : t) * 16, mb * 16, r1);
+        for (int64_t j = 0; j < G; j++) emit(out + j * 256, block(t, four, j) * 16, mb * 16, r1);
         continue;
       }
       for (int64_t g = 0; g < G; g += 2) {
         const at::BFloat16* wg[2] = {wb[g], wb[std::min<int64_t>(g + 1, G - 1)]};
         G > 1 ? amx_pair<2>(wg, x + mb * 16 * K, K, KC, out) : amx_pair<1>(wg, x + mb * 16 * K, K, KC, out);
         for (int64_t j = 0; j < std::min<int64_t>(2, G - g); j++) {
-          const int64_t n0 = (four ? t + (g + j) * Q : t) * 16;
+          const int64_t n0 = block(t, four, g + j) * 16;
           emit(out + j * 256, n0, mb * 16, r1);
           emit(out + 512 + j * 256, n0, mb * 16 + 16, r2);
         }
@@ -571,7 +572,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   };
   auto run = [&](int64_t t, bool four, float* out) {
     const at::BFloat16* wb[4];
-    for (int64_t j = 0; j < 4; j++) wb[j] = wp + (four ? t + j * Q : t) * KT * 512;
+    for (int64_t j = 0; j < 4; j++) wb[j] = wp + block(t, four, j) * KT * 512;
     for (int64_t mb = 0; mb < MB; mb++) {
       const int64_t rows = std::min<int64_t>(16, M - mb * 16);
       if (M == 1) four ? amx_row<4>(wb, xf.data(), KC, kt, out) : amx_row<1>(wb, xf.data(), KC, kt, out);
@@ -579,7 +580,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
         const at::BFloat16* xb = rows < R ? pad.data() : x + mb * 16 * K;
         four ? amx_blocks<4>(wb, xb, K, KC, kt, out) : amx_blocks<1>(wb, xb, K, KC, kt, out);
       }
-      for (int64_t j = 0; j < (four ? 4 : 1); j++) emit(out + j * 256, (four ? t + j * Q : t) * 16, mb * 16, rows);
+      for (int64_t j = 0; j < (four ? 4 : 1); j++) emit(out + j * 256, block(t, four, j) * 16, mb * 16, rows);
     }
   };
   at::parallel_for(0, Q + (NB - 4 * Q), 4, [&](int64_t t0, int64_t t1) {
