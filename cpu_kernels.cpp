@@ -10,9 +10,10 @@
 //              even K): one tile element per output, a tile multiply's 32 weights summed as the tiles
 //              sum them (one row: the same arithmetic on FMAs), chunks in order.
 //   attention  a query reads the keys its mask lets it see, in row order (committed rows, then its tree
-//              ancestors: position order), scores them 16 at a time by one reduction tree per key, and
-//              sums exp(score - max) * v one key after another (the weights' total in 16 lanes, in the
-//              same order). Plain decoding at the same position sees the same keys in the same order.
+//              ancestors: position order), scores them 16 at a time by one reduction tree per key (on
+//              AMX: one tile element per score), and sums exp(score - max) * v one key after another (the
+//              weights' total in 16 lanes, in the same order). Plain decoding at the same position sees
+//              the same keys in the same order.
 //   block      a Llama/Qwen3 layer: the two above, and row-wise stages (norms, RoPE, SwiGLU, residuals)
 //              16 lanes at a time with lane-wise arithmetic only.
 // The one-token case reads each weight once as it streams, prefetching the next rows, which is what
@@ -1055,6 +1056,32 @@ constexpr int SCORE_GROUP = 4;
 #endif
 constexpr int64_t KB = 256;                         // keys transposed at a time (a block set that stays in cache)
 
+#if defined(GRAFT_AMX)
+// 1. on AMX (bfloat16 keys, D a multiple of 32): one tile multiply scores 16 query-heads against 16 keys, 32
+// elements deep. A key block (KeysBF16::block: pair p of key u at dword p * 16 + u) is its B tile as it stands,
+// 1 KB a 32-element chunk; the query-heads' rows (DE dwords apart) its A tile; C accumulates the chunks in
+// order. A score is one C element, summed as a tile multiply sums (linear_amx), whatever rows beside it: plain
+// decoding's G query-heads (a tile whose other rows are zeros) get a tree's bits. The dot-product path took
+// ~30% of a 9-node pass's attention (one VDPBF16PS a pair of elements, a query-head and 16 keys).
+void amx_configure_scores() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 3; t++) c.colsb[t] = 64, c.rows[t] = 16;
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// 16 query-heads (q: rows DE dwords apart) x 16 keys (blk) -> out (16 x 16 floats, unscaled)
+void amx_scores(const uint32_t* q, int64_t DE, const uint32_t* blk, float* out) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < DE / 16; c++) {
+    _tile_loadd(1, q + c * 16, DE * 4);
+    _tile_loadd(2, blk + c * 256, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, out, 64);
+}
+#endif
+
 // 3. p v, added in row order to NV accumulators per query-head (kept between calls in memory, o). vf: the
 // value rows, DV elements apart, NV vectors each: the cache's own where a row is whole vectors (read in
 // place, widened in registers: the same floats), else widened to float32 first and zero-padded. pv_shared: Q query-heads over rows
@@ -1166,8 +1193,18 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
     }
   });
   // one task per (request, KV head): every query-head of the request that reads it
+#if defined(GRAFT_AMX)
+  const bool tiles = std::is_same_v<E, uint32_t> && DE % 16 == 0 && amx_on();
+#else
+  const bool tiles = false;
+#endif
+  const int64_t R16 = (R + 15) / 16 * 16;             // (tiles: query-heads in blocks of 16, the rest zeros)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<E> qe(R * DE), kt(KB * DE);
+    std::vector<E> qe(R16 * DE), kt(KB * DE);
+    alignas(64) float tile[256];
+#if defined(GRAFT_AMX)
+    if (tiles) amx_configure_scores();
+#endif
     std::vector<float> sc(R * S16), l(R), sbuf(S16), vf, acc;
     std::vector<const int64_t*> snr(R);
     std::vector<const E*> qp(R);
@@ -1193,12 +1230,23 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
           most = std::max(most, rl[r]);
         }
       const T* kb = k.at(kb_, h, 0);
+      if (tiles) std::fill(qe.begin() + R * DE, qe.begin() + (R + 15) / 16 * 16 * DE, E(0));
       // 1. scores of every query-head against the keys up to the last one it sees, KB keys at a time
       for (int64_t c0 = 0; c0 <= most; c0 += KB) {
         const int64_t c1 = std::min(most + 1, c0 + KB);
         for (int64_t j = c0; j < c1; j += 16) Keys::block(kb + j * k.st, k.st, std::min<int64_t>(16, c1 - j), D, kt.data() + (j - c0) * DE);
         for (int64_t j = c0; j < c1; j += 16) {
           const E* blk = kt.data() + (j - c0) * DE;
+#if defined(GRAFT_AMX)
+          if constexpr (std::is_same_v<E, uint32_t>) if (tiles) {
+            for (int64_t r = 0; r < R; r += 16) {
+              amx_scores(qe.data() + r * DE, DE, blk, tile);
+              for (int64_t u = 0; u < std::min<int64_t>(16, R - r); u++)
+                if (rl[r + u] >= j) store(sc.data() + (r + u) * S16 + j, vmul(vload(tile + u * 16), vset1(scale)));
+            }
+            continue;
+          }
+#endif
           for (int64_t r = 0; r < R; r += SCORE_GROUP) {
             vec acc[SCORE_GROUP];
             const int64_t m = std::min<int64_t>(SCORE_GROUP, R - r);
