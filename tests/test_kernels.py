@@ -140,10 +140,11 @@ def test_attention_is_masked_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("D", [64, 128, 24])
 def test_a_query_alone_is_the_query_among_many(dtype, D):
     """Decoding's few query-heads and a tree's many (values read in place where D is whole vectors; D = 24
-    widens them first): one query's output is the same bits alone, beside 8 others, and in every request
+    widens them first; bfloat16 with D = 64, 128 scores on AMX tiles where the CPU has them, 27 query-heads
+    in two blocks of 16): one query's output is the same bits alone, beside 8 others, and in every request
     of a batch."""
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, T, S = 2, 6, 2, 9, 100                    # G = 3: one row is 3 query-heads, nine rows 27
