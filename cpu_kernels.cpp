@@ -1201,8 +1201,8 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
   const int64_t R16 = (R + 15) / 16 * 16;             // (tiles: query-heads in blocks of 16, the rest zeros)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<E> qe(R16 * DE), kt(KB * DE);
-    alignas(64) float tile[256];
 #if defined(GRAFT_AMX)
+    alignas(64) float tile[256];                      // (a C tile's scores, 16 query-heads x 16 keys)
     if (tiles) amx_configure_scores();
 #endif
     std::vector<float> sc(R * S16), l(R), sbuf(S16), vf, acc;
