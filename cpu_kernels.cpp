@@ -1062,13 +1062,8 @@ constexpr int64_t KB = 256;                         // keys transposed at a time
 // 1 KB a 32-element chunk; the query-heads' rows (DE dwords apart) its A tile; C accumulates the chunks in
 // order. A score is one C element, summed as a tile multiply sums (linear_amx), whatever rows beside it: plain
 // decoding's G query-heads (a tile whose other rows are zeros) get a tree's bits. The dot-product path took
-// ~30% of a 9-node pass's attention (one VDPBF16PS a pair of elements, a query-head and 16 keys).
-void amx_configure_scores() {
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 3; t++) c.colsb[t] = 64, c.rows[t] = 16;
-  asm volatile("ldtilecfg %0" : : "m"(c));
-}
+// ~30% of a 9-node pass's attention (one VDPBF16PS a pair of elements, a query-head and 16 keys). Tiles 0
+// (C), 1 (A), 2 (B) as amx_configure(0, 16) sets them.
 
 // 16 query-heads (q: rows DE dwords apart) x 16 keys (blk) -> out (16 x 16 floats, unscaled)
 void amx_scores(const uint32_t* q, int64_t DE, const uint32_t* blk, float* out) {
@@ -1203,7 +1198,7 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
     std::vector<E> qe(R16 * DE), kt(KB * DE);
 #if defined(GRAFT_AMX)
     alignas(64) float tile[256];                      // (a C tile's scores, 16 query-heads x 16 keys)
-    if (tiles) amx_configure_scores();
+    if (tiles) amx_configure(0, 16);
 #endif
     std::vector<float> sc(R * S16), l(R), sbuf(S16), vf, acc;
     std::vector<const int64_t*> snr(R);
