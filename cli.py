@@ -115,7 +115,7 @@ def add_engine_flags(p, compare_calibrations: bool = False):
     p.add_argument("--policy", choices=tuple(POLICIES), default=None,
                    help="how prune and graft prune: stop (drafting stops at a checkpoint below its threshold; "
                         "reads --calibration) or replace (the full tree, nodes below their checkpoint's threshold "
-                        "replaced by retrieval; reads Youden's J); default: stop for one request, replace for a batch")
+                        "replaced by retrieval; reads Youden's J); default: stop, but replace for a batch under CUDA graphs")
     p.add_argument("--recycle-size", type=int, default=80, help="nodes of the recycle method's retrieval tree")
     p.add_argument("--pld-tokens", type=int, default=Config.pld_tokens,
                    help="tokens of the pld method's chain (a longer chain costs little on a GPU, a row each on a CPU)")

@@ -391,7 +391,7 @@ class Config:
     prune: bool = True                 # (prune, retrieve, ablation: set by the method, graft.METHODS)
     retrieve: bool = True
     ablation: str | None = None        # "fixed", "root" or "tail"
-    policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: stop at B = 1, else replace)
+    policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: replace at B > 1 under CUDA graphs, else stop)
     matrix_k: int = 8
     recycle_size: int = 80
     sources: tuple = tuple(SOURCES)    # what retrieval draws from (--sources): the matrix, context matches
@@ -503,7 +503,8 @@ class Method:
     pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
-        self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B), cal or Calibration()
+        graphs = eng.compiling and eng.device.type == "cuda"
+        self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B, graphs), cal or Calibration()
         self.N, self.P = self.shape(self.cfg)
         self.matrix = None
         if self.needs_matrix or matrix is not None:    # each request's own matrix (B, V+1, k), from the prior
@@ -521,13 +522,14 @@ class Method:
         self.ctx_cols = None              # the context columns this round's match reads (None: all; see match_cols)
 
     @classmethod
-    def configure(cls, cfg: Config, drafter=None, batch: int = 1) -> Config:
-        """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B."""
+    def configure(cls, cfg: Config, drafter=None, batch: int = 1, graphs: bool = False) -> Config:
+        """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B (graphs:
+        the engine replays CUDA graphs, whose trees keep their shape: replace at B > 1)."""
         cfg = replace(cfg, **cls.settings)
         if drafter is not None and cls.needs_head:      # a tree of n nodes needs no wider beam, no deeper level:
             cfg = replace(cfg, top_k=min(drafter.top_k, cfg.budget), depth=min(drafter.depth, cfg.depth, cfg.budget))
         if cfg.prune:
-            cfg = replace(cfg, policy=cfg.policy or ("stop" if batch == 1 else "replace"))
+            cfg = replace(cfg, policy=cfg.policy or ("replace" if batch > 1 and graphs else "stop"))
         return cfg
 
     @classmethod

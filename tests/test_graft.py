@@ -1110,14 +1110,15 @@ def test_method_config_uses_each_methods_own_calibration():
 @torch.no_grad()
 def test_methods_read_their_own_calibration_by_policy():
     """A pruning method set up with the warm-up's Calibration reads its own method's thresholds: under
-    the stop policy (B = 1) the chosen calibration's, under replace (B > 1) Youden's (graft.POLICIES);
-    --thresholds (Config.thresholds) overrides both."""
+    the stop policy the chosen calibration's, under replace Youden's (graft.POLICIES); --thresholds
+    (Config.thresholds) overrides both."""
     from calibrate import read_calibrations
     cal = GR.Calibration(read_calibrations(good_meta(), (0, 1, 5))[0], "throughput")
     one, two = stage_drafter(1, levels=3), stage_drafter(2, levels=3)
     cfg = GR.Config(budget=8)
     assert GR.Graft(FakeEngine(one, ContinuationMatrix(64, 8)), cfg, cal).thresholds == {0: 1.0, 1: 0.0, 5: 0.0}
-    g2 = GR.Graft(FakeEngine(two, ContinuationMatrix(64, 8)), cfg, cal)
+    assert GR.Graft(FakeEngine(two, ContinuationMatrix(64, 8)), cfg, cal).policy == "stop"      # (no CUDA graphs)
+    g2 = GR.Graft(FakeEngine(two, ContinuationMatrix(64, 8)), GR.Config(budget=8, policy="replace"), cal)
     assert g2.policy == "replace" and g2.thresholds == {0: 0.05, 1: 0.08, 5: 0.002}
     p = GR.Prune(FakeEngine(one), GR.Config(budget=8, checkpoints=(0, 1)), cal)
     assert p.thresholds == {0: 1.0, 1: 0.0}
