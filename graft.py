@@ -259,8 +259,7 @@ def context_match(ctx: torch.Tensor, clen: torch.Tensor, G: int, T: int) -> tupl
     ctx (B, S) the request's tokens so far (prompt, then output, the root last), the first clen (B,)
     real. Returns (tokens (B, T) long, real (B, T): a known token (before the root's position) after a
     match, m (B,) the match's length, 0: none). Static shapes, no host sync: G x S comparisons."""
-    B, S = ctx.shape
-    dev = ctx.device
+    (B, S), dev = ctx.shape, ctx.device
     i = torch.arange(G, device=dev)
     at = clen[:, None] - 1 - i[None]                                        # (B, G) the suffix, newest first
     tail = ctx.gather(1, at.clamp(0, S - 1))           # (an empty slot's clen may exceed a narrowed ctx)
@@ -391,7 +390,7 @@ class Config:
     prune: bool = True                 # (prune, retrieve, ablation: set by the method, graft.METHODS)
     retrieve: bool = True
     ablation: str | None = None        # "fixed", "root" or "tail"
-    policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: replace at B > 1 under CUDA graphs, else stop)
+    policy: str | None = None          # pruning: "stop" or "replace" (POLICIES; default: stop, or replace at B > 1 under CUDA graphs)
     matrix_k: int = 8
     recycle_size: int = 80
     sources: tuple = tuple(SOURCES)    # what retrieval draws from (--sources): the matrix, context matches
@@ -503,7 +502,7 @@ class Method:
     pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
-        graphs = eng.compiling and eng.device.type == "cuda"
+        graphs = eng.compiling and eng.device.type == "cuda"            # (CUDA graphs: replace at B > 1)
         self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B, graphs), cal or Calibration()
         self.N, self.P = self.shape(self.cfg)
         self.matrix = None
@@ -523,8 +522,7 @@ class Method:
 
     @classmethod
     def configure(cls, cfg: Config, drafter=None, batch: int = 1, graphs: bool = False) -> Config:
-        """cfg as this method runs it: its settings, the head's geometry, Graft's policy for this B (graphs:
-        the engine replays CUDA graphs, whose trees keep their shape: replace at B > 1)."""
+        """cfg as this method runs it: its settings, the head's geometry, Graft's policy at this B and graphs."""
         cfg = replace(cfg, **cls.settings)
         if drafter is not None and cls.needs_head:      # a tree of n nodes needs no wider beam, no deeper level:
             cfg = replace(cfg, top_k=min(drafter.top_k, cfg.budget), depth=min(drafter.depth, cfg.depth, cfg.budget))
