@@ -294,13 +294,14 @@ def machine(device) -> dict:
             "gpu": torch.cuda.get_device_name() if str(device).startswith("cuda") else None}
 
 
-def room(methods: list, drafter_geometry=None, batch: int = 1) -> tuple:
+def room(methods: list, drafter_geometry=None, batch: int = 1, graphs: bool = False) -> tuple:
     """(nodes, path): the largest tree and accepted path of the methods [(name, Config), ...] at this
-    B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one."""
+    B, what Engine allocates for. drafter_geometry: (top_k, depth) of the head, when there is one;
+    graphs: the engine replays CUDA graphs (Graft's policy, and so its paths, depend on it)."""
     nodes = path = 1
     for name, cfg in methods:
         cls = METHODS[name]
-        c = cls.configure(cfg, None, batch)
+        c = cls.configure(cfg, None, batch, graphs)
         if drafter_geometry and cls.needs_head:
             c = dataclasses.replace(c, top_k=drafter_geometry[0], depth=drafter_geometry[1])
         N, P = cls.shape(c)
@@ -351,10 +352,12 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
                          f"a chunk longer than the cache")
     if methods is None:
         methods = [(m, Config(budget=max(AUTO_BUDGETS))) for m in METHODS]
+    graphs = compile and torch.device(device).type == "cuda"            # (Engine's steps replay CUDA graphs)
     # the sizes from input against the memory there is, before the weights load (the head's cache is
     # counted once it is loaded, below)
     for b in [batch, *more_batches]:
-        nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), b)
+        nodes, longest = room([(m, c) for m, c in methods if draft or not METHODS[m].needs_head], (top_k, depth), b,
+                              graphs)
         check_batch_memory(args, max_seq_len, None, b, max(nodes, longest), chunk, matrix_k, DTYPES[dtype], device)
     model = load_model(path, device=device, dtype=DTYPES[dtype], max_seq_len=max_seq_len, shards=shards)
     head = None
@@ -369,7 +372,7 @@ def build_engine(ckpt, draft=None, device="cpu", dtype="float32", max_seq_len=No
         cols = share_features(model, block, head)      # the target captures what both drafters read
     quant.quantize(model, quantization)
     nodes, longest = room([(m, c) for m, c in methods if (head is not None or not METHODS[m].needs_head)
-                           and (block is not None or not METHODS[m].needs_block)], (top_k, depth), batch)
+                           and (block is not None or not METHODS[m].needs_block)], (top_k, depth), batch, graphs)
     if block is not None:
         nodes, longest = max(nodes, block.config.block_size), max(longest, block.config.block_size)
     check_batch_memory(model.args, max_seq_len, head, batch, max(nodes, longest), chunk, matrix_k, DTYPES[dtype],
@@ -408,7 +411,7 @@ def engine_room(eng: Engine, batch: int, methods: list) -> tuple:
     says their caches fit. Errors: GraftError when they would not."""
     d = eng.drafter
     nodes, path = room([(m, c) for m, c in methods if d is not None or not METHODS[m].needs_head],
-                       (d.top_k, d.depth) if d else None, batch)
+                       (d.top_k, d.depth) if d else None, batch, eng.compiling and eng.cuda)
     check_batch_memory(eng.model.args, eng.model.max_seq_len, d.head if d else None, batch, max(nodes, path),
                        eng.chunk, eng.matrix.k, eng.dtype, eng.device)
     return nodes, path

@@ -244,3 +244,16 @@ def test_show_tree_for_plain_decoding(pair, capsys):
     heads = [l for l in err.splitlines() if l.startswith("round ")]
     assert len(heads) == len(out["tokens"]) - 1                        # the prefill gives the first token
     assert all(l.startswith(f"round {i + 1}: plain decoding, the root alone, bonus ") for i, l in enumerate(heads))
+
+
+def test_room_holds_the_policy_the_engine_will_run():
+    """cli.room sizes an engine for Graft's default policy as its methods will pick it: stop, or at
+    B > 1 under CUDA graphs replace, whose accepted paths run deeper (Method.configure, Graft.shape)."""
+    import dataclasses
+    from cli import room
+    from graft import METHODS, Config
+    cfg = Config(budget=16)
+    for B, graphs, policy in ((1, True, "stop"), (4, False, "stop"), (4, True, "replace")):
+        c = dataclasses.replace(METHODS["graft"].configure(dataclasses.replace(cfg, policy=policy)), top_k=10, depth=8)
+        assert room([("graft", cfg)], (10, 8), B, graphs) == METHODS["graft"].shape(c), (B, graphs)
+    assert room([("graft", cfg)], (10, 8), 4, True)[1] > room([("graft", cfg)], (10, 8), 4, False)[1]
