@@ -1225,7 +1225,7 @@ void attend(Rows<const T> q, Rows<const T> k, Rows<const T> v, const int64_t* kb
           most = std::max(most, rl[r]);
         }
       const T* kb = k.at(kb_, h, 0);
-      if (tiles) std::fill(qe.begin() + R * DE, qe.begin() + (R + 15) / 16 * 16 * DE, E(0));
+      if (tiles) std::fill(qe.begin() + R * DE, qe.begin() + R16 * DE, E(0));
       // 1. scores of every query-head against the keys up to the last one it sees, KB keys at a time
       for (int64_t c0 = 0; c0 <= most; c0 += KB) {
         const int64_t c1 = std::min(most + 1, c0 + KB);
