@@ -453,12 +453,12 @@ void amx_blocks(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K,
 #undef GRAFT_EACH
 }
 
-// Two blocks of rows at once (M > 16, K a multiple of 32): C tiles 0, 1 the first block's 16 rows against
-// packed blocks wb[0], wb[1] (G = 2; G = 1: wb[0] alone), 2, 3 the second's R2 rows against the same; A
-// tiles 4, 5; B tiles 6, 7, each loaded once for both blocks of rows, so a pass of 17-32 rows reads W once,
-// not twice (a block at a time, a SmolLM2 tree pass at B = 4 of 20 rows took 33 ms, of 16 rows 28). Every
-// output's sum is the one a single block's tile multiply makes (amx_blocks): the same chunks in the same
-// order. Stored to out[j] (first block) and out[512 + j] (second), 16 floats a row.
+// Two blocks of rows at once (M > ROWS_MAX, K a multiple of 32): C tiles 0, 1 the first block's 16 rows
+// against packed blocks wb[0], wb[1] (G = 2; G = 1: wb[0] alone), 2, 3 the second's R2 rows against the
+// same; A tiles 4, 5; B tiles 6, 7, each loaded once for both blocks of rows (a block at a time, a SmolLM2
+// tree pass at B = 4 of 20 rows took 33 ms, of 16 rows 28). Every output's sum is the one a single block's
+// tile multiply makes (amx_blocks): the same chunks in the same order. Stored to out[j] (first block) and
+// out[512 + j] (second), 16 floats a row.
 void amx_configure_pair(int64_t R2) {
   TileConfig c{};
   c.palette = 1;
@@ -486,6 +486,58 @@ void amx_pair(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K, i
   }
   _tile_stored(0, out, 64); _tile_stored(2, out + 512, 64);
   if constexpr (G > 1) { _tile_stored(1, out + 256, 64); _tile_stored(3, out + 768, 64); }
+}
+
+// Up to ROWS_MAX rows against one block of 16 outputs (16 < M <= ROWS_MAX, K a multiple of 32), the
+// blocks in memory order (linear_amx): each B tile, a chunk of the block, is loaded once and multiplied
+// into every block of rows, so the pass reads W once, in one stream, as a pass of 16 rows does. C tiles
+// 0 .. F - 1: F full blocks of 16 rows; C tile 4: the last R2 rows (1-16; 0: none); A tiles 5 (16 rows)
+// and 6 (R2 rows); B tile 7. Measured on SmolLM2's output projection (49152 x 576, one thread): 36 rows
+// 3.6-4.0 ms against 4.3-7.7 for amx_pair's order (four far-apart streams, two blocks at a time), 72 rows
+// 6.0 against 7.9-8.5; 16 rows 2.6, one row 2.3. Every output's sum is the one a single block's tile
+// multiply makes (amx_blocks): the same chunks in the same order. Stored to out + i * 256 for row block i.
+constexpr int64_t ROWS_MAX = 80;
+
+void amx_configure_rows(int64_t R2) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = uint8_t((t == 4 || t == 6) && R2 ? R2 : 16);
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+template <int F, bool TAIL>
+void amx_rows(const at::BFloat16* wb, const at::BFloat16* x, int64_t K, int64_t KC, float* out) {
+#define GRAFT_EACH(G) G(0) G(1) G(2) G(3)
+#define GRAFT_ZERO(I) if constexpr (F > I) _tile_zero(I);
+#define GRAFT_DP(I) if constexpr (F > I) { _tile_loadd(5, x + I * 16 * K + kc * 32, 2 * K); _tile_dpbf16ps(I, 5, 7); }
+#define GRAFT_STORE(I) if constexpr (F > I) _tile_stored(I, out + I * 256, 64);
+  GRAFT_EACH(GRAFT_ZERO)
+  if constexpr (TAIL) _tile_zero(4);
+  for (int64_t kc = 0; kc < KC; kc++) {
+    for (int l = 0; l < 16; l++) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + 4) * 512 + l * 32), _MM_HINT_T0);
+    _tile_loadd(7, wb + kc * 512, 64);
+    GRAFT_EACH(GRAFT_DP)
+    if constexpr (TAIL) { _tile_loadd(6, x + F * 16 * K + kc * 32, 2 * K); _tile_dpbf16ps(4, 6, 7); }
+  }
+  GRAFT_EACH(GRAFT_STORE)
+  if constexpr (TAIL) _tile_stored(4, out + F * 256, 64);
+#undef GRAFT_STORE
+#undef GRAFT_DP
+#undef GRAFT_ZERO
+#undef GRAFT_EACH
+}
+
+// amx_rows for F full blocks (0-4) and a last block or not
+void amx_rows_of(int64_t F, bool tail, const at::BFloat16* wb, const at::BFloat16* x, int64_t K, int64_t KC, float* out) {
+  switch (2 * F + tail) {
+    case 3: return amx_rows<1, true>(wb, x, K, KC, out);
+    case 4: return amx_rows<2, false>(wb, x, K, KC, out);
+    case 5: return amx_rows<2, true>(wb, x, K, KC, out);
+    case 6: return amx_rows<3, false>(wb, x, K, KC, out);
+    case 7: return amx_rows<3, true>(wb, x, K, KC, out);
+    case 8: return amx_rows<4, false>(wb, x, K, KC, out);
+    default: return amx_rows<4, true>(wb, x, K, KC, out);
+  }
 }
 
 // The same G blocks for one row of x (xf: x in float32) on AVX-512, the tile multiply's arithmetic chunk
@@ -527,10 +579,10 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   const int64_t KC = K / 32, kt = K % 32, KT = KC + (kt > 0), MB = (M + 15) / 16, NB = (N + 15) / 16;
   std::vector<float> xf;                                       // one row: x in float32, for amx_row
   if (M == 1) xf.assign(x, x + K);
-  // tiles of R = min(M, 16) rows; past 16, blocks of rows in pairs where K is a multiple of 32 (amx_pair, each
-  // pair against two output blocks at a time, an odd last block's rows read in place), else a last block of
-  // fewer rows read from a copy padded with zeros
-  const bool pairs = M > 16 && kt == 0;
+  // tiles of R = min(M, 16) rows; past 16 where K is a multiple of 32, up to ROWS_MAX rows at once (amx_rows),
+  // past that blocks of rows in pairs (amx_pair, each pair against two output blocks at a time, an odd last
+  // block's rows read in place); else a last block of fewer rows read from a copy padded with zeros
+  const bool pairs = M > ROWS_MAX && kt == 0;
   const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 && !pairs ? M % 16 : 0;
   std::vector<at::BFloat16> pad(tail_rows ? 16 * K : 0, at::BFloat16(0.f));
   if (tail_rows) std::memcpy(pad.data(), x + (M - tail_rows) * K, tail_rows * K * sizeof(at::BFloat16));
@@ -547,6 +599,18 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
       vstore<T>(y + (m0 + r) * N + n0, s, nn);
     }
   };
+  if (M > 16 && M <= ROWS_MAX && kt == 0) {                              // amx_rows, the blocks in order
+    const int64_t F = std::min<int64_t>(M / 16, 4), R2 = M - 16 * F;        // (80 rows: four blocks and a fifth)
+    at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
+      alignas(64) float out[5 * 256];
+      amx_configure_rows(R2);
+      for (int64_t nb = b0; nb < b1; nb++) {
+        amx_rows_of(F, R2 > 0, wp + nb * KT * 512, x, K, KC, out);
+        for (int64_t i = 0; i < F + (R2 > 0); i++) emit(out + i * 256, nb * 16, 16 * i, i < F ? 16 : R2);
+      }
+    });
+    return;
+  }
   auto run_pairs = [&](int64_t t, bool four, float* out, int64_t& config) {
     const at::BFloat16* wb[4];
     const int64_t G = four ? 4 : 1;

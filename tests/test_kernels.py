@@ -19,23 +19,24 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_is_the_linear_and_row_invariant(dtype):
     """Odd K (a masked tail) and N (a partial tile), a bias: the product within the dtype's rounding of a
-    float64 reference, and any row's output the same bits for M = 1..40 rows around it (on AMX, bfloat16
+    float64 reference, and any row's output the same bits for M = 1..96 rows around it (on AMX, bfloat16
     with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block; K a
-    multiple of 32 past 16 rows, blocks of rows in pairs and a lone last one, against four output blocks at
-    a time and against one)."""
+    multiple of 32: 17-80 rows at once against one output block, full blocks of rows and a last one of 1-16
+    rows; past 80 blocks of rows in pairs and a lone last one, against four output blocks at a time and
+    against one)."""
     g = torch.Generator().manual_seed(0)
     for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96)):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
-        xs = torch.randn(40, K, generator=g).to(dtype)
+        xs = torch.randn(96, K, generator=g).to(dtype)
         y = cpu_kernels.linear(xs, w, b)
         ref = xs.double() @ w.double().T + b.double()
         tol = 2e-6 if dtype == torch.float32 else 1e-2
         assert (y.double() - ref).abs().max() <= tol * ref.abs().max(), (N, K)
-        for m in range(1, 41):
+        for m in range(1, 97):
             assert torch.equal(cpu_kernels.linear(xs[:m], w, b), y[:m]), (N, K, m)
             assert torch.equal(cpu_kernels.linear(xs[m - 1:m], w, b)[0], y[m - 1]), (N, K, m)
-        assert cpu_kernels.linear(xs.view(4, 10, K), w, None).shape == (4, 10, N)
+        assert cpu_kernels.linear(xs[:40].view(4, 10, K), w, None).shape == (4, 10, N)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
