@@ -492,9 +492,9 @@ void amx_pair(const at::BFloat16* const* wb, const at::BFloat16* x, int64_t K, i
 // blocks in memory order (linear_amx): each B tile, a chunk of the block, is loaded once and multiplied
 // into every block of rows, so the pass reads W once, in one stream, as a pass of 16 rows does. C tiles
 // 0 .. F - 1: F full blocks of 16 rows; C tile 4: the last R2 rows (1-16; 0: none); A tiles 5 (16 rows)
-// and 6 (R2 rows); B tile 7. Measured on SmolLM2's output projection (49152 x 576, one thread): 36 rows
-// 3.6-4.0 ms against 4.3-7.7 for amx_pair's order (four far-apart streams, two blocks at a time), 72 rows
-// 6.0 against 7.9-8.5; 16 rows 2.6, one row 2.3. Every output's sum is the one a single block's tile
+// and 6 (R2 rows); B tile 7. Measured on SmolLM2's output projection (49152 x 576, one thread, the two
+// interleaved in one process): 36 rows 3.8 ms against 4.4 for amx_pair (two blocks of rows against two
+// output blocks at a time, also in memory order), 72 rows 5.9 against 7.4; 16 rows 2.6, one row 2.3. Every output's sum is the one a single block's tile
 // multiply makes (amx_blocks): the same chunks in the same order. Stored to out + i * 256 for row block i.
 constexpr int64_t ROWS_MAX = 80;
 
@@ -583,7 +583,7 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
   // past that blocks of rows in pairs (amx_pair, each pair against two output blocks at a time, an odd last
   // block's rows read in place); else a last block of fewer rows read from a copy padded with zeros
   const bool pairs = M > ROWS_MAX && kt == 0;
-  const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 && !pairs ? M % 16 : 0;
+  const int64_t R = std::min<int64_t>(M, 16), tail_rows = M > 16 && kt ? M % 16 : 0;
   std::vector<at::BFloat16> pad(tail_rows ? 16 * K : 0, at::BFloat16(0.f));
   if (tail_rows) std::memcpy(pad.data(), x + (M - tail_rows) * K, tail_rows * K * sizeof(at::BFloat16));
   // up to 16 rows, four streams a task, as one-row decoding reads W (blocks t, t + Q, t + 2 Q, t + 3 Q: the
