@@ -22,10 +22,10 @@ def test_linear_is_the_linear_and_row_invariant(dtype):
     float64 reference, and any row's output the same bits for M = 1..96 rows around it (on AMX, bfloat16
     with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block; K a
     multiple of 32: 17-80 rows at once against one output block, full blocks of rows and a last one of 1-16
-    rows; past 80 blocks of rows in pairs and a lone last one, against four output blocks at a time and
-    against one)."""
+    rows; past 80 blocks of rows in pairs and a lone last one, against four output blocks at a time (two
+    such tasks: N = 130) and against one)."""
     g = torch.Generator().manual_seed(0)
-    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96)):
+    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96), (130, 64)):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
         xs = torch.randn(96, K, generator=g).to(dtype)
