@@ -502,7 +502,7 @@ class Method:
     pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
-        graphs = eng.compiling and eng.device.type == "cuda"            # (CUDA graphs: replace at B > 1)
+        graphs = eng.compiling and eng.cuda          # (its steps replay CUDA graphs, as Steps and cli read it)
         self.cfg, self.cal = self.configure(cfg, eng.drafter, eng.B, graphs), cal or Calibration()
         self.N, self.P = self.shape(self.cfg)
         self.matrix = None
