@@ -787,6 +787,22 @@ def check_batch(a, methods: list, budgets: list) -> list | None:
     return list(dict.fromkeys(sizes))
 
 
+def calibrated_at(a, be, eng, cal, cfg, log):
+    """The warm-up on batch engine `be` (B slots), as a server or generate.py --batch with B slots runs it:
+    a tree's verify pass, and so the budget that pays, depends on B (SmolLM2 bfloat16, one thread, MT-bench,
+    B = 4, interleaved in one process: graft at B = 1's budget 12 ran 0.96x ar, at B = 4's own, 2, 1.07x).
+    Its own warmed-up prior matrix (be.matrix, a copy: eng's stays as its warm-up left it), cached per B;
+    graft-tail's cut, which does not depend on B, as eng's. None where eng ran no warm-up."""
+    if cal is None:
+        return None
+    be.matrix = eng.matrix.copy()
+    wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
+    out = CAL.warm_up(be, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
+                      log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+    out.tail_threshold = cal.tail_threshold
+    return tp.same(out)
+
+
 # --batch runs each method's stream this many times, the methods interleaved (ar, graft, ..., then the
 # reverse), and a row totals them: on a shared machine one stream of a few seconds measures the neighbours
 BATCH_STREAMS = 3
@@ -799,21 +815,18 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     """Every method (ar first) on each dataset's whole prompt stream at every batch size B, BATCH_STREAMS
     times, the methods interleaved (a row totals them): one engine
     with B slots per B (cli.batch_engine, on the loaded model; B = 1: the one already built), refilled
-    from the stream; each method made once per B with its own copy of the warmed-up matrix, kept
+    from the stream, each B > 1 calibrated by a warm-up of its own (calibrated_at: its budget, draft depth
+    and thresholds); each method made once per B with its own copy of that B's warmed-up matrix, kept
     across datasets. Request i samples with seed --seed + i; its tokens are checked against the same
     prompt run alone with ar (the engine with one slot). Rows: total tokens/s, speedup over ar at the same B, per-request latency
     (median, 90th percentile: from the stream's start), MAT, draft forwards per round; then graft over
-    eagle3 at each B, and the pass cost of B trees against B one-token steps (calibrate.pass_cost on the
-    engine with B slots)."""
+    eagle3 at each B, and the pass cost of B trees (of that B's nodes) against B one-token steps
+    (calibrate.pass_cost on the engine with B slots)."""
     log = lambda s: print(s, file=sys.stderr)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.seed)
     seeded = lambda i: dataclasses.replace(sampling, seed=sampling.seed + i)
     eos = eng.tokenizer.eos_ids
     base_cfg = CLI.config_from_args(a)
-    # one slot count per request for every tree method (the paper's static trees): eagle3's budget (the
-    # warm-up's choice under --budget auto); the pruning methods read their policy's thresholds
-    budget = CAL.method_config(cal, "eagle3", base_cfg, auto_budget=a.auto_budget).budget
-    cfgs = {m: dataclasses.replace(base_cfg, budget=budget) for m in methods}
     enc = eng.tokenizer.apply_chat if a.chat else eng.tokenizer.encode
     warm = eng.tokenizer.encode(CAL.WARMUP_PROMPTS[0])[:eng.model.max_seq_len - 16]
     streams, refs, alone = {}, {}, {}
@@ -830,14 +843,22 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         alone[d] = {"tokens_per_s": round(n / max(sum(r.seconds for r in ref), 1e-9), 3),
                     "tokens_per_cpu_s": round(n / max(time.process_time() - c0, 1e-9), 3)}
         streams[d], refs[d] = fits, [r.tokens for r in ref]
-    rows, mismatches, cost, policies, thresholds, nodes, ctx = [], [], {}, {}, {}, None, BATCH_PASS_CONTEXT
+    rows, mismatches, cost, policies, thresholds, nodes, ctx = [], [], {}, {}, {}, {}, BATCH_PASS_CONTEXT
+    budgets = {}                       # B -> the tree methods' budget there
     # CPU time on a CPU: on a shared machine a wall clock mostly measures the neighbours
     timer = time.perf_counter if eng.cuda else time.process_time
     bar = tqdm(total=len(sizes) * len(datasets) * len(methods) * BATCH_STREAMS, unit="stream", file=sys.stderr,
                dynamic_ncols=True)
     for B in sizes:                    # one engine at a time: its caches, its compiled steps
         be = eng if B == eng.B else CLI.batch_engine(eng, B, todo)      # (B = 1: the engine already built)
-        made = {m: be.make(m, cfgs[m], cal, eng.matrix.copy() if m in E.NEEDS_MATRIX else None) for m in methods}
+        cal_b = cal if be is eng else calibrated_at(a, be, eng, cal, base_cfg, log)
+        # one slot count per request for every tree method (the paper's static trees): eagle3's budget and
+        # draft depth at this B (the warm-up's choice under --budget auto); the pruning methods read their
+        # policy's thresholds
+        shape = CAL.method_config(cal_b, "eagle3", base_cfg, auto_budget=a.auto_budget)
+        cfgs = {m: dataclasses.replace(base_cfg, budget=shape.budget, depth=shape.depth) for m in methods}
+        budgets[str(B)] = shape.budget
+        made = {m: be.make(m, cfgs[m], cal_b, be.matrix.copy() if m in E.NEEDS_MATRIX else None) for m in methods}
         if be.compiling:
             log(f"batch {B}: compile: {E.compile_warmup(be, list(made.values()), sampling):.1f}s")
         for m, meth in made.items():   # first-call costs (and what compiling left) before the clock
@@ -874,9 +895,9 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
                              "speedup": round(st["tokens_per_s"] / ar_tps, 4) if ar_tps else None,
                              "speedup_cpu": round(st["tokens_per_cpu_s"] / ar_cpu, 4) if ar_cpu else None,
                              "lossless": not kinds or ("near-tie" if "differs" not in kinds else False)})
-        if nodes is None:              # the tree the head's methods verify (else the largest tree)
-            nodes = max((x.N for m, x in made.items() if m in E.NEEDS_HEAD), default=max(x.N for x in made.values()))
-        ctx, cost[B] = CAL.pass_cost(be, sorted({1, nodes}), context=BATCH_PASS_CONTEXT, timer=timer)
+        # the tree the head's methods verify at this B (else the largest tree)
+        nodes[B] = max((x.N for m, x in made.items() if m in E.NEEDS_HEAD), default=max(x.N for x in made.values()))
+        ctx, cost[B] = CAL.pass_cost(be, sorted({1, nodes[B]}), context=BATCH_PASS_CONTEXT, timer=timer)
         del be, made
     bar.close()
     order = {d: i for i, d in enumerate(datasets)}            # the table: by dataset, then B, then method
@@ -903,11 +924,11 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
     for d, t in alone.items():
         print(f"ar alone (one prompt after another, one slot), {Path(d).name}: "
               f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_cpu_s']:.1f} tokens per CPU second")
-    print(f"\ntarget pass ({'ms' if eng.cuda else 'CPU ms'}) over B trees of {nodes} nodes against B one-token steps, "
-          f"after {ctx} tokens a request:")
+    print(f"\ntarget pass ({'ms' if eng.cuda else 'CPU ms'}) over B trees of N nodes (each B's) against B one-token "
+          f"steps, after {ctx} tokens a request:")
     for B, c in cost.items():
-        print(f"B={B}: B tokens {c[1]:.2f} ms ({c[1] / B:.2f} a request), B trees {c[nodes]:.2f} ms "
-              f"({c[nodes] / c[1]:.2f}x B tokens)")
+        print(f"B={B}: B tokens {c[1]:.2f} ms ({c[1] / B:.2f} a request), B trees of {nodes[B]} {c[nodes[B]]:.2f} ms "
+              f"({c[nodes[B]] / c[1]:.2f}x B tokens)")
     report = {"meta": {
         "machine": CLI.machine(a.device),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -917,9 +938,9 @@ def bench_batch(a, eng, cal, methods: list, datasets: list, sizes: list, todo: l
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
                      "seeds": "--seed + the request's index"},
         "thresholds": thresholds, "policies": policies,
-        "budgets": {m: c.budget for m, c in cfgs.items() if m in E.NEEDS_HEAD},
+        "budgets": budgets if any(m in E.NEEDS_HEAD for m in methods) else {},
         "graft_over_eagle3": gain, "graft_over_eagle3_cpu": gain_cpu, "ar_alone_tokens_per_s": alone,
-        "pass_timer": "wall" if eng.cuda else "process CPU time", "pass_nodes": nodes,
+        "pass_timer": "wall" if eng.cuda else "process CPU time", "pass_nodes": {str(B): n for B, n in nodes.items()},
         "pass_ms": {str(B): {str(n): ms for n, ms in c.items()} for B, c in cost.items()},
         "pass_context": ctx, "mismatches": mismatches, "quantization": a.quantization, "quality": quality,
         "wall_seconds": round(time.time() - t_start, 1)},

@@ -330,3 +330,28 @@ def test_bench_batch_reports_every_method_and_size(tmp_path, capsys):
     assert set(rep["meta"]["graft_over_eagle3"]) == {f"p.txt batch {b}" for b in (1, 2)}
     out = capsys.readouterr().out
     assert "| p.txt | 2 | graft |" in out and "graft over eagle3" in out and json.loads((tmp_path / "r.json").read_text())
+
+
+@has_stdlib
+def test_bench_batch_calibrates_at_each_batch_size(tmp_path, monkeypatch):
+    """bench.py --batch with a warm-up: each B > 1 warms up on its own engine (the budget that pays
+    depends on B, as a server with B slots calibrates), with a copy of the prior matrix, so the B = 1
+    engine's matrix stays what its own warm-up left; every row lossless, each B's budget reported."""
+    import bench
+    import calibrate as CAL
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
+    seen, real = [], CAL.warm_up
+
+    def warm_up(engine, *args, **kwargs):
+        seen.append((engine.B, engine.matrix))
+        return real(engine, *args, **kwargs)
+    monkeypatch.setattr(CAL, "warm_up", warm_up)
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(t.replace("\n", " ") for t in TEXTS[:3]) + "\n")
+    rep = bench.main(["--ckpt", STDLIB_CKPT, "--draft", STDLIB_DRAFT, "--datasets", str(f), "--batch", "1,2",
+                      "--methods", "graft", "--max-new-tokens", "10", "--warmup", "1", "--json-out", str(tmp_path / "r.json")])
+    assert [b for b, _ in seen] == [1, 2] and seen[0][1] is not seen[1][1]
+    assert set(rep["meta"]["budgets"]) == {"1", "2"} and all(n >= 1 for n in rep["meta"]["budgets"].values())
+    assert all(r["lossless"] for r in rep["rows"]) and not rep["meta"]["mismatches"]
+    graft2 = [r for r in rep["rows"] if r["method"] == "graft" and r["batch"] == 2]
+    assert graft2 and graft2[0]["nodes"] <= 1 + rep["meta"]["budgets"]["2"]
