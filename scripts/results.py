@@ -59,7 +59,8 @@ SECTIONS = [
             "picks there), run on this AVX-512 machine with `GRAFT_KERNELS_MARCH=x86-64-v3 "
             "ATEN_CPU_CAPABILITY=avx2` set before the command below.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
-            "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread; "
+            "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread, "
+            "each B calibrated by its own warm-up (B = 4: smaller trees); "
             "each request checked against its prompt decoded alone with `ar`; each "
             "stream run three times, interleaved.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
