@@ -60,7 +60,7 @@ SECTIONS = [
             "ATEN_CPU_CAPABILITY=avx2` set before the command below.", cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread, "
-            "each B calibrated by its own warm-up (B = 4: smaller trees); "
+            "each B with its own warm-up; "
             "each request checked against its prompt decoded alone with `ar`; each "
             "stream run three times, interleaved.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
@@ -78,9 +78,8 @@ SECTIONS = [
             "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
             "it and its lm_head in int8 with one scale a row (the head float), each run with its own warm-up. "
             "Perplexity: on 2,048 held-out tokens (Python's reference documentation); greedy agreement: the "
-            "tokens before each int8 output first parts from the bfloat16 target's on the same prompt. The "
-            "one-token step reads half the bytes; a prefill or a tree pass does twice the bfloat16 dot products, "
-            "so TTFT grows and the pacer takes more plain steps.",
+            "tokens before each int8 output first parts from the bfloat16 target's on the same prompt "
+            "(costs: [int8 weights](docs/cpu.md#int8-weights)).",
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread, paced: "
