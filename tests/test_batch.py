@@ -335,8 +335,8 @@ def test_bench_batch_reports_every_method_and_size(tmp_path, capsys):
 @has_stdlib
 def test_bench_batch_calibrates_at_each_batch_size(tmp_path, monkeypatch):
     """bench.py --batch with a warm-up: each B > 1 warms up on its own engine (the budget that pays
-    depends on B, as a server with B slots calibrates), with a copy of the prior matrix, so the B = 1
-    engine's matrix stays what its own warm-up left; every row lossless, each B's budget reported."""
+    depends on B, as a server with B slots calibrates), into a matrix of its own (not the B = 1
+    engine's); every row lossless, each B's budget reported and its trees no larger."""
     import bench
     import calibrate as CAL
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
