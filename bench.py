@@ -561,8 +561,7 @@ def main(argv=None) -> dict:
     cal = None
     if a.warmup > 0 and any(CAL.needs_warmup(m, a.auto_budget) for m in methods):
         wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-        cal = CAL.warm_up(eng, cfg0, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
-                          log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+        cal = warm_up(a, eng, cfg0, wp, log)
         if any(getattr(E.METHODS[m], "cut", False) for m in methods) and cfg0.tail_threshold is None:
             CAL.calibrate_tail(eng, cal, wp, rounds=a.warmup, chat=a.chat, log=log,
                                use_cache=not a.no_cache and tp.world()[1] == 1)      # graft-tail's cut
@@ -796,11 +795,16 @@ def calibrated_at(a, be, eng, cal, cfg, log):
     if cal is None:
         return None
     be.matrix = eng.matrix.copy()
-    wp = read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None
-    out = CAL.warm_up(be, cfg, wp, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1, chat=a.chat,
-                      log=log, calibration=a.calibration, auto_budget=a.auto_budget)
+    out = warm_up(a, be, cfg, read_prompts(a.warmup_file, "--warmup-file") if a.warmup_file else None, log)
     out.tail_threshold = cal.tail_threshold
     return tp.same(out)
+
+
+def warm_up(a, engine, cfg, prompts, log):
+    """calibrate.warm_up on `engine` as the command line asks (--warmup runs of `prompts`, --no-cache, --chat,
+    --calibration, --budget auto); cached only outside torchrun."""
+    return CAL.warm_up(engine, cfg, prompts, rounds=a.warmup, use_cache=not a.no_cache and tp.world()[1] == 1,
+                       chat=a.chat, log=log, calibration=a.calibration, auto_budget=a.auto_budget)
 
 
 # --batch runs each method's stream this many times, the methods interleaved (ar, graft, ..., then the
