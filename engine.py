@@ -683,7 +683,7 @@ class Engine:
             method.catch_up(self, behind)
             ahead, t0 = time.perf_counter() - t0, time.perf_counter()
         if plain:
-            rnd = method.plain_round(self)
+            rnd = method.plain_round(self, learn=not method.pacer.deep(self))
         else:
             self.drafts[:] = grow if grow is not None else [True] * self.B
             self.grow.copy_(self.grow_host.copy_(torch.tensor(self.drafts)))
@@ -692,7 +692,7 @@ class Engine:
         want = [b for b, s in enumerate(self.slots) if s.request is not None and s.request.logprobs is not None]
         k = max((self.slots[b].request.logprobs for b in want), default=0)       # (no work unless asked)
         got, vals = commit(rnd.v, rnd.tree, path_logprobs(rnd.v, want, k)) if want else (commit(rnd.v, rnd.tree), [])
-        out = self.settle(got, rnd.plain)
+        out = self.settle(got, rnd.plain, learned=rnd.learned)
         P, w = rnd.v.path.shape[1], 1 + 2 * k
         for i, b in enumerate(want):          # the emitted tokens' rows: the path's first A + 1
             r = self.slots[b].request
@@ -703,10 +703,11 @@ class Engine:
             method.pacer.seen(self, method, grow, out, took, rnd.plain, caught, clean, ahead)
         return rnd, out
 
-    def settle(self, got: list, plain: bool, skip=()) -> list:
+    def settle(self, got: list, plain: bool, skip=(), learned: bool = True) -> list:
         """After a round's commit (got: verify.commit's per slot): per slot (accepted tokens, bonus, sources,
         nodes), None for an empty slot and for those in skip (requests that joined it); the host's lengths
-        follow. Errors: GraftError where a request's logits were not finite."""
+        follow (a plain round's pending row only where it learned: Method.plain_round). Errors: GraftError
+        where a request's logits were not finite."""
         out = []
         for b, (acc, bonus, ret, nodes, finite) in enumerate(got):
             s = self.slots[b]
@@ -716,7 +717,7 @@ class Engine:
             if not finite:
                 raise GraftError(NOT_FINITE)
             s.L += len(acc) + 1
-            s.pend = s.pend + 1 if plain else len(acc) + 1
+            s.pend = s.pend + learned if plain else len(acc) + 1
             out.append((acc, bonus, ret, nodes))
         return out
 
@@ -746,9 +747,14 @@ class Pacer:
     and pld at B = 4 drafted where it lost). Where it does not pay (by MARGIN), the request takes plain
     steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
-    outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN; a
+    outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN
+    (the cap); where no tree could pay even committing the method's longest path (its P tokens: the stdlib
+    pair's eagle3, a 60-node tree 12 plain steps' time for at most 9 tokens), LONGEST at once (else the cap); a
     new request starts where the last one left off (its mat and the rest of its run, at most 8 or floor() once any
-    request's tree has paid here: a method that never pays probes less than once a request).
+    request's tree has paid here: a method that never pays probes less than once a request). Early in a long
+    run (deep: more than RECENT plain rounds left) a plain round is plain decoding's step alone: the drafter,
+    matrix and context skip its token, so that a round costs what `ar`'s does (the stdlib pair's plain rounds
+    kept the drafter in step for 2-3% of a step); the run's last RECENT rounds give them the newest text.
     At B > 1 a tree pass costs every request, so the batch is paced as one (plan): its drafters are the
     requests of highest mat, as many as pay, its probes one request's tree beside the others' roots
     (Engine.grow; a CPU skips a padding row's arithmetic; every request's, where that costs less a request), a
@@ -760,18 +766,20 @@ class Pacer:
     Probing is exploration, and it is priced too: where probes lose on average (a probe's round and its
     drafter's catch-up, less the plain steps its tokens would have taken: a gain where it paid; the mean of
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
-    probes cost EXPLORE of its time (up to the cap): on a target whose step costs about what its head's draft
-    does (the 4.3M stdlib pair: a probe lost ~1.8 plain steps), probes every 4-8 steps cost ~8% of ar's
-    speed; on SmolLM2 probes gain on average (a median with every gain counted 0 had lengthened chat's plain
-    runs: graft 14% plain rounds, against 3%)."""
+    probes cost EXPLORE of its time (up to LONGEST where the drafter catches up, else the cap): on a target
+    whose step costs about what its head's draft does (the 4.3M stdlib pair: a probe lost ~1.8 plain steps),
+    probes every 4-8 steps cost ~8% of ar's speed (EXPLORE at 1% there: 0-3% faster than 3%, but graft at B = 4
+    on SmolLM2 2-4% slower, both near the noise); on SmolLM2 at B = 1 probes gain on average (a median with
+    every gain counted 0 had lengthened chat's plain runs: graft 14% plain rounds, against 3%)."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 3, 128, 0.03
-    QUANTILE, STALE = 0.5, 128
+    QUANTILE, STALE, LONGEST, RECENT = 0.5, 128, 1024, 16
 
     def __init__(self):
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
         self.batch, self.cohort = Slot(), []      # at B > 1, the batch's plain run (plain, backoff), its first requests
         self.prior = None             # (mat, backoff, plain) of the request seen last: where a new one starts
         self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
+        self.most = None              # the most tokens one of the method's rounds commits (its P; plan)
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
@@ -802,7 +810,7 @@ class Pacer:
         unless the method can catch up without a tree (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
-        self.cap = self.MAX_RUN if catch else PLAIN_RUN
+        self.cap, self.most = self.MAX_RUN if catch else PLAIN_RUN, getattr(method, "P", None)
         if self.times.get(0) and self.stale > self.STALE:   # a plain step's cost grows with the context: one
             self.times[0].clear()            # kept from a long prompt made trees look paying on short ones after it
         if len(self.times.get(0, ())) < self.PLAIN_SAMPLES:   # measure a plain step's cost (what ar's is) first:
@@ -846,11 +854,23 @@ class Pacer:
             want = [i in order[:k] for i in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
 
-    def back_off(self, s: Slot) -> int:
-        """s takes plain steps: MIN_RUN of them, twice the last run while none pays, and at least
-        floor(), up to self.cap."""
-        s.backoff = s.plain = min(self.cap, max(2 * s.backoff if s.backoff else self.MIN_RUN, self.floor()))
+    def back_off(self, s: Slot, hopeless: bool = False) -> int:
+        """s takes plain steps: MIN_RUN of them, twice the last run while none pays (up to self.cap), and
+        at least floor(); the longest run (LONGEST where the drafter catches up, else self.cap) where
+        no tree can pay (hopeless: one committing its longest path would not)."""
+        top = self.LONGEST if self.cap == self.MAX_RUN else self.cap
+        run = max(min(self.cap, 2 * s.backoff if s.backoff else self.MIN_RUN), min(self.floor(), top))
+        s.backoff = s.plain = top if hopeless else run
         return s.plain
+
+    def deep(self, eng) -> bool:
+        """Whether this plain round may leave the method's drafter, matrix and context behind (Method.plain_round's
+        learn=False: then it costs what `ar`'s step does): more than RECENT plain rounds are left in the run
+        (at B > 1, the batch's), so its last RECENT rounds still give the drafter the newest text, which is
+        what its next draft reads most. Eager only (compiled, a plain step is the one graph warmed up)."""
+        live = [s for s in eng.slots if s.request is not None]
+        left = self.batch.plain + 1 if len(live) > 1 else live[0].plain if live else 0    # (plan counted this
+        return left > self.RECENT and not eng.compiling                                   # round off the batch's)
 
     def floor(self) -> int:
         """The shortest plain run after a probe that did not pay: probes then cost at most EXPLORE of the
@@ -909,7 +929,7 @@ class Pacer:
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
             if n == 1 and not self.pays(s.mat, k):
-                self.back_off(s)
+                self.back_off(s, self.most is not None and not self.pays(self.most, k))
             else:
                 s.backoff = 0
                 self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)

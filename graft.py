@@ -468,6 +468,7 @@ class Round:
     syncs: int = 1
     record: dict | None = None
     plain: bool = False               # a plain round (Method.plain_round): no tree anywhere
+    learned: bool = True              # a plain round kept the method's drafter, matrix and context in step
     grow: list | None = None          # per slot, whether it drafted (Engine.step; None: every slot did)
 
 
@@ -594,16 +595,19 @@ class Method:
         None, no proposal). A kind predicts how far a proposal gets (pld: the n of the matched n-gram)."""
         raise NotImplementedError
 
-    def plain_round(self, eng) -> Round:
+    def plain_round(self, eng, learn: bool = True) -> Round:
         """A round without trees, when none pays (engine.Pacer): plain decoding's step for every slot
         (no draft, no head), and what the method keeps in step learns from it (plain_learn), so that its
-        next drafting round starts where decoding is."""
+        next drafting round starts where decoding is. learn=False (early in a long plain run: Pacer.deep):
+        plain decoding's step alone, as `ar` takes it; the drafter, matrix and context then skip this token
+        (their next rounds read the text without it: a draft may be worse, the tokens the same)."""
         tree = Tree(eng.root[:, None].clone(), torch.full_like(eng.root[:, None], -1), eng.active[:, None] > 0)
-        v = eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode, self.pending)
+        v = eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode, self.pending and learn)
         eng.clock.mark("verify")
-        eng.steps.plain_learn(self, tree, v, eng.active)
-        eng.clock.mark("update")
-        return Round(tree, v, [None] * eng.B, 0, 1, plain=True)
+        if learn:
+            eng.steps.plain_learn(self, tree, v, eng.active)
+            eng.clock.mark("update")
+        return Round(tree, v, [None] * eng.B, 0, 1, plain=True, learned=learn)
 
     @property
     def pending(self) -> bool:

@@ -208,6 +208,44 @@ def test_where_the_drafter_catches_up_plain_runs_double_up_to_max_run():
 
 
 @pytest.mark.parametrize("catches_up", [False, True])
+def test_where_no_tree_can_pay_the_plain_run_is_the_longest(catches_up):
+    """A tree that would not pay even if it committed its longest path (the method's P tokens: here 4 plain
+    steps' worth, 40 ms against a 10 ms step) backs off at once to the longest run: Pacer.LONGEST where the
+    drafter catches up, else the cap; a tree that could pay (P = 5) doubles from MIN_RUN as before."""
+    for P, hopeless in ((4, True), (5, False)):
+        p, eng = Pacer(), fake_engine(1)
+        costs(p, 0.010, k1=0.040)
+        m = type("M", (CatchesUp,), {"P": P, "can_catch_up": lambda self, e: catches_up})()
+        s = eng.slots[0]
+        assert p.plan(eng, m) == [True]
+        p.seen(eng, m, [True], [([], 0, [], 0)], 0.040, False)
+        top = Pacer.LONGEST if catches_up else PLAIN_RUN
+        assert s.plain == (top if hopeless else Pacer.MIN_RUN), (P, catches_up)
+    assert Pacer.LONGEST > Pacer.MAX_RUN
+
+
+def test_deep_in_a_plain_run_the_drafter_is_left_behind():
+    """Pacer.deep: a plain round leaves the drafter behind while more than RECENT plain rounds are left in
+    the run (the slot's at B = 1 or with one live request; the batch's, which plan has counted this round
+    off, at B > 1), and never on a compiled engine."""
+    p, eng = Pacer(), fake_engine(1)
+    eng.compiling = False
+    for left, deep in ((0, False), (1, False), (Pacer.RECENT, False), (Pacer.RECENT + 1, True), (900, True)):
+        eng.slots[0].plain = left
+        assert p.deep(eng) == deep, left
+    eng.compiling = True
+    assert not p.deep(eng)
+    eng = fake_engine(3)
+    eng.compiling, eng.slots[1].plain = False, 900          # (a slot's own run: not the batch's)
+    for left, deep in ((0, False), (Pacer.RECENT - 1, False), (Pacer.RECENT, True)):
+        p.batch.plain = left
+        assert p.deep(eng) == deep, left
+    eng.slots[0] = eng.slots[2] = Slot()                    # one live request: its own run
+    p.batch.plain = 0
+    assert p.deep(eng)
+
+
+@pytest.mark.parametrize("catches_up", [False, True])
 def test_probes_that_lose_set_plain_runs_long_enough_that_probing_costs_explore(catches_up):
     """Probes that commit 1 token in 3 plain steps' time (a 10 ms step) and catch up 5 ms first: each loses
     25 ms, so after the first such probe a plain run is long enough that probing costs EXPLORE (3%) of its
@@ -539,6 +577,45 @@ def test_a_drafters_rows_after_a_plain_run_are_the_rows_it_would_have_had(engine
     full, resume = caught[:run // LAZY_RUN], caught[run // LAZY_RUN:]
     assert full == [LAZY_RUN] * (run // LAZY_RUN)           # each time its rows were full
     assert len(resume) == 1 and 1 < resume[0] <= LAZY_RUN   # and as it drafts again (outside the timed round)
+
+
+class Runs(Pacer):
+    """Plain runs of `run` rounds between drafting rounds, counted down where the real pacer keeps them (each
+    slot's plain, the batch's), so that Pacer.deep sees them; the rounds that left the drafter behind counted."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run, self.n, self.behind = run, 0, 0
+
+    def plan(self, eng, method):
+        self.n += 1
+        left = (self.run + 1 - self.n % (self.run + 1)) % (self.run + 1)     # this run's rounds left, this one too
+        for s in eng.slots:
+            s.plain = left
+        self.batch.plain = max(left - 1, 0)
+        self.behind += bool(left) and self.deep(eng)
+        return [s.request is not None and not left for s in eng.slots]
+
+
+@pytest.mark.parametrize("name", ["eagle3", "graft", "recycle"])
+def test_long_plain_runs_leave_the_drafter_behind_losslessly(engines, baselines, name):
+    """Runs of 30 plain rounds: the first 30 - RECENT leave the head, matrix and context behind (Pacer.deep:
+    `ar`'s step alone, no features kept), the last RECENT keep them in step; the next tree reads a text with
+    those tokens cut. The tokens are plain decoding's, greedy and sampled, at B = 1 and B = 3, and the head's
+    pending rows never hold more than the rounds that kept them."""
+    for kind in ("greedy", "sampled"):
+        ids, base = baselines[kind]
+        for B, eng in engines.items():
+            m = eng.make(name, Config(budget=6, recycle_size=12, pace=True))
+            m.pacer, pend, learned = Runs(30), [], []
+
+            def seen(rnd, commits):
+                pend.append(max(s.pend for s in eng.slots))
+                learned.append(rnd.learned)
+            res = E.run(eng, m, requests(ids, kind), N_NEW, on_round=seen)
+            assert [r.tokens for r in res.requests] == base, (name, kind, B)
+            assert m.pacer.behind > 0 and learned.count(False) == m.pacer.behind
+            assert max(pend) <= Pacer.RECENT + m.P + 1, (name, B, max(pend))
 
 
 class FixedCosts(Pacer):
