@@ -706,8 +706,7 @@ class Engine:
     def settle(self, got: list, plain: bool, skip=(), learned: bool = True) -> list:
         """After a round's commit (got: verify.commit's per slot): per slot (accepted tokens, bonus, sources,
         nodes), None for an empty slot and for those in skip (requests that joined it); the host's lengths
-        follow (a plain round's pending row only where it learned: Method.plain_round). Errors: GraftError
-        where a request's logits were not finite."""
+        follow (a plain round's pending row where it learned). Errors: GraftError where logits were not finite."""
         out = []
         for b, (acc, bonus, ret, nodes, finite) in enumerate(got):
             s = self.slots[b]
@@ -748,13 +747,10 @@ class Pacer:
     steps (no draft, no head: plain decoding's cost), MIN_RUN of them, then drafts once (a probe), the
     plain run doubling while it does not pay, up to MAX_RUN where the drafter can read its pending rows
     outside a drafting round (Method.catch_up, once its pending rows are full: Method.room), else up to PLAIN_RUN
-    (the cap); where no tree could pay even committing the method's longest path (its P tokens: the stdlib
-    pair's eagle3, a 60-node tree 12 plain steps' time for at most 9 tokens), LONGEST at once (else the cap); a
-    new request starts where the last one left off (its mat and the rest of its run, at most 8 or floor() once any
-    request's tree has paid here: a method that never pays probes less than once a request). Early in a long
-    run (deep: more than RECENT plain rounds left) a plain round is plain decoding's step alone: the drafter,
-    matrix and context skip its token, so that a round costs what `ar`'s does (the stdlib pair's plain rounds
-    kept the drafter in step for 2-3% of a step); the run's last RECENT rounds give them the newest text.
+    (the cap); where no tree could pay committing even its longest path (P tokens: the stdlib pair's eagle3, 60
+    nodes in 12 steps' time for <= 9 tokens), LONGEST at once; a new request starts where the last one left off
+    (its mat and the rest of its run, at most 8 or floor() once any request's tree has paid here: a method that
+    never pays probes less than once a request). Early in a long run a plain round is `ar`'s step (deep).
     At B > 1 a tree pass costs every request, so the batch is paced as one (plan): its drafters are the
     requests of highest mat, as many as pay, its probes one request's tree beside the others' roots
     (Engine.grow; a CPU skips a padding row's arithmetic; every request's, where that costs less a request), a
@@ -768,9 +764,8 @@ class Pacer:
     the last WINDOW probes), the plain run after a probe that does not pay is at least long enough that
     probes cost EXPLORE of its time (up to LONGEST where the drafter catches up, else the cap): on a target
     whose step costs about what its head's draft does (the 4.3M stdlib pair: a probe lost ~1.8 plain steps),
-    probes every 4-8 steps cost ~8% of ar's speed (EXPLORE at 1% there: 0-3% faster than 3%, but graft at B = 4
-    on SmolLM2 2-4% slower, both near the noise); on SmolLM2 at B = 1 probes gain on average (a median with
-    every gain counted 0 had lengthened chat's plain runs: graft 14% plain rounds, against 3%)."""
+    probes every 4-8 steps cost ~8% of ar's speed (EXPLORE 1%: 0-3% faster there, graft at B = 4 on SmolLM2 2-4%
+    slower); on SmolLM2 probes gain on average (a median with every gain counted 0: graft 14% plain, not 3%)."""
     WINDOW, MARGIN, MIN_RUN, AVERAGE, PROBE, PLAIN_SAMPLES, MAX_RUN, EXPLORE = 16, 0.03, 4, 0.1, 0.5, 3, 128, 0.03
     QUANTILE, STALE, LONGEST, RECENT = 0.5, 128, 1024, 16
 
@@ -778,8 +773,8 @@ class Pacer:
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
         self.batch, self.cohort = Slot(), []      # at B > 1, the batch's plain run (plain, backoff), its first requests
         self.prior = None             # (mat, backoff, plain) of the request seen last: where a new one starts
-        self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
-        self.most = None              # the most tokens one of the method's rounds commits (its P; plan)
+        self.cap, self.most = PLAIN_RUN, None   # the longest plain run (MAX_RUN where the method catches up),
+        # the most tokens one of the method's rounds commits (its P): plan
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
@@ -864,10 +859,9 @@ class Pacer:
         return s.plain
 
     def deep(self, eng) -> bool:
-        """Whether this plain round may leave the method's drafter, matrix and context behind (Method.plain_round's
-        learn=False: then it costs what `ar`'s step does): more than RECENT plain rounds are left in the run
-        (at B > 1, the batch's), so its last RECENT rounds still give the drafter the newest text, which is
-        what its next draft reads most. Eager only (compiled, a plain step is the one graph warmed up)."""
+        """Whether this plain round leaves the drafter, matrix and context behind (Method.plain_round, learn=False:
+        the stdlib pair's rounds kept them in step for 2-3% of a step): more than RECENT rounds are left in the run
+        (at B > 1 the batch's; its last RECENT give the drafter the newest text). Eager only (compiled: one graph)."""
         live = [s for s in eng.slots if s.request is not None]
         left = self.batch.plain + 1 if len(live) > 1 else live[0].plain if live else 0    # (plan counted this
         return left > self.RECENT and not eng.compiling                                   # round off the batch's)

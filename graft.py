@@ -598,9 +598,8 @@ class Method:
     def plain_round(self, eng, learn: bool = True) -> Round:
         """A round without trees, when none pays (engine.Pacer): plain decoding's step for every slot
         (no draft, no head), and what the method keeps in step learns from it (plain_learn), so that its
-        next drafting round starts where decoding is. learn=False (early in a long plain run: Pacer.deep):
-        plain decoding's step alone, as `ar` takes it; the drafter, matrix and context then skip this token
-        (their next rounds read the text without it: a draft may be worse, the tokens the same)."""
+        next drafting round starts where decoding is; learn=False (Pacer.deep): `ar`'s step alone, and they
+        skip this token (their next rounds read the text without it: a draft may be worse, the tokens the same)."""
         tree = Tree(eng.root[:, None].clone(), torch.full_like(eng.root[:, None], -1), eng.active[:, None] > 0)
         v = eng.steps.decode(eng.root, eng.L, eng.active, eng.cols(1), eng.smp, eng.mode, self.pending and learn)
         eng.clock.mark("verify")

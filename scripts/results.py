@@ -83,7 +83,7 @@ SECTIONS = [
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread, paced: "
-            "a step (~1.5 ms) costs about a head's draft, so the methods mostly take plain steps, ~3% dearer than `ar`'s.",
+            "a step (~1.5 ms) costs about a head's draft, so the methods mostly take plain steps, most of them `ar`'s own.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Retrieval sources: chat and code", ["results/sources_chat.json"],
             "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`). "
