@@ -670,17 +670,19 @@ def test_paced_by_default_every_method_is_lossless(engines, baselines):
 
 def test_block_methods_paced(baselines):
     """dflash and graft-tail (a DFlash drafter's pending rows, graft-tail's matrix) through plain rounds,
-    partial rounds and full plain runs: lossless, greedy and sampled, B = 1 and B = 3."""
+    partial rounds, full plain runs and long ones that leave the drafter behind (Pacer.deep): lossless,
+    greedy and sampled, B = 1 and B = 3."""
     engs = {B: build_engine(STDLIB_CKPT, dflash=STDLIB_DFLASH, max_seq_len=512, batch=B) for B in (1, 3)}
     for kind in ("greedy", "sampled"):
         ids, base = baselines[kind]
         for B, eng in engs.items():
             for name in ("dflash", "graft-tail"):
-                for pattern in PATTERNS:
+                for pattern in list(PATTERNS) + ["deep_runs"]:
                     m = eng.make(name, Config(tail_threshold=0.3, pace=True))
-                    m.pacer = Forced(PATTERNS[pattern])
+                    m.pacer = Runs(30) if pattern == "deep_runs" else Forced(PATTERNS[pattern])
                     res = E.run(eng, m, requests(ids, kind), N_NEW)
                     assert [r.tokens for r in res.requests] == base, (name, pattern, kind, B)
+                assert m.pacer.behind > 0
 
 
 def test_prompt_lookup_finds_the_newest_aligned_occurrence():
