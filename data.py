@@ -745,7 +745,7 @@ def cpu_dtype() -> str:
     pass took 652 ms against 92 ms for one node (7x: matrix products fall back to slow paths), float32
     323 against 115 ms (2.8x; 2 threads: 253 against 120, 2.1x), so float32 there."""
     if cpu_kernels.ready():                    # what graft's kernels were built for (GRAFT_KERNELS_MARCH: maybe lower)
-        return "bfloat16" if cpu_kernels.isa() == "avx512_bf16" else "float32"
+        return "bfloat16" if cpu_kernels.isa() in ("avx512_bf16", "avx512_bf16+amx") else "float32"
     flags = torch.cpu.get_capabilities()       # else what torch's own CPU dispatch detected
     return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx_bf16") else "float32"
 

@@ -118,6 +118,16 @@ def test_default_demo_follows_the_device(monkeypatch):
     assert DATA.default_demo("cpu") == "smollm2"
 
 
+def test_the_demo_dtype_follows_the_kernels_isa(monkeypatch):
+    """bfloat16 wherever graft's kernels compute it natively, AMX tiles included (an isa of
+    "avx512_bf16+amx" once sent the default demo to float32 on an AMX Xeon); float32 elsewhere."""
+    monkeypatch.setattr(DATA.cpu_kernels, "ready", lambda: True)
+    for isa, dtype in (("avx512_bf16+amx", "bfloat16"), ("avx512_bf16", "bfloat16"), ("avx512", "float32"),
+                       ("avx2", "float32"), ("portable", "float32")):
+        monkeypatch.setattr(DATA.cpu_kernels, "isa", lambda isa=isa: isa)
+        assert DATA.cpu_dtype() == dtype, isa
+
+
 def test_demo_and_ckpt_together_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         GEN.cli(["--demo", "stdlib", "--ckpt", STDLIB_CKPT])
