@@ -773,8 +773,7 @@ class Pacer:
         self.times = {}               # slots that drafted (0: a plain step) -> deque of seconds
         self.batch, self.cohort = Slot(), []      # at B > 1, the batch's plain run (plain, backoff), its first requests
         self.prior = None             # (mat, backoff, plain) of the request seen last: where a new one starts
-        self.cap, self.most = PLAIN_RUN, None   # the longest plain run (MAX_RUN where the method catches up),
-        # the most tokens one of the method's rounds commits (its P): plan
+        self.cap = PLAIN_RUN          # the longest plain run: MAX_RUN where the method catches up (plan)
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
@@ -805,7 +804,7 @@ class Pacer:
         unless the method can catch up without a tree (Method.catch_up, which the engine then runs)."""
         live = [s.request is not None for s in eng.slots]
         catch = method is not None and method.can_catch_up(eng)
-        self.cap, self.most = self.MAX_RUN if catch else PLAIN_RUN, getattr(method, "P", None)
+        self.cap = self.MAX_RUN if catch else PLAIN_RUN
         if self.times.get(0) and self.stale > self.STALE:   # a plain step's cost grows with the context: one
             self.times[0].clear()            # kept from a long prompt made trees look paying on short ones after it
         if len(self.times.get(0, ())) < self.PLAIN_SAMPLES:   # measure a plain step's cost (what ar's is) first:
@@ -923,7 +922,8 @@ class Pacer:
             s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
             if n == 1 and not self.pays(s.mat, k):
-                self.back_off(s, self.most is not None and not self.pays(self.most, k))
+                most = getattr(method, "P", None)      # the most tokens one of its rounds commits
+                self.back_off(s, most is not None and not self.pays(most, k))
             else:
                 s.backoff = 0
                 self.paid = self.paid or (n == 1 and self.cost(0) is not None and self.cost(k) is not None)
