@@ -785,8 +785,8 @@ DEMOS = ("smollm2", "stdlib")
 
 def default_demo(device) -> str:
     """What `python generate.py` runs: SmolLM2-135M-Instruct on every machine, a real model answering
-    a real question (in bfloat16 where the CPU computes it natively, else float32: cpu_dtype). Where a
-    tree pass costs more than the head gains (a CPU without native bfloat16), the run says so. The tiny
+    a real question (in bfloat16 wherever graft's vector kernels run, else float32: cpu_dtype). Where a
+    tree pass costs more than the head gains (a CPU without a bfloat16 product), the run says so. The tiny
     stdlib pair stays for the tests (--demo stdlib)."""
     return "smollm2"
 

@@ -35,7 +35,7 @@ def parse_args(argv=None):
                    help="default: graft when a head is known or given, else ar")
     p.add_argument("--demo", default=None, choices=DEMOS,
                    help="without --ckpt: which shipped pair (default: smollm2, SmolLM2-135M-Instruct with its head, "
-                        "in bfloat16 on a CPU that computes it natively, else float32; stdlib: the tiny code pair)")
+                        "in bfloat16 on a CPU with graft's vector kernels, else float32; stdlib: the tiny code pair)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None, help="the prompt: the whole file, as written (UTF-8)")
     p.add_argument("--prompts", default=None,

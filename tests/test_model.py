@@ -119,7 +119,9 @@ def test_capture_features_match_hidden_states(tiny_ckpt, loaded, kind):
     logits, feats = full_forward(loaded(kind), ids, capture=True)
     ref_logits, ref_feats = hf_capture(hf_model(tiny_ckpt(kind)), ids)
     assert feats.shape == (1, 40, 3 * 64)
-    assert maxdiff(feats, ref_feats) < TOL
+    # hidden states grow through the layers (|h| up to ~30 here), and float32's rounding of another sum
+    # order with them: 1.3e-4 apart on an AVX2 Zen 3 (8-lane sums), within 1e-4 on AVX-512 (16-lane)
+    assert maxdiff(feats, ref_feats) < max(TOL, 1e-5 * ref_feats.abs().max().item())
     assert maxdiff(logits, ref_logits) < TOL
 
 
