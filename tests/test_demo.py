@@ -85,8 +85,8 @@ def test_demo_pair_matches_transformers():
 
 
 def test_default_command_runs_in_about_a_minute(tmp_path):
-    """`python generate.py`, from a cold warm-up cache: the default pair (SmolLM2 and its head where the
-    CPU computes bf16 natively, else the stdlib pair), Graft streamed, then plain decoding the same way
+    """`python generate.py`, from a cold warm-up cache: the default pair (SmolLM2 and its head, in
+    data.cpu_dtype), Graft streamed, then plain decoding the same way
     (eager here), lossless. Its eight warm-up generations took 41 s alone on an AVX-512 Xeon (60 s with
     the kernels' build, which the suite has done by now); on an AVX2-only Zen 3, where a calibration
     tree costs many tokens, the command took 98 s alone and 122 s beside the suite (in float32, before
@@ -103,7 +103,7 @@ def test_default_command_runs_in_about_a_minute(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert time.time() - t0 < 180
     rec = json.loads(p.stdout.strip().splitlines()[-1])
-    # float32: exact; bfloat16 (SmolLM2 where the CPU computes it natively): exact, or a difference the
+    # float32: exact; bfloat16 (SmolLM2 wherever graft's vector kernels run): exact, or a difference the
     # target's own scores call a near-tie (a 1-row and an N-row pass round differently)
     assert rec["method"] == "graft" and rec["speedup"] > 0
     assert rec["lossless"] is True or (demo == "smollm2" and DATA.cpu_dtype() == "bfloat16" and rec["lossless"] == "near-tie")
