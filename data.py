@@ -740,8 +740,8 @@ DEMO_DRAFT = os.path.join(HERE, "checkpoints", "smollm2-135m-instruct-eagle3")
 
 def cpu_dtype() -> str:
     """The demo's dtype on a CPU: bfloat16 wherever graft's vector kernels run (AVX2 and up: a one-token
-    step reads half the bytes, and their multi-row path widens bfloat16 in registers as fast as it reads
-    float32), else float32. Measured on an AVX2-only EPYC (Zen 3; SmolLM2-135M, exact, 1 thread,
+    step reads half the bytes, and their multi-row path widens bfloat16 in registers at ~85% of float32's
+    in-cache rate: 37 against 43 GMAC/s on a Zen 3), else float32. Measured on an AVX2-only EPYC (Zen 3; SmolLM2-135M, exact, 1 thread,
     context 256): a one-token pass 23-27 ms in bfloat16 against 44-47 in float32, 9 nodes 67-75 against
     72-84; graft's decode 55 / 69 tok/s on chat / code in bfloat16 against 33 / 36 in float32, `ar` 54
     against 28 (bench.py). Without the kernels, torch's: bfloat16 only where the CPU has it natively."""
