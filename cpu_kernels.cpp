@@ -2154,6 +2154,254 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> graft_trees(
   return {o_tok, o_par, o_val, o_src};
 }
 
+// ------------------------------------------------------------------------------------------ retrieval and learning
+//
+// A drafting round's small steps (graft.py), each ~10-20 small torch ops that cost a CPU more than their
+// work (~0.3-0.6 ms a round each, 1-3% of a token), as plain loops over each request: the same results,
+// element for element (tests/test_graft.py runs both versions).
+
+// graft.retrieve: node j of the template takes M[b, token of its parent, ranks[j]] (parent -1: under[b]).
+// M (B, R, k) int32; under (B,); parents, ranks (n,) (parents first). Returns (B, n) int64.
+at::Tensor retrieve(const at::Tensor& M, const at::Tensor& under_, const at::Tensor& parents_, const at::Tensor& ranks_) {
+  TORCH_CHECK(M.device().is_cpu() && M.dim() == 3 && M.scalar_type() == at::kInt && M.is_contiguous() && under_.dim() == 1 &&
+              under_.size(0) == M.size(0) && parents_.dim() == 1 && ranks_.sizes() == parents_.sizes(),
+              "graft::retrieve: M (B, R, k) int32, under (B,), parents and ranks (n,)");
+  const int64_t B = M.size(0), R = M.size(1), k = M.size(2), n = parents_.size(0);
+  auto under = under_.to(at::kLong).contiguous(), par = parents_.to(at::kLong).contiguous(), rank = ranks_.to(at::kLong).contiguous();
+  const int64_t *u = under.data_ptr<int64_t>(), *tp = par.data_ptr<int64_t>(), *tr = rank.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; j++)
+    TORCH_CHECK(tp[j] >= -1 && tp[j] < j && tr[j] >= 0 && tr[j] < k, "graft::retrieve: a template's parents come first, ranks < k");
+  auto out = at::empty({B, n}, under.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  const int32_t* mp = M.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = 0; j < n; j++) {
+      const int64_t t = tp[j] < 0 ? u[b] : o[b * n + tp[j]];
+      TORCH_CHECK(t >= 0 && t < R, "graft::retrieve: a token outside the matrix");
+      o[b * n + j] = mp[(b * R + t) * k + tr[j]];
+    }
+  return out;
+}
+
+// graft.context_match: each request's longest match of its last m <= G tokens earlier in its context
+// (ctx (B, S), the first clen (B,) real; longest first, then newest), and the T tokens after it.
+// Returns (tokens (B, T) int64, real (B, T) bool, m (B,) int64), what the torch version returns, the
+// tokens after no match included (a match ending at S - 1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> context_match(const at::Tensor& ctx_, const at::Tensor& clen_, int64_t G, int64_t T) {
+  TORCH_CHECK(ctx_.device().is_cpu() && ctx_.dim() == 2 && ctx_.size(1) >= 1 && clen_.dim() == 1 && clen_.size(0) == ctx_.size(0) &&
+              G >= 0 && T >= 0, "graft::context_match: ctx (B, S), clen (B,)");
+  const auto ctx = ctx_.to(at::kLong).contiguous(), clen = clen_.to(at::kLong).contiguous();
+  const int64_t B = ctx.size(0), S = ctx.size(1);
+  auto tok = at::empty({B, T}, ctx.options()), m = at::empty({B}, ctx.options());
+  auto real = at::empty({B, T}, ctx.options().dtype(at::kBool));
+  const int64_t *c = ctx.data_ptr<int64_t>(), *cl = clen.data_ptr<int64_t>();
+  int64_t *ot = tok.data_ptr<int64_t>(), *om = m.data_ptr<int64_t>();
+  bool* orl = real.data_ptr<bool>();
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t* row = c + b * S;
+    const int64_t L = cl[b];
+    std::vector<int64_t> tail(G);
+    for (int64_t i = 0; i < G; i++) tail[i] = row[std::min(std::max<int64_t>(L - 1 - i, 0), S - 1)];
+    int64_t best = S - 1, run_best = 0;               // no match: the torch version's argmax, at S - 1
+    for (int64_t s = std::min(L - 1, S) - 1; s >= 0; s--) {    // earlier ends only, newest first
+      int64_t r = 0;
+      while (r < G && L - 1 - r >= 0 && s - r >= 0 && row[s - r] == tail[r]) r++;
+      if (r > run_best) run_best = r, best = s;
+    }
+    om[b] = run_best;
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t pos = best + 1 + t;
+      ot[b * T + t] = row[std::min(pos, S - 1)];
+      orl[b * T + t] = pos < L && run_best > 0;
+    }
+  }
+  return {tok, real, m};
+}
+
+// graft.learn's writes for a drafting round, in one call. For every request b: its matrix (M (B, R, k)
+// int32, written (B, R)) learns the top-k ids of every real node's logits (logits (B, N, V); tokens,
+// valid (B, N)) at the node's token, one write per distinct token: the accepted path's nodes (path
+// (B, P), its first A[b] + 1) win, then the later node; padding and the losers write the spare row R - 1,
+// in update's order (by token, then priority). Its context (ctx (B, S), clen (B,)) takes the accepted
+// tokens and the bonus (nxt: the token after each path node), (A + 1) * active of them, the rest on the
+// spare last column; its pending rows take feats (B, P, F) and nxt at rows 0..P-1, pend_n = (A + 1) *
+// active. A group left out (undefined) is skipped.
+void tree_learn(const at::Tensor& logits, const at::Tensor& tokens_, const at::Tensor& valid_, const at::Tensor& path_,
+                const at::Tensor& A_, const at::Tensor& bonus_, const at::Tensor& active_, const c10::optional<at::Tensor>& feats_,
+                const c10::optional<at::Tensor>& M, const c10::optional<at::Tensor>& written, const c10::optional<at::Tensor>& ctx,
+                const c10::optional<at::Tensor>& clen, const c10::optional<at::Tensor>& pend_feats,
+                const c10::optional<at::Tensor>& pend_ids, const c10::optional<at::Tensor>& pend_n) {
+  auto on = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(tokens_.device().is_cpu() && tokens_.dim() == 2 && valid_.sizes() == tokens_.sizes(),
+              "graft::tree_learn: tokens and valid (B, N)");
+  const auto tokens = tokens_.to(at::kLong).contiguous(), valid = valid_.to(at::kBool).contiguous();
+  const auto path = path_.to(at::kLong).contiguous(), A = A_.to(at::kLong).contiguous();
+  const auto bonus = bonus_.to(at::kLong).contiguous(), active = active_.to(at::kLong).contiguous();
+  const c10::optional<at::Tensor> feats = on(feats_) ? c10::optional<at::Tensor>(feats_->contiguous()) : c10::nullopt;
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  auto longs = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == B && t.is_contiguous(),
+                "graft::tree_learn: ", what, " (B,) int64, contiguous");
+    return t.data_ptr<int64_t>();
+  };
+  const int64_t *a = longs(A, "A"), *bo = longs(bonus, "bonus"), *act = longs(active, "active");
+  TORCH_CHECK(path.dim() == 2 && path.size(0) == B, "graft::tree_learn: path (B, P)");
+  const int64_t P = path.size(1);
+  const int64_t *tok = tokens.data_ptr<int64_t>(), *pa = path.data_ptr<int64_t>();
+  const bool* ok = valid.data_ptr<bool>();
+  for (int64_t i = 0; i < B * P; i++) TORCH_CHECK(pa[i] >= 0 && pa[i] < N, "graft::tree_learn: a path node outside the tree");
+  for (int64_t b = 0; b < B; b++) TORCH_CHECK(a[b] >= 0 && a[b] < std::max<int64_t>(P, 1), "graft::tree_learn: A outside the path");
+  std::vector<int64_t> nxt(B * P);                     // the token after each path node; at A: the bonus
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = 0; j < P; j++)
+      nxt[b * P + j] = j == a[b] || j + 1 == P ? bo[b] : tok[b * N + pa[b * P + j + 1]];
+  if (on(M)) {
+    TORCH_CHECK(on(written) && M->dim() == 3 && M->size(0) == B && M->scalar_type() == at::kInt && M->is_contiguous() &&
+                written->scalar_type() == at::kBool && written->is_contiguous() &&
+                written->sizes() == at::IntArrayRef({B, M->size(1)}) && logits.dim() == 3 && logits.size(0) == B &&
+                logits.size(1) == N, "graft::tree_learn: M (B, V + 1, k) int32 and written (B, V + 1) bool, logits (B, N, V)");
+    const int64_t R = M->size(1), k = M->size(2), V = R - 1;
+    auto top = std::get<1>(top_impl(logits, k, false));                           // (B, N, k)
+    const int64_t* ti = top.data_ptr<int64_t>();
+    int32_t* mp = M->data_ptr<int32_t>();
+    bool* wp = written->data_ptr<bool>();
+    std::vector<int64_t> prio(N), key(N), order(N);
+    for (int64_t b = 0; b < B; b++) {
+      for (int64_t i = 0; i < N; i++) prio[i] = i;
+      for (int64_t j = 0; j < P; j++) prio[pa[b * P + j]] = pa[b * P + j] + (j <= a[b] ? N : 0);   // (scatter: the last wins)
+      for (int64_t i = 0; i < N; i++) {
+        const int64_t t = ok[b * N + i] ? tok[b * N + i] : V;
+        TORCH_CHECK(t >= 0 && t <= V, "graft::tree_learn: a token outside the matrix");
+        key[i] = t * (2 * N) + prio[i];
+        order[i] = i;
+      }
+      std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });   // keys distinct
+      for (int64_t q = 0; q < N; q++) {
+        const int64_t i = order[q], t = key[i] / (2 * N);
+        const int64_t row = q + 1 == N || key[order[q + 1]] / (2 * N) != t ? t : V;   // the last of its token
+        for (int64_t j = 0; j < k; j++) mp[(b * R + row) * k + j] = (int32_t)ti[(b * N + i) * k + j];
+        wp[b * R + row] = true;
+      }
+    }
+  }
+  if (on(ctx)) {
+    TORCH_CHECK(on(clen) && ctx->dim() == 2 && ctx->size(0) == B && ctx->scalar_type() == at::kLong && ctx->is_contiguous(),
+                "graft::tree_learn: ctx (B, S) int64 and clen");
+    int64_t* cl = longs(*clen, "clen");
+    int64_t* cp = ctx->data_ptr<int64_t>();
+    const int64_t S = ctx->size(1);
+    for (int64_t b = 0; b < B; b++) {
+      const int64_t n = (a[b] + 1) * act[b];
+      for (int64_t j = 0; j < P; j++) cp[b * S + (j < n ? std::min(cl[b] + j, S - 1) : S - 1)] = nxt[b * P + j];
+      cl[b] += n;
+    }
+  }
+  if (on(pend_n)) {
+    int64_t* pn = longs(*pend_n, "pend_n");
+    TORCH_CHECK(on(pend_feats) && on(feats) && pend_feats->dim() == 3 && pend_feats->size(0) == B && pend_feats->size(1) >= P &&
+                pend_feats->is_contiguous() && feats->is_contiguous() && feats->scalar_type() == pend_feats->scalar_type() &&
+                feats->sizes() == at::IntArrayRef({B, P, pend_feats->size(2)}),
+                "graft::tree_learn: pend_feats (B, >= P, F) and feats (B, P, F) of one dtype, contiguous");
+    const int64_t Pr = pend_feats->size(1), row = pend_feats->size(2) * pend_feats->element_size();
+    for (int64_t b = 0; b < B; b++)
+      std::memcpy((char*)pend_feats->data_ptr() + b * Pr * row, (const char*)feats->data_ptr() + b * P * row, P * row);
+    if (on(pend_ids)) {
+      TORCH_CHECK(pend_ids->dim() == 2 && pend_ids->size(0) == B && pend_ids->size(1) >= P && pend_ids->scalar_type() == at::kLong &&
+                  pend_ids->is_contiguous(), "graft::tree_learn: pend_ids (B, >= P) int64, contiguous");
+      int64_t* pi = pend_ids->data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < P; j++) pi[b * pend_ids->size(1) + j] = nxt[b * P + j];
+    }
+    for (int64_t b = 0; b < B; b++) pn[b] = (a[b] + 1) * act[b];
+  }
+}
+
+// verify.tree_mask: row i of a tree sees itself and its ancestors (parents (B, N), -1: the root; a
+// padding node, valid False, is its own root), up to 2^s generations for s = bit_length(max(max_depth, 1))
+// (the torch version squares the parent relation s times). Returns (mask (B, N, N) bool, depth (B, N)
+// int64: ancestors seen).
+std::tuple<at::Tensor, at::Tensor> tree_mask(const at::Tensor& parents_, const at::Tensor& valid_, int64_t max_depth) {
+  TORCH_CHECK(parents_.device().is_cpu() && parents_.dim() == 2 && valid_.sizes() == parents_.sizes(),
+              "graft::tree_mask: parents and valid (B, N)");
+  const auto par = parents_.to(at::kLong).contiguous();
+  const auto valid = valid_.to(at::kBool).contiguous();
+  const int64_t B = par.size(0), N = par.size(1);
+  int64_t s = 0;
+  for (int64_t d = std::max<int64_t>(max_depth, 1); d; d >>= 1) s++;
+  const int64_t reach = s >= 62 ? INT64_MAX : (int64_t(1) << s);
+  auto mask = at::zeros({B, N, N}, valid.options());
+  auto depth = at::empty({B, N}, par.options());
+  const int64_t* pp = par.data_ptr<int64_t>();
+  const bool* ok = valid.data_ptr<bool>();
+  bool* mp = mask.data_ptr<bool>();
+  int64_t* dp = depth.data_ptr<int64_t>();
+  std::vector<int64_t> up(N);
+  for (int64_t b = 0; b < B; b++) {
+    for (int64_t i = 0; i < N; i++) {
+      const int64_t p = pp[b * N + i];
+      TORCH_CHECK(p < N, "graft::tree_mask: a parent outside the tree");
+      up[i] = p < 0 || !ok[b * N + i] ? i : p;
+    }
+    for (int64_t i = 0; i < N; i++) {
+      bool* row = mp + (b * N + i) * N;
+      row[i] = true;
+      int64_t seen = 1;
+      for (int64_t j = i, g = 0; g < reach && up[j] != j; g++) {
+        j = up[j];
+        if (!row[j]) row[j] = true, seen++;
+        else break;                                       // (a cycle: malformed parents, nothing new)
+      }
+      dp[b * N + i] = seen - 1;
+    }
+  }
+  return {mask, depth};
+}
+
+// verify.accept: every request's longest accepted path (tokens, parents, valid, depth, target (B, N),
+// mask (B, N, N) from tree_mask). A node is acceptable when it is the root, or real with its token the
+// target's choice at its parent, and so is every node it sees; the deepest such node (the first on
+// ties) ends the path. Returns (A (B,) its depth, bonus (B,) the target's choice there, path (B, min(P,
+// N)): the nodes it sees by depth, then the others in index order).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> accept(const at::Tensor& tokens_, const at::Tensor& parents_, const at::Tensor& valid_,
+                                                      const at::Tensor& mask_, const at::Tensor& depth_, const at::Tensor& target_,
+                                                      int64_t P) {
+  TORCH_CHECK(tokens_.device().is_cpu() && tokens_.dim() == 2 && parents_.sizes() == tokens_.sizes() &&
+              valid_.sizes() == tokens_.sizes() && depth_.sizes() == tokens_.sizes() && target_.sizes() == tokens_.sizes() &&
+              mask_.dim() == 3 && mask_.size(0) == tokens_.size(0) && mask_.size(1) == tokens_.size(1) &&
+              mask_.size(2) == tokens_.size(1) && P >= 1, "graft::accept: tokens, parents, valid, depth, target (B, N), mask (B, N, N)");
+  auto L = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+  const auto tok = L(tokens_), par = L(parents_), dep = L(depth_), tgt = L(target_);
+  const auto valid = valid_.to(at::kBool).contiguous(), mask = mask_.to(at::kBool).contiguous();
+  const int64_t B = tok.size(0), N = tok.size(1), Pn = std::min(P, N);
+  auto A = at::empty({B}, tok.options()), bonus = at::empty({B}, tok.options()), path = at::empty({B, Pn}, tok.options());
+  const int64_t *tp = tok.data_ptr<int64_t>(), *pp = par.data_ptr<int64_t>(), *dp = dep.data_ptr<int64_t>(), *gp = tgt.data_ptr<int64_t>();
+  const bool *vp = valid.data_ptr<bool>(), *mp = mask.data_ptr<bool>();
+  int64_t *ap = A.data_ptr<int64_t>(), *bp = bonus.data_ptr<int64_t>(), *op = path.data_ptr<int64_t>();
+  std::vector<char> ok(N);
+  std::vector<int64_t> key(N), order(N);
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t o = b * N;
+    for (int64_t j = 0; j < N; j++) {
+      const int64_t p = std::max<int64_t>(pp[o + j], 0);
+      TORCH_CHECK(p < N, "graft::accept: a parent outside the tree");
+      ok[j] = j == 0 || (vp[o + j] && tp[o + j] == gp[o + p]);
+    }
+    int64_t best = 0, best_key = INT64_MIN;
+    for (int64_t i = 0; i < N; i++) {
+      bool good = true;
+      for (int64_t j = 0; j < N && good; j++) good = !(mp[(o + i) * N + j] && !ok[j]);
+      const int64_t k = good ? dp[o + i] : -1;
+      if (k > best_key) best_key = k, best = i;            // deepest; the first on ties
+    }
+    for (int64_t j = 0; j < N; j++) key[j] = mp[(o + best) * N + j] ? dp[o + j] : N, order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+    ap[b] = dp[o + best];
+    bp[b] = gp[o + best];
+    for (int64_t j = 0; j < Pn; j++) op[b * Pn + j] = order[j];
+  }
+  return {A, bonus, path};
+}
+
 // ------------------------------------------------------------------------------------------ KV compaction
 
 // Every cache t (B, H_kv, R, D): request b's rows src[b, i] become its rows dst[b, i] (src, dst (B, n)),
@@ -2208,6 +2456,13 @@ TORCH_LIBRARY(graft, lib) {
           "int n_heads, float eps, int[] capture, Tensor[] scales) -> (Tensor, Tensor[])");
   lib.def("graft_trees(Tensor d_tok, Tensor d_par, Tensor kept, Tensor r_tok, Tensor r_score, Tensor t_par, "
           "Tensor t_depth, Tensor t_rank, Tensor anchor, Tensor free) -> (Tensor, Tensor, Tensor, Tensor)");
+  lib.def("tree_mask(Tensor parents, Tensor valid, int max_depth) -> (Tensor, Tensor)");
+  lib.def("accept(Tensor tokens, Tensor parents, Tensor valid, Tensor mask, Tensor depth, Tensor target, int P) -> (Tensor, Tensor, Tensor)");
+  lib.def("retrieve(Tensor M, Tensor under, Tensor parents, Tensor ranks) -> Tensor");
+  lib.def("context_match(Tensor ctx, Tensor clen, int G, int T) -> (Tensor, Tensor, Tensor)");
+  lib.def("tree_learn(Tensor logits, Tensor tokens, Tensor valid, Tensor path, Tensor A, Tensor bonus, Tensor active, "
+          "Tensor? feats, Tensor(a!)? M, Tensor(b!)? written, Tensor(c!)? ctx, Tensor(d!)? clen, Tensor(e!)? pend_feats, "
+          "Tensor(f!)? pend_ids, Tensor(g!)? pend_n) -> ()");
   lib.def("linear(Tensor x, Tensor w, Tensor? bias, Tensor? scale=None) -> Tensor");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   lib.def("block(Tensor x, Tensor n1, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, Tensor? bv, Tensor wo, "
@@ -2228,4 +2483,9 @@ TORCH_LIBRARY_IMPL(graft, CPU, lib) {
   lib.impl("norm_top_logprobs", &norm_top_logprobs);
   lib.impl("layers", &layers);
   lib.impl("graft_trees", &graft_trees);
+  lib.impl("retrieve", &retrieve);
+  lib.impl("tree_mask", &tree_mask);
+  lib.impl("accept", &accept);
+  lib.impl("context_match", &context_match);
+  lib.impl("tree_learn", &tree_learn);
 }

@@ -108,6 +108,29 @@ def _register_shapes():
     def _(logits, seed, positions, th, temperature, real):
         return logits.new_empty(logits.shape[:-1], dtype=torch.long)
 
+    @torch.library.register_fake("graft::tree_mask")
+    def _(parents, valid, max_depth):
+        B, N = parents.shape
+        return parents.new_empty(B, N, N, dtype=torch.bool), parents.new_empty(B, N, dtype=torch.long)
+
+    @torch.library.register_fake("graft::accept")
+    def _(tokens, parents, valid, mask, depth, target, P):
+        B, N = tokens.shape
+        return tokens.new_empty(B, dtype=torch.long), tokens.new_empty(B, dtype=torch.long), tokens.new_empty(B, min(P, N), dtype=torch.long)
+
+    @torch.library.register_fake("graft::retrieve")
+    def _(M, under, parents, ranks):
+        return under.new_empty(under.shape[0], parents.shape[0], dtype=torch.long)
+
+    @torch.library.register_fake("graft::context_match")
+    def _(ctx, clen, G, T):
+        B = ctx.shape[0]
+        return ctx.new_empty(B, T, dtype=torch.long), ctx.new_empty(B, T, dtype=torch.bool), ctx.new_empty(B, dtype=torch.long)
+
+    @torch.library.register_fake("graft::tree_learn")
+    def _(*args):
+        return None
+
     @torch.library.register_fake("graft::graft_trees")
     def _(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free):
         return d_tok.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape), kept.new_empty(d_tok.shape), d_tok.new_empty(d_tok.shape)
@@ -185,6 +208,37 @@ def plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen
     None where the method keeps none. Writes in place, returns nothing."""
     torch.ops.graft.plain_learn(logits, tokens, valid, nxt, active, feats, M, written, ctx, clen, pend_feats,
                                 pend_ids, pend_n)
+
+
+def tree_mask(parents, valid, max_depth: int) -> tuple:
+    """verify.tree_mask in C++: parents, valid (B, N) -> (mask (B, N, N) bool, depth (B, N) int64), the same
+    as the torch version's."""
+    return torch.ops.graft.tree_mask(parents, valid, max_depth)
+
+
+def accept(tokens, parents, valid, mask, depth, target, P: int) -> tuple:
+    """verify.accept in C++: (A (B,), bonus (B,), path (B, min(P, N))), the same as the torch version's."""
+    return torch.ops.graft.accept(tokens, parents, valid, mask, depth, target, P)
+
+
+def retrieve(M, under, parents, ranks) -> torch.Tensor:
+    """graft.retrieve in C++: M (B, V + 1, k) int32, under (B,), a template's parents and ranks (n,) ->
+    (B, n) int64, the same as the torch version's."""
+    return torch.ops.graft.retrieve(M, under, parents, ranks)
+
+
+def context_match(ctx, clen, G: int, T: int) -> tuple:
+    """graft.context_match in C++: ctx (B, S), clen (B,) -> (tokens (B, T), real (B, T), m (B,)), the same
+    as the torch version's."""
+    return torch.ops.graft.context_match(ctx, clen, G, T)
+
+
+def tree_learn(logits, tokens, valid, path, A, bonus, active, feats, M, written, ctx, clen, pend_feats, pend_ids, pend_n):
+    """graft.learn's writes in one call (the same values): logits (B, N, V), tokens, valid (B, N), path
+    (B, P), A, bonus, active (B,) int64, feats (B, P, F); each group (M and written; ctx and clen;
+    pend_feats, pend_ids and pend_n) None where the method keeps none. Writes in place, returns nothing."""
+    torch.ops.graft.tree_learn(logits, tokens, valid, path, A, bonus, active, feats, M, written, ctx, clen,
+                               pend_feats, pend_ids, pend_n)
 
 
 def graft_trees(d_tok, d_par, kept, r_tok, r_score, t_parents, t_depth, t_ranks, anchor, free) -> tuple:

@@ -41,8 +41,8 @@ MAX_TEMPLATE_DEPTH = 9
 # trees do not pay then end before their head reads those rows, and so never pay for it.
 PLAIN_RUN, LAZY_RUN = 32, 128
 
-# On a CPU with graft's kernels, graft_trees and plain_learn run as one C++ call each (cpu_kernels: the same
-# result); False keeps the torch versions below (the tests run both).
+# On a CPU with graft's kernels, retrieve, context_match, graft_trees, learn and plain_learn run as one C++
+# call each (cpu_kernels: the same result); False keeps the torch versions below (the tests run both).
 FUSED = True
 
 # Retrieval sources (--sources), by the id a tree's `retrieved` holds for their nodes (0: not retrieved):
@@ -132,7 +132,10 @@ class ContinuationMatrix:
 
 def retrieve(M: torch.Tensor, under: torch.Tensor, tpl: "Template") -> torch.Tensor:
     """The template's tokens under each request's node `under` (B,): node j gets M[token(parent j),
-    rank j] of that request's matrix M (B, V+1, k). One gather per level. Returns (B, n) long."""
+    rank j] of that request's matrix M (B, V+1, k). One gather per level (on a CPU with graft's kernels,
+    one C++ call: cpu_kernels.retrieve). Returns (B, n) long."""
+    if FUSED and use_kernels(M) and not torch.compiler.is_compiling():
+        return cpu_kernels.retrieve(M, under, tpl.parents, tpl.ranks)
     B, n = under.shape[0], tpl.size
     buf = torch.empty(B, n + 1, dtype=torch.long, device=M.device)           # [nodes..., the node under]
     buf[:, n] = under                                                        # parent -1 reads it
@@ -258,7 +261,10 @@ def context_match(ctx: torch.Tensor, clen: torch.Tensor, G: int, T: int) -> tupl
     m <= G tokens occur again (longest first, then newest), and the T tokens that followed there.
     ctx (B, S) the request's tokens so far (prompt, then output, the root last), the first clen (B,)
     real. Returns (tokens (B, T) long, real (B, T): a known token (before the root's position) after a
-    match, m (B,) the match's length, 0: none). Static shapes, no host sync: G x S comparisons."""
+    match, m (B,) the match's length, 0: none). Static shapes, no host sync: G x S comparisons (on a CPU
+    with graft's kernels, one C++ call that stops each comparison at its first mismatch)."""
+    if FUSED and use_kernels(ctx) and not torch.compiler.is_compiling():
+        return cpu_kernels.context_match(ctx, clen, G, T)
     (B, S), dev = ctx.shape, ctx.device
     i = torch.arange(G, device=dev)
     at = clen[:, None] - 1 - i[None]                                        # (B, G) the suffix, newest first
@@ -1008,7 +1014,14 @@ def assemble(d, m: Eagle3Tree, root: torch.Tensor, active: torch.Tensor, grow: t
 def learn(m: Method, tree: Tree, v, active: torch.Tensor):
     """Step 6: each request's matrix learns every verified node's top-k (update); the head's next
     extend reads each accepted path: the features of the root and the accepted nodes, and the token
-    after each (the last one the bonus); a DFlash drafter's next block reads the same features."""
+    after each (the last one the bonus); a DFlash drafter's next block reads the same features. On a CPU
+    with graft's kernels, one C++ call (cpu_kernels.tree_learn: the same writes)."""
+    if FUSED and use_kernels(v.logits) and not torch.compiler.is_compiling():
+        mx, pend, ctx = m.matrix is not None, m.pending, m.ctx is not None
+        return cpu_kernels.tree_learn(v.logits, tree.tokens, tree.valid, v.path, v.A, v.bonus, active,
+                                      v.feats if pend else None, m.M if mx else None, m.written if mx else None,
+                                      m.ctx, m.clen if ctx else None, m.pend_feats if pend else None,
+                                      m.pend_ids if pend and m.needs_head else None, m.pend_n if pend else None)
     if m.matrix is not None:
         update(m.M, m.written, tree.tokens, v.logits, tree.valid, v.path, v.A)
     nxt = torch.cat([tree.tokens.gather(1, v.path[:, 1:]), v.bonus[:, None]], 1)            # (B, P)

@@ -23,6 +23,10 @@ import torch
 import cpu_kernels
 from model import attention_mask, use_kernels
 
+# On a CPU with graft's kernels, tree_mask and accept run as one C++ call each (cpu_kernels: the same result);
+# False keeps the torch versions (GPUs and compiled steps run them; the tests run both).
+FUSED = True
+
 
 # ----------------------------------------------------------------------------- sampling
 
@@ -182,7 +186,10 @@ def tree_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> tup
     Start from "self or parent" and square the relation: after j squarings it reaches ancestors up to
     2^j generations away. The number of squarings depends on max_depth (the deepest node a tree may
     have), never on N itself, so N can be a dynamic dimension of a compiled step (one graph for every
-    tree size). A padding node (valid False) is its own root: it sees only itself and has depth 0."""
+    tree size). A padding node (valid False) is its own root: it sees only itself and has depth 0.
+    On a CPU with graft's kernels, one C++ call that walks each node's parents (cpu_kernels.tree_mask)."""
+    if FUSED and use_kernels(parents) and not torch.compiler.is_compiling():
+        return cpu_kernels.tree_mask(parents, valid, max_depth)
     N = parents.shape[1]
     idx = torch.arange(N, device=parents.device)
     up = torch.where((parents < 0) | ~valid, idx, parents.clamp(min=0))          # a root is its own parent
@@ -201,7 +208,10 @@ def accept(tokens, parents, valid, mask, depth, target, P: int) -> tuple:
     A node is acceptable when it is real, its token is what the target chose at its parent, and the
     same holds for all its ancestors. Returns (A (B,): accepted tokens, bonus (B,): the target's
     choice after the last one, path (B, P): the root and the accepted nodes first, in order, then
-    other nodes as filler). Indexing stays on the device (no host sync)."""
+    other nodes as filler). Indexing stays on the device (no host sync). On a CPU with graft's kernels,
+    one C++ call (cpu_kernels.accept)."""
+    if FUSED and use_kernels(tokens) and not torch.compiler.is_compiling():
+        return cpu_kernels.accept(tokens, parents, valid, mask, depth, target, P)
     B, N = tokens.shape
     idx = torch.arange(N, device=tokens.device)
     ok = (idx == 0)[None] | (valid & (tokens == target.gather(1, parents.clamp(min=0))))

@@ -627,6 +627,72 @@ def test_graft_trees_in_cpp_equals_the_torch_version(seed, monkeypatch):
         assert x.dtype == y.dtype and torch.equal(x, y), (seed, x, y)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_retrieval_and_learning_in_cpp_equal_the_torch_versions(seed, monkeypatch):
+    """On a CPU retrieve, context_match and a drafting round's learn run as one C++ call each (graft.FUSED);
+    the torch versions are the reference (GPUs, compiled steps). Random batches: repeated tokens (a small
+    vocabulary), padding, accepted paths of every length, empty slots, contexts longer than a narrowed
+    view and shorter than a match, methods without a matrix, a context or pending ids: every output and
+    every written tensor alike, element for element."""
+    from types import SimpleNamespace as NS
+
+    from verify import Tree
+    if not GR.use_kernels(torch.zeros(1)):
+        pytest.skip("graft's CPU kernels did not build here")
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, V, k, N, F = rng.randrange(1, 5), rng.choice((6, 40)), rng.randrange(1, 5), rng.randrange(1, 9), 5
+    P, S = rng.randrange(1, N + 1), rng.randrange(4, 30)
+
+    def both(fn, *args):
+        monkeypatch.setattr(GR, "FUSED", True)
+        got = fn(*args)
+        monkeypatch.setattr(GR, "FUSED", False)
+        return got, fn(*args)
+
+    # retrieve: a template under random nodes of each request's matrix
+    M = torch.randint(0, V + 1, (B, V + 1, k), generator=g, dtype=torch.int32)
+    tpl = build_template([0.6, 0.3, 0.2, 0.1][:k], rng.randrange(1, 12))
+    a, b = both(GR.retrieve, M, torch.randint(0, V + 1, (B,), generator=g), tpl)
+    assert a.dtype == b.dtype and torch.equal(a, b), (seed, a, b)
+    # context_match: whole and narrowed contexts, repeats likely
+    ctx = torch.randint(0, 3, (B, S), generator=g)
+    clen = torch.tensor([rng.choice((0, 1, 2, rng.randrange(S + 1), S + 3)) for _ in range(B)])
+    G, Tn = rng.randrange(1, 5), rng.randrange(1, 7)
+    for c in (ctx, ctx[:, :rng.randrange(1, S + 1)]):
+        got, ref = both(GR.context_match, c, clen, G, Tn)
+        for x, y in zip(got, ref):
+            assert x.dtype == y.dtype and torch.equal(x, y), (seed, got, ref)
+    # learn: a verified round's writes
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    valid = torch.rand(B, N, generator=g) < 0.8
+    valid[:, 0] = True
+    tree = Tree(tokens, torch.full((B, N), -1), valid)
+    path = torch.stack([torch.cat([T([0]), torch.randperm(N - 1, generator=g) + 1])[:P] for _ in range(B)])
+    active = torch.tensor([rng.choice((0, 1, 1)) for _ in range(B)])
+    v = NS(logits=torch.randn(B, N, V, generator=g), path=path, A=torch.randint(0, P, (B,), generator=g),
+           bonus=torch.randint(0, V, (B,), generator=g), feats=torch.randn(B, P, F, generator=g))
+    keeps, at = (rng.random() < 0.8, rng.random() < 0.8, rng.random() < 0.8), [rng.randrange(S) for _ in range(B)]
+
+    def state():
+        h = torch.Generator().manual_seed(seed + 1)
+        mx, cx, head = keeps
+        return NS(matrix=True if mx else None, pending=True, needs_head=head, P=P,
+                  M=torch.randint(0, V, (B, V + 1, k), generator=h, dtype=torch.int32) if mx else None,
+                  written=torch.rand(B, V + 1, generator=h) < 0.5 if mx else None,
+                  ctx=torch.randint(0, V, (B, S), generator=h) if cx else None,
+                  clen=torch.tensor(at) if cx else None, pend_feats=torch.randn(B, P + 2, F, generator=h),
+                  pend_ids=torch.randint(0, V, (B, P + 2), generator=h), pend_n=torch.randint(0, P, (B,), generator=h))
+    a, b = state(), state()
+    monkeypatch.setattr(GR, "FUSED", True)
+    GR.learn(a, tree, v, active)
+    monkeypatch.setattr(GR, "FUSED", False)
+    GR.learn(b, tree, v, active)
+    for name in ("M", "written", "ctx", "clen", "pend_feats", "pend_ids", "pend_n"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), (seed, name, x, y)
+
+
 def test_graft_merges_free_slots_for_later_template_nodes():
     # both of the template's root nodes repeat draft children of the root and merge: the template has
     # a node per slot, so the next template nodes (under the merged 10) take the 2 free slots

@@ -166,6 +166,33 @@ def test_accept_root_alone():
     assert run_accept([5], [-1], [9]) == ([0], 9, 0)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_mask_and_accept_in_cpp_equal_the_torch_versions(seed, monkeypatch):
+    """On a CPU tree_mask and accept run as one C++ call each (verify.FUSED); the torch versions are the
+    reference (GPUs, compiled steps). Random batches of random trees: padding nodes (their children
+    hang under them), chains deeper than max_depth allows, targets that often match (a small
+    vocabulary), paths shorter than the tree: every output alike, element for element."""
+    import random
+    if not M.use_kernels(torch.zeros(1)):
+        pytest.skip("graft's CPU kernels did not build here")
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, N, vocab = rng.randrange(1, 5), rng.randrange(1, 20), rng.choice((2, 3, 50))
+    parents = torch.tensor([[-1] + [rng.randrange(-1, i) for i in range(1, N)] for _ in range(B)])
+    valid = torch.rand(B, N, generator=g) < 0.85
+    valid[:, 0] = True
+    tokens = torch.randint(0, vocab, (B, N), generator=g)
+    target = torch.randint(0, vocab, (B, N), generator=g)
+    max_depth, P = rng.randrange(0, 9), rng.randrange(1, N + 3)
+
+    def run(fused):
+        monkeypatch.setattr(V, "FUSED", fused)
+        mask, depth = V.tree_mask(parents, valid, max_depth)
+        return (mask, depth, *V.accept(tokens, parents, valid, mask, depth, target, P))
+    for x, y in zip(run(True), run(False)):
+        assert x.dtype == y.dtype and torch.equal(x, y), (seed, x, y)
+
+
 def test_accept_path_root_first_when_nodes_interleaved():
     # the accepted path's nodes are not contiguous and appear after unrelated nodes
     parents = [-1, 0, 0, 2, 1, 3, 4]
