@@ -2292,6 +2292,7 @@ void tree_learn(const at::Tensor& logits, const at::Tensor& tokens_, const at::T
     const int64_t S = ctx->size(1);
     for (int64_t b = 0; b < B; b++) {
       const int64_t n = (a[b] + 1) * act[b];
+      TORCH_CHECK(cl[b] >= 0, "graft::tree_learn: a negative context length");
       for (int64_t j = 0; j < P; j++) cp[b * S + (j < n ? std::min(cl[b] + j, S - 1) : S - 1)] = nxt[b * P + j];
       cl[b] += n;
     }
