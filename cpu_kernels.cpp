@@ -2251,6 +2251,11 @@ void tree_learn(const at::Tensor& logits, const at::Tensor& tokens_, const at::T
   const bool* ok = valid.data_ptr<bool>();
   for (int64_t i = 0; i < B * P; i++) TORCH_CHECK(pa[i] >= 0 && pa[i] < N, "graft::tree_learn: a path node outside the tree");
   for (int64_t b = 0; b < B; b++) TORCH_CHECK(a[b] >= 0 && a[b] < std::max<int64_t>(P, 1), "graft::tree_learn: A outside the path");
+  if (on(M))                                           // (every index checked before anything is written)
+    for (int64_t i = 0; i < B * N; i++)
+      TORCH_CHECK(!ok[i] || (tok[i] >= 0 && tok[i] < M->size(1)), "graft::tree_learn: a token outside the matrix");
+  if (on(clen))
+    for (int64_t b = 0; b < B; b++) TORCH_CHECK(longs(*clen, "clen")[b] >= 0, "graft::tree_learn: a negative context length");
   std::vector<int64_t> nxt(B * P);                     // the token after each path node; at A: the bonus
   for (int64_t b = 0; b < B; b++)
     for (int64_t j = 0; j < P; j++)
@@ -2270,9 +2275,7 @@ void tree_learn(const at::Tensor& logits, const at::Tensor& tokens_, const at::T
       for (int64_t i = 0; i < N; i++) prio[i] = i;
       for (int64_t j = 0; j < P; j++) prio[pa[b * P + j]] = pa[b * P + j] + (j <= a[b] ? N : 0);   // (scatter: the last wins)
       for (int64_t i = 0; i < N; i++) {
-        const int64_t t = ok[b * N + i] ? tok[b * N + i] : V;
-        TORCH_CHECK(t >= 0 && t <= V, "graft::tree_learn: a token outside the matrix");
-        key[i] = t * (2 * N) + prio[i];
+        key[i] = (ok[b * N + i] ? tok[b * N + i] : V) * (2 * N) + prio[i];
         order[i] = i;
       }
       std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });   // keys distinct
@@ -2292,7 +2295,6 @@ void tree_learn(const at::Tensor& logits, const at::Tensor& tokens_, const at::T
     const int64_t S = ctx->size(1);
     for (int64_t b = 0; b < B; b++) {
       const int64_t n = (a[b] + 1) * act[b];
-      TORCH_CHECK(cl[b] >= 0, "graft::tree_learn: a negative context length");
       for (int64_t j = 0; j < P; j++) cp[b * S + (j < n ? std::min(cl[b] + j, S - 1) : S - 1)] = nxt[b * P + j];
       cl[b] += n;
     }
