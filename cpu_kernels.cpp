@@ -280,6 +280,100 @@ struct Widen {                                   // 8 lanes: AVX2 has 16 registe
   static float sum(A a) { return hsum8(a); }                          // lanes l + 4, + 2, + 1
 };
 constexpr int64_t MR_MAX = 4, NR_MULTI = 3;     // 12 accumulators, 3 W vectors and an x: 16 of 16 registers
+// bfloat16 W on AVX2 (lin_as): 16 weights a step from one 256-bit load, in two parts of 8, each widened by
+// one unpack with zero (a bfloat16 is the top half of its float32): part 0 takes weights 0-3 and 8-11 (the
+// low words of each 128-bit lane), part 1 4-7 and 12-15; x is laid out to match once a call (permute16).
+// One shuffle a vector of 8 instead of Widen's zero-extend and shift: the multi-row tiles spend their time
+// on the FP pipes the shuffles share (measured on a Zen 3, SmolLM2's shapes from memory, one thread: a pass
+// of 3 rows 17% and of 4 rows 13% faster, one row the same; in cache every row count 7-30% faster).
+struct WidenBF16 {
+  using X = float;
+  using W = at::BFloat16;
+  using V = __m256;
+  using A = __m256;
+  static constexpr int64_t STEP = 16, MACS = 8;
+  static constexpr int PARTS = 2;
+  static A zero() { return _mm256_setzero_ps(); }
+  static V held(V v) { asm("" : "+x"(v)); return v; }
+  static V x(const float* p, int s) {
+    __m256 r;
+    asm volatile("vmovups %1, %0" : "=x"(r) : "m"(*(const __m256*)(p + 8 * s)));
+    return r;
+  }
+  static V x_tail(const float* p, int64_t n, int s) { return held(load8_tail(p + 8 * s, std::min<int64_t>(n - 8 * s, 8))); }
+  // (in asm: left to itself GCC loads the 16 weights once for both parts, holding three more registers than
+  // the tile has; the zeroing idiom costs no execution)
+  static V w(const W* p, int s) {
+    __m256 r;
+    if (s) asm volatile("vpxor %0, %0, %0\n\tvpunpckhwd %1, %0, %0" : "=x"(r) : "m"(*(const __m256i*)p));
+    else asm volatile("vpxor %0, %0, %0\n\tvpunpcklwd %1, %0, %0" : "=x"(r) : "m"(*(const __m256i*)p));
+    return r;
+  }
+  static V w_tail(const W* p, int64_t n, int s) {                  // the tail in order, 8 a part
+    const int64_t m = std::min<int64_t>(n - 8 * s, 8);
+    return held(m == 8 ? load8(p + 8 * s) : load8_tail(p + 8 * s, m));
+  }
+  static A dot(V a, V b, A acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static float sum(A a) { return hsum8(a); }
+};
+// A 4 x 3 tile's whole steps in asm: its 12 accumulators (ymm4-15), 3 weights (ymm0-2) and an x (ymm3) take
+// all 16 registers, which GCC's allocator did not keep (it spilled accumulators every step: 16-40% slower
+// than the zero-extending tile). The same products into the same accumulators in the same order as the
+// C++ step (part 0, then part 1, step after step). Runs n[0] steps, then n[1] pairs of steps and n[2] (0 or
+// 1) single steps that each prefetch a line of the three rows at pf into L2, then n[3] steps.
+#define G43_W(U, O) "vpxor %%ymm0, %%ymm0, %%ymm0\n\t" U " " O "(%[w]), %%ymm0, %%ymm0\n\t" \
+  "vpxor %%ymm1, %%ymm1, %%ymm1\n\t" U " " O "(%[w],%[ws],1), %%ymm1, %%ymm1\n\t" \
+  "vpxor %%ymm2, %%ymm2, %%ymm2\n\t" U " " O "(%[w],%[ws],2), %%ymm2, %%ymm2\n\t"
+#define G43_ROW(XA, A0, A1, A2) "vmovups " XA ", %%ymm3\n\t" "vfmadd231ps %%ymm0, %%ymm3, %%ymm" A0 "\n\t" \
+  "vfmadd231ps %%ymm1, %%ymm3, %%ymm" A1 "\n\t" "vfmadd231ps %%ymm2, %%ymm3, %%ymm" A2 "\n\t"
+#define G43_HALF(U, WO, XO) G43_W(U, WO) G43_ROW(XO "(%[x])", "4", "5", "6") \
+  G43_ROW(XO "(%[x],%[xs],1)", "7", "8", "9") G43_ROW(XO "(%[x],%[xs],2)", "10", "11", "12") \
+  G43_ROW(XO "(%[x],%[x3],1)", "13", "14", "15")
+#define G43_STEP(WO, XO0, XO1) G43_HALF("vpunpcklwd", WO, XO0) G43_HALF("vpunpckhwd", WO, XO1)
+#define G43_FETCH "prefetcht1 (%[pf])\n\t" "prefetcht1 (%[pf],%[ws],1)\n\t" "prefetcht1 (%[pf],%[ws],2)\n\t"
+#define G43_LOOP(L, I, BODY, W, X, PF) "mov " #I "(%[n]), %[c]\n\t" "test %[c], %[c]\n\t" "jz " #L "f\n\t" \
+  #L "0:\n\t" BODY "add $" #W ", %[w]\n\t" "add $" #X ", %[x]\n\t" PF "dec %[c]\n\t" "jnz " #L "0b\n\t" #L ":\n\t"
+inline void steps43(__m256 (&a)[4][3], const float* x, int64_t K, const at::BFloat16* w, int64_t ws,
+                    const at::BFloat16* pf, const int64_t (&n)[4]) {
+  const int64_t xs = K * 4, x3 = 3 * K * 4, wsb = ws * 2;
+  int64_t c;
+  asm volatile(
+      "vmovups 0(%[a]), %%ymm4\n\t" "vmovups 32(%[a]), %%ymm5\n\t" "vmovups 64(%[a]), %%ymm6\n\t"
+      "vmovups 96(%[a]), %%ymm7\n\t" "vmovups 128(%[a]), %%ymm8\n\t" "vmovups 160(%[a]), %%ymm9\n\t"
+      "vmovups 192(%[a]), %%ymm10\n\t" "vmovups 224(%[a]), %%ymm11\n\t" "vmovups 256(%[a]), %%ymm12\n\t"
+      "vmovups 288(%[a]), %%ymm13\n\t" "vmovups 320(%[a]), %%ymm14\n\t" "vmovups 352(%[a]), %%ymm15\n\t"
+      G43_LOOP(11, 0, G43_STEP("0", "0", "32"), 32, 64, "")
+      G43_LOOP(12, 8, G43_STEP("0", "0", "32") G43_STEP("32", "64", "96") G43_FETCH, 64, 128, "add $64, %[pf]\n\t")
+      G43_LOOP(13, 16, G43_STEP("0", "0", "32") G43_FETCH, 32, 64, "add $32, %[pf]\n\t")
+      G43_LOOP(14, 24, G43_STEP("0", "0", "32"), 32, 64, "")
+      "vmovups %%ymm4, 0(%[a])\n\t" "vmovups %%ymm5, 32(%[a])\n\t" "vmovups %%ymm6, 64(%[a])\n\t"
+      "vmovups %%ymm7, 96(%[a])\n\t" "vmovups %%ymm8, 128(%[a])\n\t" "vmovups %%ymm9, 160(%[a])\n\t"
+      "vmovups %%ymm10, 192(%[a])\n\t" "vmovups %%ymm11, 224(%[a])\n\t" "vmovups %%ymm12, 256(%[a])\n\t"
+      "vmovups %%ymm13, 288(%[a])\n\t" "vmovups %%ymm14, 320(%[a])\n\t" "vmovups %%ymm15, 352(%[a])\n\t"
+      : [x] "+r"(x), [w] "+r"(w), [pf] "+r"(pf), [c] "=&r"(c)
+      : [a] "r"(&a[0][0]), [n] "r"(&n[0]), [xs] "r"(xs), [x3] "r"(x3), [ws] "r"(wsb)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "cc", "memory");
+}
+#undef G43_W
+#undef G43_ROW
+#undef G43_HALF
+#undef G43_STEP
+#undef G43_FETCH
+#undef G43_LOOP
+// x laid out as WidenBF16 reads it: each whole 16 as 0-3, 8-11, 4-7, 12-15; the tail in order.
+template <typename T>
+void permute16(const T* x, float* out, int64_t M, int64_t K) {
+  static constexpr int order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  const int64_t KS = K - K % 16;
+  for (int64_t m = 0; m < M; m++) {
+    const T* r = x + m * K;
+    float* o = out + m * K;
+    for (int64_t c = 0; c < KS; c += 16)
+      for (int i = 0; i < 16; i++) o[c + i] = float(r[c + order[i]]);
+    for (int64_t k = KS; k < K; k++) o[k] = float(r[k]);
+  }
+}
 #else
 template <typename T>
 struct Widen {                                   // portable: the 16-float vector, one row at a time
@@ -666,6 +760,20 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
 }
 #endif
 
+// A step in parts (Op::PARTS, where an Op has them: WidenBF16's two halves), each loaded as W (or x) part s of
+// the step at p, n of its weights there (n < STEP: the masked tail).
+template <typename Op> constexpr int parts = [] { if constexpr (requires { Op::PARTS; }) return Op::PARTS; else return 1; }();
+template <typename Op, bool W, typename P>
+inline typename Op::V part(const P* p, int64_t n, int s) {
+  if constexpr (parts<Op> > 1) {
+    if constexpr (W) return n == Op::STEP ? Op::w(p, s) : Op::w_tail(p, n, s);
+    else return n == Op::STEP ? Op::x(p, s) : Op::x_tail(p, n, s);
+  } else {
+    if constexpr (W) return n == Op::STEP ? Op::w(p) : Op::w_tail(p, n);
+    else return n == Op::STEP ? Op::x(p) : Op::x_tail(p, n);
+  }
+}
+
 // y[m, n] for m in [m0, m0 + mr), n = n0, n0 + rs, .., n0 + (nr - 1) rs. Every (m, n) runs the same
 // sequence: the lanes' products over k in steps, in order, the masked tail, one Op::sum; mr, nr and rs
 // only decide which outputs run side by side. pf: rows of W to come (at the same offsets from each of
@@ -682,25 +790,35 @@ inline void tile(const typename Op::X* x, const typename Op::W* w, const float* 
     #pragma GCC unroll 32
     for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::zero();
   auto step = [&](int64_t k, int64_t n, auto fetch) {      // n < STEP: the masked tail; fetch: prefetch here
-    typename Op::V wv[nr];
-    #pragma GCC unroll 16
-    for (int64_t j = 0; j < nr; j++) wv[j] = n == Op::STEP ? Op::w(w + (n0 + j * rs) * K + k) : Op::w_tail(w + (n0 + j * rs) * K + k, n);
-    if constexpr (decltype(fetch)::value)
-      if (sizeof(typename Op::W) * Op::STEP >= 64 || (k * sizeof(typename Op::W)) % 64 == 0)   // a line once
-        #pragma GCC unroll 16
-        for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k, 0, HINT);
-    #pragma GCC unroll 16
-    for (int64_t i = 0; i < mr; i++) {
-      const typename Op::X* xr = x + (m0 + i) * K + k;
-      const auto xv = n == Op::STEP ? Op::x(xr) : Op::x_tail(xr, n);
+    #pragma GCC unroll 1
+    for (int s = 0; s < parts<Op>; s++) {                  // (a step's parts in order: WidenBF16's two halves)
+      if (s * Op::STEP / parts<Op> >= n) break;
+      typename Op::V wv[nr];
       #pragma GCC unroll 16
-      for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::dot(xv, wv[j], acc[i][j]);
+      for (int64_t j = 0; j < nr; j++) wv[j] = part<Op, true>(w + (n0 + j * rs) * K + k, n, s);
+      if constexpr (decltype(fetch)::value)
+        if (s == 0 && (sizeof(typename Op::W) * Op::STEP >= 64 || (k * sizeof(typename Op::W)) % 64 == 0))   // a line once
+          #pragma GCC unroll 16
+          for (int64_t j = 0; j < nr; j++) __builtin_prefetch(pf + j * rs * K + k, 0, HINT);
+      #pragma GCC unroll 16
+      for (int64_t i = 0; i < mr; i++) {
+        const auto xv = part<Op, false>(x + (m0 + i) * K + k, n, s);
+        #pragma GCC unroll 16
+        for (int64_t j = 0; j < nr; j++) acc[i][j] = Op::dot(xv, wv[j], acc[i][j]);
+      }
     }
   };
   // Whole steps in three runs, the middle one prefetching (p0, p1: multiples of a line, so of a step),
   // then the masked tail: the same steps in the same order as one loop, without a test per step.
   const int64_t KS = K - K % Op::STEP, a = pf ? std::min(p0, KS) : KS, e = pf ? std::max(a, std::min(p1, KS)) : KS;
   int64_t k = 0;
+#if defined(GRAFT_AVX2)
+  if constexpr (std::is_same_v<Op, WidenBF16> && mr == 4 && nr == 3) {               // (the same steps, in asm)
+    const int64_t pairs = pf ? (e - a) / 32 : 0, n[4] = {a / 16, pairs, pf ? (e - a) / 16 - 2 * pairs : 0, (KS - e) / 16};
+    steps43(acc, x + m0 * K, K, w + n0 * K, rs * K, pf ? pf + a : nullptr, n);
+    k = KS;
+  }
+#endif
   for (; k < a; k += Op::STEP) step(k, Op::STEP, std::false_type{});
   for (; k < e; k += Op::STEP) step(k, Op::STEP, std::true_type{});
   for (; k < KS; k += Op::STEP) step(k, Op::STEP, std::false_type{});
@@ -773,6 +891,14 @@ void lin_as(const T* x, int64_t M, const W_* wp, int64_t K, int64_t N, const flo
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if constexpr (std::is_same_v<W_, int8_t>) linear_impl<I8BF16Dot, T>(x, wp, sc, b, y, M, K, N);
     else linear_impl<BF16Dot, T>(x, wp, sc, b, y, M, K, N);
+    return;
+  }
+#endif
+#if defined(GRAFT_AVX2)
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<W_, at::BFloat16>) {
+    wide.resize(M * K);
+    permute16(x, wide.data(), M, K);
+    linear_impl<WidenBF16, T>(wide.data(), wp, sc, b, y, M, K, N);
     return;
   }
 #endif

@@ -19,13 +19,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_is_the_linear_and_row_invariant(dtype):
     """Odd K (a masked tail) and N (a partial tile), a bias: the product within the dtype's rounding of a
-    float64 reference, and any row's output the same bits for M = 1..96 rows around it (on AMX, bfloat16
+    float64 reference, and any row's output the same bits for M = 1..96 rows around it (on AVX2, bfloat16
+    with K = 560: a tile's prefetched run of an odd number of 16-weight steps; on AMX, bfloat16
     with even K: tiles of 16 rows and of 32 weights, here with a short last chunk and a partial block; K a
     multiple of 32: 17-80 rows at once against one output block, full blocks of rows and a last one of 1-16
     rows; past 80 blocks of rows in pairs and a lone last one, against four output blocks at a time (two
     such tasks: N = 130) and against one)."""
     g = torch.Generator().manual_seed(0)
-    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96), (130, 64)):
+    for N, K in ((37, 67), (64, 576), (5, 33), (37, 70), (37, 64), (100, 96), (130, 64), (37, 560)):
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, generator=g).to(dtype)
         xs = torch.randn(96, K, generator=g).to(dtype)
@@ -380,7 +381,8 @@ def test_every_layer_in_one_call_and_padding_rows_left_out(dtype, monkeypatch):
 def test_another_machines_instructions_built_here(tmp_path):
     """GRAFT_KERNELS_MARCH builds the kernels for a lower target (x86-64-v3: AVX2, no AVX-512, as a
     Zen 3 has), here, in a process of its own: its linear and attention are as row-invariant as the
-    native build's, and its multi-row linear is the matrix product. (On a machine without AVX-512 this is
+    native build's (bfloat16's 4-row tiles in asm, with an odd prefetched run at K = 560), and its
+    multi-row linear is the matrix product. (On a machine without AVX-512 this is
     its native path again.)"""
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 only")
@@ -389,14 +391,15 @@ import torch, cpu_kernels
 assert cpu_kernels.ready(), "no build"
 print(cpu_kernels.isa())
 g = torch.Generator().manual_seed(0)
-for dt in (torch.float32, torch.bfloat16):
-    w, b = (torch.randn(37, 131, generator=g) / 12).to(dt), torch.randn(37, generator=g).to(dt)
-    x = torch.randn(19, 131, generator=g).to(dt)
+for dt, K in ((torch.float32, 131), (torch.bfloat16, 131), (torch.bfloat16, 560)):
+    w, b = (torch.randn(37, K, generator=g) / K ** 0.5).to(dt), torch.randn(37, generator=g).to(dt)
+    x = torch.randn(19, K, generator=g).to(dt)
     y = cpu_kernels.linear(x, w, b)
     ref = x.double() @ w.double().T + b.double()
     assert (y.double() - ref).abs().max() <= (2e-6 if dt == torch.float32 else 1e-2) * ref.abs().max()
     for m in range(1, 20):
-        assert torch.equal(cpu_kernels.linear(x[m - 1:m], w, b)[0], y[m - 1]), m
+        assert torch.equal(cpu_kernels.linear(x[m - 1:m], w, b)[0], y[m - 1]), (K, m)
+        assert torch.equal(cpu_kernels.linear(x[:m], w, b), y[:m]), (K, m)
     q, k, v = (torch.randn(*s, generator=g).to(dt) for s in ((1, 4, 9, 32), (1, 2, 40, 32), (1, 2, 40, 32)))
     mask = torch.ones(1, 1, 9, 40, dtype=torch.bool).tril(31)
     a = cpu_kernels.attention(q, k, v, mask, 0.2)
