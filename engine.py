@@ -306,6 +306,7 @@ class Slot:
     plain: int = 0           # plain rounds left before it drafts again
     backoff: int = 0         # the next plain run's length (Pacer.MIN_RUN, doubling to Pacer.cap while none pays)
     idle: bool = False       # its last round was a plain step: its next drafting round catches up the head
+    length: int | None = None  # the nodes of its proposal it drafts (Pacer.cut; None: all)
 
 
 @dataclass
@@ -777,6 +778,8 @@ class Pacer:
         self.turn = 0                 # at B > 1, the slot whose tree the batch's next probe drafts (in turn)
         self.probed = False           # at B > 1, the last drafting round was a probe (plan)
         self.kinds = {}               # a shadowing method's MAT by its proposals' kind (Method.shadow)
+        self.cuts = {}                # ... by kind, per length 1, 2, .. its proposals cut there would (Method.cuts)
+        self.rows = {}                # nodes one slot drafted -> deque of seconds of those rounds (Method.cuts)
         self.paid, self.stale = False, 0   # a tree paid here, alone (seen); rounds since a plain step
         self.lost = deque(maxlen=self.WINDOW)   # seconds each recent probe lost against plain steps (< 0: gained)
 
@@ -815,14 +818,17 @@ class Pacer:
         n, b, tp = sum(live), self.batch, self.cost(0) if eng.B > 1 or shadow else None     # (a plain run: no sorts)
         if shadow is not None:       # the method scores every proposal, drafted or not: no plain runs, no probes;
             settled, kinds = shadow              # each round decides from the MAT of its proposal's kind
+            cap = method.N - 1 if getattr(method, "cuts", False) else 0
             for kind, a in [x for got in settled for x in got]:
                 m = self.kinds.get(kind)
                 self.kinds[kind] = a if m is None else (1 - self.AVERAGE) * m + self.AVERAGE * a
+                c = self.cuts.setdefault(kind, [None] * cap)    # (cut after l nodes: min(a, l + 1) tokens)
+                c[:] = [min(a, l + 2) * (1 if m is None else self.AVERAGE) + (m or 0) * (1 - self.AVERAGE) for l, m in enumerate(c)]
             for s, kind in zip(eng.slots, kinds):
-                s.mat = 1.0 if kind is None else self.kinds.get(kind)     # (no proposal: a round commits 1)
+                s.mat, s.length = 1.0 if kind is None else self.kinds.get(kind), None   # (no proposal: commits 1)
             live = [x and kind is not None for x, kind in zip(live, kinds)]     # (none: nothing to draft)
             if n == 1 and tp and self.cost(1):
-                return [x and self.pays(s.mat) for x, s in zip(live, eng.slots)]
+                return [x and self.cut(s, self.cuts.get(kind)) for x, s, kind in zip(live, eng.slots, kinds)]
         want = [x and s.plain == 0 for x, s in zip(live, eng.slots)]
         full = [x and s.pend >= getattr(method, 'room', PLAIN_RUN) and not catch for x, s in zip(live, eng.slots)]
         if n > 1 and tp and any(want) and self.cost(sum(want)):
@@ -847,6 +853,20 @@ class Pacer:
                 return full
             want = [i in order[:k] for i in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
+
+    def cut(self, s: Slot, c: list | None) -> bool:
+        """Alone, whether slot s drafts its proposal and its first s.length nodes (None: all), for a method that
+        cuts them (c: the tokens its kind's proposals commit cut after 1, 2, .. nodes; None or empty: all, if
+        pays): the length of most tokens a second (c[l - 1] over the median round that drafted l nodes, self.rows)
+        where that beats a plain step by MARGIN; first each length not timed twice (costs are measured)."""
+        if not c:
+            return self.pays(s.mat)
+        t = {l: sorted(x)[len(x) // 2] for l, x in self.rows.items() if len(x) >= 2 and l <= len(c)}
+        new = [l for l in range(1, len(c) + 1) if l not in t]
+        best = new[0] if new else max(t, key=lambda l: c[l - 1] / t[l])
+        drafts = bool(new) or c[best - 1] * self.cost(0) >= t[best] * (1 + self.MARGIN)
+        s.length = best if drafts and best < len(c) else None
+        return drafts
 
     def back_off(self, s: Slot, hopeless: bool = False) -> int:
         """s takes plain steps: MIN_RUN of them, twice the last run while none pays (up to self.cap), and
@@ -882,7 +902,10 @@ class Pacer:
             pay = [k for k, m in sorted(self.kinds.items()) if self.pays(m)]
             return (f"{'drafted' if drafted else 'plain step'}; MAT by kind of proposal " + ", ".join(
                 f"{k}: {m:.2f}" for k, m in sorted(self.kinds.items())) + f"; {costs}; a round drafts where its "
-                f"proposal's kind pays ({', '.join(map(str, pay)) or 'none yet'}), else it takes a plain step")
+                f"proposal's kind pays ({', '.join(map(str, pay)) or 'none yet'}), else it takes a plain step" +
+                (f"; its first {s.length} node(s) by rounds' cost (" + ", ".join(
+                    f"{l}: {sorted(x)[len(x) // 2] * 1000:.1f} ms" for l, x in sorted(self.rows.items())) + ")"
+                 if drafted and s.length else ""))
         mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
         pays = self.pays(s.mat)
         nxt = (f"plain for {s.plain} more round(s), then a probe" if s.plain else
@@ -907,6 +930,8 @@ class Pacer:
         resumed = any(g and s.idle for s, g in zip(eng.slots, grow))      # (a plain step: sampled after a plain one)
         if not caught and (not self.stale if plain else clean or not pending or not resumed):
             self.times.setdefault(k, deque(maxlen=self.WINDOW)).append(seconds)
+            if k == 1 and getattr(method, "cuts", False):       # (alone: its nodes' cost, for cut)
+                self.rows.setdefault(max(method.drafted), deque(maxlen=self.WINDOW)).append(seconds)
         self.stale = 0 if plain and not caught else self.stale + 1
         for s, g in zip(eng.slots, grow):
             s.idle = plain or not g

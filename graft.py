@@ -506,6 +506,7 @@ class Method:
     settings: dict = {}       # what it sets in the round's Config
     paced = True              # its rounds may be plain steps where no tree pays (engine.Pacer)
     shadows = False           # its proposals can be scored without a pass (shadow): the pacer needs no probes
+    cuts = False              # a proposal may be cut short (its first Slot.length nodes: the pacer's choice)
     pacer = None              # (set by the engine)
 
     def __init__(self, eng, cfg: Config, cal: Calibration | None = None, matrix: ContinuationMatrix | None = None):
@@ -657,9 +658,10 @@ class PromptLookup(Method):
     """Prompt lookup decoding: the tokens after the newest earlier occurrence of the last n committed tokens
     (n = 3, 2, 1), a chain, searched on the host; one asynchronous copy from pinned memory into a static buffer
     (row 0 tokens, row 1 whether the node is real). The pacer prices each n (shadow): chat chains commit
-    1.33 tokens a round at n = 1, 4.3 at n = 3 (scripts/pld_kinds.py)."""
+    1.33 tokens a round at n = 1, 4.3 at n = 3 (scripts/pld_kinds.py); alone, it cuts a chain to the length
+    that pays best (Pacer.cut: a 3-node pass costs a Zen 3 ~1.2 tokens, a 6-node one ~2)."""
     source = "copied"
-    shadows = True
+    shadows = cuts = True
 
     def __init__(self, eng, cfg, cal=None, matrix=None):
         super().__init__(eng, cfg, cal, matrix)
@@ -668,6 +670,7 @@ class PromptLookup(Method):
         self.parents = (torch.arange(self.N, device=eng.device) - 1).expand(eng.B, -1).contiguous()
         self.guess = [[] for _ in range(eng.B)]   # per slot, proposals not yet settled: (request, at, chain, n)
         self.now = [None] * eng.B                 # per slot, this round's proposal: (request, at, chain)
+        self.drafted = [0] * eng.B                # per slot, the nodes this round drafted (Pacer.seen)
 
     @classmethod
     def shape(cls, cfg):
@@ -698,9 +701,11 @@ class PromptLookup(Method):
 
     def round(self, eng, record=False, full=False) -> Round:
         self.host.zero_()            # free to write: the last round's commit waited for its copy
+        self.drafted = [0] * eng.B
         for b, r in enumerate(eng.requests()):
             if r is not None:             # (a slot that drafts nothing this round: its root alone)
-                ids = [r.tokens[-1]] + (self.propose(r, b)[1] if eng.drafts[b] else [])
+                ids = [r.tokens[-1]] + (self.propose(r, b)[1][:eng.slots[b].length] if eng.drafts[b] else [])
+                self.drafted[b] = len(ids) - 1
                 self.host[0, b, :len(ids)] = torch.tensor(ids)
                 self.host[1, b, :len(ids)] = 1
         self.chains.copy_(self.host, non_blocking=True)
