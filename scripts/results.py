@@ -55,7 +55,7 @@ SECTIONS = [
             "whose bfloat16 linears run on AMX tiles (docs/cpu.md).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
     Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
-            "The same on an AVX2-only Zen 3, bfloat16 (the demo's dtype there; 3 nodes cost 1.2-1.5 "
+            "The same on an AVX2-only Zen 3, bfloat16 (the demo's dtype there; 3 nodes cost 1.2-1.35 "
             "tokens). In float32 `ar` decoded 28 / 26 tok/s, graft 1.17x / 1.39x that.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
