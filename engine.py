@@ -861,8 +861,10 @@ class Pacer:
         where that beats a plain step by MARGIN; first each length not timed twice (costs are measured)."""
         if not c:
             return self.pays(s.mat)
-        t = {l: sorted(x)[len(x) // 2] for l, x in self.rows.items() if len(x) >= 2 and l <= len(c)}
+        t = {l: sorted(x)[len(x) // 2] for l, x in self.rows.items() if len(x) >= 2 and 1 <= l <= len(c)}
         new = [l for l in range(1, len(c) + 1) if l not in t]
+        for l in range(len(c) - 1, 0, -1) if not new else ():     # fewer nodes cost no more (a length
+            t[l] = min(t[l], t[l + 1])                            # never chosen again keeps a noisy high time)
         best = new[0] if new else max(t, key=lambda l: c[l - 1] / t[l])
         drafts = bool(new) or c[best - 1] * self.cost(0) >= t[best] * (1 + self.MARGIN)
         s.length = best if drafts and best < len(c) else None

@@ -339,7 +339,7 @@ def test_alone_a_method_that_cuts_its_proposals_drafts_the_length_that_pays_best
     plain step. Each length is first drafted twice (costs measured, never assumed), shortest first; then a
     kind of proposal that commits 2 tokens (its first node accepted) drafts 1 node (2 / 11 ms beats 3 / 12
     ms and a plain step's 1 / 10), one that commits all 6 drafts all 5 (6 / 15 ms), one that commits 1 none;
-    explain shows the cut and the costs it read."""
+    explain shows the cut and the costs it read; a length timed higher than a longer one reads the longer's."""
     import itertools
     cost = {1: 0.011, 2: 0.012, 3: 0.013, 4: 0.014, 5: 0.015}
 
@@ -361,6 +361,8 @@ def test_alone_a_method_that_cuts_its_proposals_drafts_the_length_that_pays_best
     assert p.cuts["one"] == pytest.approx([2.0] * 5) and p.cuts["all"] == pytest.approx([2, 3, 4, 5, 6])
     assert p.explain(s, True).endswith("its first 1 node(s) by rounds' cost (1: 11.0 ms, 2: 12.0 ms, 3: 13.0 ms, "
                                        "4: 14.0 ms, 5: 15.0 ms)")
+    p.rows[1] = deque([0.030] * 2, maxlen=Pacer.WINDOW)   # 1 node timed once high (noise): read as 2 nodes' cost
+    assert p.cut(s, [2.0] * 5) and s.length == 1
 
 
 def test_pld_scores_every_proposal_against_the_tokens_decoded_after_it():
