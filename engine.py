@@ -787,7 +787,7 @@ class Pacer:
         """Seconds of a round in which k slots draft (0: a plain step): the median (QUANTILE) of its window
         once two are known; else the line through the nearest counts measured below and above k (above
         the largest: through it and the plain step; a tree pass grows with its rows). None before that."""
-        known = {j: sorted(x)[int(len(x) * self.QUANTILE)] for j, x in self.times.items() if len(x) >= 2}
+        known = {j: self.typical(x) for j, x in self.times.items() if len(x) >= 2}
         if k in known or 0 not in known or len(known) < 2:
             return known.get(k)
         lo, hi = max(j for j in known if j < k), min((j for j in known if j > k), default=None)
@@ -820,10 +820,9 @@ class Pacer:
             settled, kinds = shadow              # each round decides from the MAT of its proposal's kind
             cap = method.N - 1 if getattr(method, "cuts", False) else 0
             for kind, a in [x for got in settled for x in got]:
-                m = self.kinds.get(kind)
-                self.kinds[kind] = a if m is None else (1 - self.AVERAGE) * m + self.AVERAGE * a
+                self.kinds[kind] = self.average(self.kinds.get(kind), a)
                 c = self.cuts.setdefault(kind, [None] * cap)    # (cut after l nodes: min(a, l + 1) tokens)
-                c[:] = [min(a, l + 2) * (1 if m is None else self.AVERAGE) + (m or 0) * (1 - self.AVERAGE) for l, m in enumerate(c)]
+                c[:] = [self.average(m, min(a, l + 2)) for l, m in enumerate(c)]
             for s, kind in zip(eng.slots, kinds):
                 s.mat, s.length = 1.0 if kind is None else self.kinds.get(kind), None   # (no proposal: commits 1)
             live = [x and kind is not None for x, kind in zip(live, kinds)]     # (none: nothing to draft)
@@ -854,6 +853,12 @@ class Pacer:
             want = [i in order[:k] for i in range(eng.B)]
         return [w or f for w, f in zip(want, full)]
 
+    def typical(self, seconds) -> float:          # a round's cost from its samples: their QUANTILE (median)
+        return sorted(seconds)[int(len(seconds) * self.QUANTILE)]
+
+    def average(self, m: float | None, a: float, w: float | None = None) -> float:   # m, a newest of weight w
+        return a if m is None else (1 - (w or self.AVERAGE)) * m + (w or self.AVERAGE) * a
+
     def cut(self, s: Slot, c: list | None) -> bool:
         """Alone, whether slot s drafts its proposal and its first s.length nodes (None: all), for a method that
         cuts them (c: the tokens its kind's proposals commit cut after 1, 2, .. nodes; None or empty: all, if
@@ -861,7 +866,7 @@ class Pacer:
         where that beats a plain step by MARGIN; first each length not timed twice (costs are measured)."""
         if not c:
             return self.pays(s.mat)
-        t = {l: sorted(x)[len(x) // 2] for l, x in self.rows.items() if len(x) >= 2 and 1 <= l <= len(c)}
+        t = {l: self.typical(x) for l, x in self.rows.items() if len(x) >= 2 and 1 <= l <= len(c)}
         new = [l for l in range(1, len(c) + 1) if l not in t]
         for l in range(len(c) - 1, 0, -1) if not new else ():     # fewer nodes cost no more (a length
             t[l] = min(t[l], t[l + 1])                            # never chosen again keeps a noisy high time)
@@ -906,7 +911,7 @@ class Pacer:
                 f"{k}: {m:.2f}" for k, m in sorted(self.kinds.items())) + f"; {costs}; a round drafts where its "
                 f"proposal's kind pays ({', '.join(map(str, pay)) or 'none yet'}), else it takes a plain step" +
                 (f"; its first {s.length} node(s) by rounds' cost (" + ", ".join(
-                    f"{l}: {sorted(x)[len(x) // 2] * 1000:.1f} ms" for l, x in sorted(self.rows.items())) + ")"
+                    f"{l}: {self.typical(x) * 1000:.1f} ms" for l, x in sorted(self.rows.items())) + ")"
                  if drafted and s.length else ""))
         mat = f"drafting MAT {s.mat:.2f}" if s.mat is not None else "no drafting round yet"
         pays = self.pays(s.mat)
@@ -946,7 +951,7 @@ class Pacer:
                     self.prior = self.prior[:2] + (min(self.prior[2], s.plain),) if self.paid else (s.mat, s.backoff, s.plain)
                 continue
             a, w = len(o[0]) + 1, self.PROBE if fresh else self.AVERAGE      # (a plain run left it stale)
-            s.mat = a if s.mat is None else (1 - w) * s.mat + w * a
+            s.mat = self.average(s.mat, a, w)
             # alone, a request goes plain where its trees do not pay; in a batch, plan picks the drafters
             if n == 1 and not self.pays(s.mat, k):
                 most = getattr(method, "P", None)      # the most tokens one of its rounds commits

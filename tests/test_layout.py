@@ -70,7 +70,7 @@ def test_the_model_file_is_the_model():
     assert len((ROOT / "model.py").read_text().splitlines()) <= 600
 
 
-def test_the_algorithm_fits_in_3324_lines():
+def test_the_algorithm_fits_in_3327_lines():
     """Every top-level module but the faces, the loaders, data, cli, api, calibrate, tp (how one target
     spreads over devices, not how it decodes) and kernels (how a CPU computes a linear and attention, not
     what graft computes) is the algorithm, batched code included (there is one engine: a single request is
@@ -114,12 +114,13 @@ def test_the_algorithm_fits_in_3324_lines():
     plain_round's learn; the stdlib pair's plain rounds cost 2-3% more than `ar`'s); and a drafting round's
     small steps on the kernels' route, one C++ call each (+22: tree_mask, accept, retrieve, context_match,
     learn; their ~60 small torch ops cost a Zen 3 ~1.4 ms a round, the calls ~0.2); and pld's chain cut,
-    alone, to the length of most tokens a second (+31: Pacer.cut, each length's rounds timed, Slot.length)."""
+    alone, to the length of most tokens a second (+34: Pacer.cut, each length's rounds timed, Slot.length;
+    the pacer's median and average as one helper each)."""
     algorithm = ({p.stem for p in ROOT.glob("*.py")} - set(FACES) - set(LOADERS) - set(SERVING) - set(API)
                  - {"calibrate", "tp", "cpu_kernels", "quant"})
     assert algorithm == {"model", "draft", "dflash", "verify", "graft", "engine"}
     lines = sum(sum(1 for ln in (ROOT / f"{m}.py").read_text().splitlines() if ln.strip()) for m in algorithm)
-    assert lines <= 3324, lines
+    assert lines <= 3327, lines
 
 
 def test_no_batched_twins():
