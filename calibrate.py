@@ -266,12 +266,14 @@ CALIBRATIONS = ("throughput", "youden")
 
 # What --budget auto chooses from (verification budgets: candidate nodes per round).
 # On a CPU the cheap ones win (a pass over a few nodes costs about a token, a large one grows with the
-# nodes; a tree of n nodes also needs a beam of only n and n levels: graft.Method.configure).
-AUTO_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
+# nodes; a tree of n nodes also needs a beam of only n and n levels: graft.Method.configure). Budget 1,
+# the head's best guess alone (a 2-row pass), pays where a 3-row pass costs ~1.2 tokens and a guess is
+# right about half the time (SmolLM2 on code on an AVX2 core: eagle3 1.08-1.13x ar there, 0.96-1.02x at 2).
+AUTO_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 # On a GPU a pass over 9 nodes costs what a pass over 3 does, so the budgets under 8 cannot win there;
 # compiled, each would add graphs of its own (a verify graph per path length: COST_PATH serves the
 # rest; a draft level per beam width). So the eager CPU engine alone prices them.
-SMALL_BUDGETS = (2, 3, 4, 6)
+SMALL_BUDGETS = (1, 2, 3, 4, 6)
 
 
 def auto_budgets(engine: Engine) -> tuple:

@@ -168,6 +168,23 @@ def test_every_method_lossless_at_every_batch(engines, cal, streams, name, polic
         assert not any(eng.requests()) and int(eng.active.sum()) == 0       # every slot was freed
 
 
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+@pytest.mark.parametrize("name", ["eagle3", "prune", "graft"])
+def test_a_tree_of_one_node_is_lossless(engines, cal, streams, name, kind):
+    """Budget 1 (the smallest --budget auto prices on a CPU: the root and one node, the head's best or,
+    for graft, a retrieved token where the draft is pruned): every request's tokens are its prompt's
+    alone at every batch size, and the rounds that drafted verified one node each."""
+    eos, base = streams[kind]
+    for B in BATCHES:
+        eng = engines[B]
+        m = eng.make(name, dataclasses.replace(config(), budget=1), cal)
+        res = E.run(eng, m, requests(kind), N_NEW, eos)
+        assert [r.tokens for r in res.requests] == base, (name, B)
+        st = [r.stats() for r in res.requests]
+        assert m.N == 2 and all(x["padded_per_round"] <= 1 for x in st), (name, B, st)
+        assert any(x["verified_per_round"] > 0 for x in st), (name, B, st)     # some rounds drafted
+
+
 def test_policies_and_their_defaults(engines, cal):
     """stop unless chosen, but replace at B > 1 where the engine replays CUDA graphs (Method.configure);
     each reads the calibration named beside it (stop: the chosen one, replace: Youden's J); an unknown
