@@ -171,9 +171,9 @@ def test_every_method_lossless_at_every_batch(engines, cal, streams, name, polic
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 @pytest.mark.parametrize("name", ["eagle3", "prune", "graft"])
 def test_a_tree_of_one_node_is_lossless(engines, cal, streams, name, kind):
-    """Budget 1 (the smallest --budget auto prices on a CPU: the root and one node, the head's best or,
-    for graft, a retrieved token where the draft is pruned): every request's tokens are its prompt's
-    alone at every batch size, and the rounds that drafted verified one node each."""
+    """Budget 1 (the smallest --budget auto prices on a CPU): the root and the head's best guess (every
+    checkpoint keeps at least one drafted node, so graft's tree is prune's here); every request's tokens
+    are its prompt's alone at every batch size, and no round verified more than one node."""
     eos, base = streams[kind]
     for B in BATCHES:
         eng = engines[B]
