@@ -856,8 +856,8 @@ class Pacer:
     def typical(self, seconds) -> float:          # a round's cost from its samples: their QUANTILE (median)
         return sorted(seconds)[int(len(seconds) * self.QUANTILE)]
 
-    def average(self, m: float | None, a: float, w: float | None = None) -> float:   # m, a newest of weight w
-        return a if m is None else (1 - (w or self.AVERAGE)) * m + (w or self.AVERAGE) * a
+    def average(self, m: float | None, a: float, w: float = AVERAGE) -> float:   # m, a newest of weight w
+        return a if m is None else (1 - w) * m + w * a
 
     def cut(self, s: Slot, c: list | None) -> bool:
         """Alone, whether slot s drafts its proposal and its first s.length nodes (None: all), for a method that
