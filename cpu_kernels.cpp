@@ -761,10 +761,11 @@ void linear_amx(const at::BFloat16* x, const at::BFloat16* wp, const float* b, T
 #endif
 
 // A step in parts (Op::PARTS, where an Op has them: WidenBF16's two halves), each loaded as W (or x) part s of
-// the step at p, n of its weights there (n < STEP: the masked tail).
+// the step at p, n of its weights there (n < STEP: the masked tail). W's vector and x's may differ in type
+// (I8BF16Dot: a W step is two bfloat16 vectors), so each load keeps its own.
 template <typename Op> constexpr int parts = [] { if constexpr (requires { Op::PARTS; }) return Op::PARTS; else return 1; }();
 template <typename Op, bool W, typename P>
-inline typename Op::V part(const P* p, int64_t n, int s) {
+inline auto part(const P* p, int64_t n, int s) {
   if constexpr (parts<Op> > 1) {
     if constexpr (W) return n == Op::STEP ? Op::w(p, s) : Op::w_tail(p, n, s);
     else return n == Op::STEP ? Op::x(p, s) : Op::x_tail(p, n, s);
