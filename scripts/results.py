@@ -45,18 +45,19 @@ class Section:
 
 
 SMOL = "../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-PACED = ("a cell: decode-only speedup over `ar` (MAT of the rounds that drafted; the share of rounds the pacer "
-         "took as plain steps); `ar`: its decode tokens/s")
+PACED = "a cell: decode-only speedup over `ar` (MAT of drafting rounds; share of plain rounds); `ar`: decode tokens/s"
 SECTIONS = [
     Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/cpu_smollm2.json"],
-            "The demo pair (`python generate.py`'s), greedy, bfloat16, one thread, exact mode, 128 tokens a "
-            "prompt, as a user runs it: every method's budget, draft depth and thresholds from its warm-up (`--budget auto`), "
-            "rounds paced (a request whose trees do not pay takes plain steps: docs/graft.md section 12). On an Intel Xeon "
-            "whose bfloat16 linears run on AMX tiles (docs/cpu.md).",
+            "The demo pair (`python generate.py`'s) as a user runs it: greedy, bfloat16, one thread, exact, 128 tokens a "
+            "prompt; budgets, depths and thresholds from the warm-up (`--budget auto`), rounds paced (docs/graft.md "
+            "section 12). An Intel Xeon with AMX (docs/cpu.md).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED, readme=True),
     Section("AVX2 only", ["results/cpu_smollm2_avx2.json"],
             "The same on an AVX2-only Zen 3, bfloat16 (the demo's dtype there; 3 nodes cost 1.2-1.35 "
             "tokens). In float32 `ar` decoded 28 / 26 tok/s, graft 1.17x / 1.39x that.",
+            cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
+    Section("AVX-512 BF16 without AMX", ["results/cpu_smollm2_zen4.json"],
+            "The same on a Zen 4 (`VDPBF16PS`; 5 nodes cost 1.12 tokens, 9 nodes 1.55).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread, "
@@ -75,15 +76,14 @@ SECTIONS = [
             "exact mode, 64 tokens a prompt.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
-            "The demo pair, greedy, one thread, exact mode: the target's weights in bfloat16, then every linear of "
-            "it and its lm_head in int8 with one scale a row (the head float), each run with its own warm-up. "
-            "Perplexity: on 2,048 held-out tokens (Python's reference documentation); greedy agreement: the "
-            "tokens before each int8 output first parts from the bfloat16 target's on the same prompt "
-            "(costs: [int8 weights](docs/cpu.md#int8-weights)).",
+            "The demo pair, greedy, one thread, exact: the target in bfloat16, then every linear of it (lm_head "
+            "included) in int8, one scale a row (the head float), each with its own warm-up. Perplexity on 2,048 "
+            "held-out tokens (Python's documentation); greedy agreement: the tokens before an int8 output first "
+            "parts from bfloat16's ([costs](docs/cpu.md#int8-weights)).",
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
-            "The 4.3M-parameter stdlib target with its head and DFlash drafter, greedy, float32, one thread, paced: "
-            "a step (~1.5 ms) costs about a head's draft, so the methods mostly take plain steps, most of them `ar`'s own.",
+            "The 4.3M stdlib target, its head and DFlash drafter, greedy, float32, one thread, paced: a step "
+            "(~1.5 ms) costs about a head's draft, so the methods mostly take plain steps.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Retrieval sources: chat and code", ["results/sources_chat.json"],
             "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`). "
