@@ -57,7 +57,7 @@ SECTIONS = [
             "tokens). In float32 `ar` decoded 28 / 26 tok/s, graft 1.17x / 1.39x that.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("AVX-512 BF16 without AMX", ["results/cpu_smollm2_zen4.json"],
-            "The same on a Zen 4 (`VDPBF16PS`; 5 nodes cost 1.12 tokens, 9 nodes 1.55).",
+            "The same on a Zen 4 (`VDPBF16PS`; 5 nodes cost 1.12 tokens, 9 nodes 1.55-1.6).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
             "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread, "
