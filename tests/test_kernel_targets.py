@@ -27,5 +27,9 @@ def test_every_machine_kinds_kernels_compile_here():
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for m in ("sapphirerapids", "cooperlake", "skylake-avx512", "x86-64-v3", "x86-64")}
     errors = {m: r.communicate(timeout=600)[0] for m, r in runs.items()}
-    failed = {m: [ln for ln in out.splitlines() if "error" in ln][:3] for m, out in errors.items() if runs[m].returncode}
+    # a compiler too old to know a target ("bad value" in GCC, "unknown target CPU" in clang) says nothing of the source
+    known = {m for m, out in errors.items() if "bad value" not in out and "unknown target CPU" not in out}
+    failed = {m: [ln for ln in errors[m].splitlines() if "error" in ln][:3] for m in known if runs[m].returncode}
     assert not failed, failed
+    if len(known) < len(runs):
+        pytest.skip(f"this compiler does not know {sorted(set(runs) - known)}; the others compiled")
