@@ -571,7 +571,7 @@ def classify_mismatch(eng, ids: list, base: list, got: list, sampling: Sampling,
 
     class Last(Method):
         def prompt_chunk(self, eng, b, chunk, logits, feats, n):
-            keep["row"] = logits[0, n - 1].float().clone()
+            keep["row"] = logits[0, -1].float().clone()         # (the prefill's last real row)
     last = Last(eng, Config())
     eng.admit(0, Request(ctx, sampling), last)
     eng.free(0, last)

@@ -28,7 +28,7 @@ import torch
 from dflash import BlockDrafter
 from draft import Drafter
 from graft import (METHODS, PLAIN_RUN, SOURCES, Calibration, Config, ContinuationMatrix, Method, Round, assemble,
-                   block_tree, learn, plain_learn, recycle_tree, update)
+                   block_tree, learn, plain_learn, recycle_tree)
 from model import GraftError, KVCache, attention_mask, cache_rows, rope_table, set_exact
 from verify import (NOT_FINITE, Clock, Sampling, SlotSampling, Tree, Verified, choose, commit, decode, logprobs,
                     path_logprobs, rows_finite, sampling_mode, token_hash, unpack_logprobs, verify)
@@ -54,24 +54,28 @@ def default_budget(device) -> int:
 # ----------------------------------------------------------------------------- the target's prefill step
 
 def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.Tensor, slot: torch.Tensor,
-                  cols: torch.Tensor, capture: bool, smp: SlotSampling, mode: tuple, root: torch.Tensor) -> tuple:
+                  cols: torch.Tensor, capture: bool, smp: SlotSampling, mode: tuple, root: torch.Tensor,
+                  every: bool = False) -> tuple:
     """C prompt tokens (1, C) of the request in slot `slot` (1,) (the first n real, the rest padding) at
     its rows L[slot]..L[slot]+C-1, causal among themselves and over its committed rows; its L advances
     by n, and root[slot] receives the target's choice after the last real token (the first generated
-    token, once the last chunk has run). Returns logits (1, C, V), features (1, C, 3*dim) or None, and
-    whether the real rows' logits were finite (1,). Several requests' chunks at once (Engine.admit_group):
-    tokens (B', C), slot and n (B',), and every result has B' rows."""
+    token, once the last chunk has run). Returns the last real row's logits (1, 1, V) (every: all
+    rows', (1, C, V), for the prompt's log-probs), features (1, C, 3*dim) or None, and whether those
+    logits were finite (1,). Only the last row's logits by default: nothing else reads a prompt's (the
+    lm_head is a fifth of SmolLM2's prefill) and a non-finite row earlier reaches the last through
+    attention. Several requests' chunks at once (Engine.admit_group): tokens (B', C), slot and n (B'),
+    and every result has B' rows."""
     C, dev = tokens.shape[1], tokens.device
     Ls = L.index_select(0, slot)                                                   # (1,)
     rows = Ls[:, None] + torch.arange(C, device=dev)                               # (1, C)
     mask = attention_mask(torch.ones(C, C, dtype=torch.bool, device=dev).tril_(), Ls, cols)
     keep = torch.arange(C, device=dev)[None] < n.view(-1, 1)
-    out = model(tokens, rows, rows, mask, capture, cache, keep=keep, slots=slot)
+    out = model(tokens, rows, rows, mask, capture, cache, keep=keep, slots=slot, last=None if every else n - 1)
     logits, feats = out if capture else (out, None)
-    last = logits.gather(1, (n - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))   # (B', 1, V)
+    last = logits.gather(1, (n - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])) if every else logits  # (B', 1, V)
     root.index_copy_(0, slot, choose(last, (Ls + n)[:, None], smp.rows(slot), mode)[:, 0])
     L.index_add_(0, slot, n.view(-1))
-    return logits, feats, rows_finite(logits, keep)
+    return logits, feats, rows_finite(logits, keep if every else None)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -415,7 +419,6 @@ class Engine:
         s.recycle_tree = s.compile(recycle_tree, "recycle_tree")                # Token Recycling's tree
         s.learn = s.compile(learn, "learn")                                     # matrices, the head's next input
         s.plain_learn = s.compile(plain_learn, "plain_learn")                   # the same after a plain round
-        s.matrix_update = s.compile(update, "matrix_update")                    # a prompt chunk into a matrix
 
     @property
     def device(self):
@@ -508,14 +511,16 @@ class Engine:
             pad = C if self.steps.compiling else min(C, cache_rows(n))
             chunk = torch.cat([t[s:s + n], t.new_zeros(pad - n)])[None]
             self.fills.n.fill_(n)
+            every = r.logprobs is not None and r.prompt_logprobs
             logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(pad, b=b),
-                                                   method.needs_head or method.needs_block, self.smp, mode, self.root)
+                                                   method.needs_head or method.needs_block, self.smp, mode, self.root,
+                                                   every)
             finite &= ok
             slot.L += n
-            if r.logprobs is not None and (r.prompt_logprobs or s + n == len(r.ids)):
-                lo = 0 if r.prompt_logprobs else n - 1            # row i chose token s + i + 1 (the last: root)
-                lps.append(logprobs(logits[0, lo:n], torch.cat([t, self.root[b].view(1)])[s + lo + 1:s + n + 1],
-                                    r.logprobs))
+            if r.logprobs is not None and (every or s + n == len(r.ids)):
+                lo = 0 if every else n - 1            # row i chose token s + i + 1 (the last: root)
+                lps.append(logprobs(logits[0, lo:n] if every else logits[0],
+                                    torch.cat([t, self.root[b].view(1)])[s + lo + 1:s + n + 1], r.logprobs))
             method.prompt_chunk(self, b, chunk, logits, feats, n)
         method.prefilled(self, b)
         return self.first_tokens([(b, r)], self.root[b].view(1), finite, [lps])[0]
@@ -533,16 +538,18 @@ class Engine:
                          device=self.device)         # the prompts' one copy to the device, lengths and slots with them
         ids, slots = h[:k * pad].view(k, pad), h[k * pad + k:]
         self.steps.mark()
+        every = any(r.logprobs is not None and r.prompt_logprobs for _, r in pairs)    # else the last rows' logits
         logits, feats, ok = self.steps.prefill(ids, self.L, h[k * pad:k * pad + k], slots,
                                                self.fills.cols[:pad] if self.window else self.fills.cols,
                                                method.needs_head or method.needs_block, self.smp,
-                                               sampling_mode([r.sampling for _, r in pairs]), self.root)
+                                               sampling_mode([r.sampling for _, r in pairs]), self.root, every)
         lps = []
         for i, (b, r) in enumerate(pairs):
             self.slots[b].L += n[i]
             lo = 0 if r.prompt_logprobs else n[i] - 1
             lps.append([] if r.logprobs is None else [logprobs(
-                logits[i, lo:n[i]], torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:], r.logprobs)])
+                logits[i, lo:n[i]] if every else logits[i], torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:],
+                r.logprobs)])
             method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
             method.prefilled(self, b)
         return self.first_tokens(pairs, self.root.index_select(0, slots), ok, lps)

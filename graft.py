@@ -146,12 +146,11 @@ def retrieve(M: torch.Tensor, under: torch.Tensor, tpl: "Template") -> torch.Ten
 
 
 def update(M: torch.Tensor, written: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor,
-           path: torch.Tensor | None = None, A: torch.Tensor | None = None, slots: torch.Tensor | None = None):
+           path: torch.Tensor | None = None, A: torch.Tensor | None = None):
     """M[b, tokens[b, i]] = topk(logits[b, i], k) for every real node i of every request b; the
     accepted path (path[b, :A[b]+1]) is written last so it wins when a token occurs at several
-    nodes. tokens, valid (B', N); logits (B', N, V); slots (B',): the requests' rows of M (B, V+1, k)
-    and written (B, V+1) (default: all, in order). Deterministic: one write per distinct token;
-    padding and the losers write the spare row V."""
+    nodes. tokens, valid (B, N); logits (B, N, V); M (B, V+1, k) and written (B, V+1) each request's.
+    Deterministic: one write per distinct token; padding and the losers write the spare row V."""
     B, N = tokens.shape
     V, k, dev = M.shape[1] - 1, M.shape[2], tokens.device
     prio = torch.arange(N, device=dev)[None]
@@ -165,7 +164,7 @@ def update(M: torch.Tensor, written: torch.Tensor, tokens: torch.Tensor, logits:
     last = torch.cat([t_sorted[:, 1:] != t_sorted[:, :-1], torch.ones_like(t_sorted[:, :1], dtype=torch.bool)], 1)
     rows = torch.where(last, t_sorted, V)
     top = top_ids(logits, k).gather(1, order[:, :, None].expand(-1, -1, k))
-    bi = (torch.arange(B, device=dev) if slots is None else slots)[:, None]
+    bi = torch.arange(B, device=dev)[:, None]
     M[bi, rows] = top
     written[bi, rows] = True
 
@@ -556,12 +555,11 @@ class Method:
             self.clen[b] = 0
 
     def prompt_chunk(self, eng, b: int, ids, logits, feats, n: int):
-        """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, C, V), feats (1, C, F) or
-        None; the first n real. The matrix learns the prompt's continuations; the context keeps its tokens
-        (a copy on the device, from the chunk already there)."""
-        if self.matrix is not None:
-            eng.steps.matrix_update(self.M, self.written, ids, logits, torch.arange(ids.shape[1], device=ids.device)[None] < n,
-                                    slots=eng.slot_index(b))
+        """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, 1, V) the last real row's
+        (every row's, (1, C, V), when the request asks for its prompt's log-probs), feats (1, C, F) or
+        None; the first n real. The context keeps its tokens (a copy on the device, from the chunk already there). The
+        matrix does not learn the prompt: that needs every prompt row's logits (a fifth more prefill
+        on SmolLM2) and gave 1% more tokens a round at most (docs/graft.md, section 3)."""
         if self.ctx is not None:
             L = eng.slots[b].L                # after this chunk
             self.ctx[b, L - n:L] = ids[0, :n]

@@ -104,8 +104,7 @@ def rope_table(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
 
 
 def rope_at(table: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
-    """cos, sin for these positions, (B or 1, 1, T, D) each, in the activations' dtype (as HF does);
-    computed once per forward and shared by every layer."""
+    """cos, sin for these positions, (B or 1, 1, T, D) each, in the activations' dtype (as HF does); once per forward."""
     cs = table[positions].to(dtype)                                            # (T, 2, D) or (B, T, 2, D)
     if cs.dim() == 3:
         cs = cs.unsqueeze(0)
@@ -120,8 +119,7 @@ def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
 
 
 def mask_bias(mask, dtype):
-    """A bool mask (True = may attend) as an additive bias (0 or -inf), made once per forward: every
-    layer would otherwise convert it again inside scaled_dot_product_attention."""
+    """A bool mask (True = may attend) as an additive bias (0 or -inf), made once per forward (not per layer in SDPA)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
     return torch.where(mask, 0.0, float("-inf")).to(dtype)
@@ -494,9 +492,8 @@ class Block(nn.Module):
         return (self.exact and self.fuse and isinstance(m, MLP) and not (a._forward_hooks or m._forward_hooks)
                 and m._modules["gate_proj"]._parameters["weight"].dtype in (dtype, torch.int8))
 
-    # The fused route's arguments are read through the modules' own dicts, as nn.Module.__getattr__ would
-    # find them (so a replaced module or parameter is seen at once): its fallback costs ~1 us a lookup,
-    # and a step made ~1,200 of them (~1.5 ms, a tenth of a token's pass).
+    # The fused route's arguments are read through the modules' own dicts, as nn.Module.__getattr__ would find
+    # them (a replaced one is seen at once): its fallback costs ~1 us a lookup, ~1,200 a step (~1.5 ms).
     def fused_weights(self) -> tuple:
         a, m = self._modules["self_attn"], self._modules["mlp"]
         am, mm = a._modules, m._modules
@@ -514,8 +511,7 @@ class Block(nn.Module):
         return [p._buffers["scale"] for p in lins] if lins[0]._buffers.get("scale") is not None else []
 
     def fused_forward(self, x, rope, rows, mask, kv, keep, slots):
-        cache, i = kv
-        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], cache.k[i], cache.v[i], rows, slots,
+        return cpu_kernels.block(x, *self.fused_weights(), rope[0][:, 0], rope[1][:, 0], kv[0].k[kv[1]], kv[0].v[kv[1]], rows, slots,
                                  mask, keep, self.self_attn.n_heads, self.input_layernorm.eps, scales=self.fused_scales())
 
 
@@ -555,14 +551,16 @@ class Transformer(nn.Module):
                                   keep, self.args.n_heads, self.args.norm_eps, list(points),
                                   scales=[s for b in self.layers for s in b.fused_scales()])
 
-    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None, slots=None):
+    def forward(self, tokens, positions, rows=None, mask=None, capture=False, cache=None, keep=None, slots=None,
+                last=None):
         """tokens (B, T); positions (B, T) absolute positions for RoPE ((T,): the same for every row).
 
         With `rows` (B, T) (or (T,)): the T new rows of each request are written there in `cache`
         (default: the model's own), at the cache's requests `slots` (B,) (default: all, in order), and
         attention reads cache rows 0..n_keys-1 under `mask` (B, T, n_keys) bool (True = may attend);
         `keep` (B, T) bool marks the real rows (padding writes zeros to the cache, see Attention).
-        Without (training): causal over the T tokens. Returns logits (B, T, V) and, with
+        Without (training): causal over the T tokens. Returns logits (B, T, V), or with `last` (B,) row
+        last[b]'s alone (B, 1, V) (a prefill: the lm_head is a fifth of a small model's work), and, with
         capture=True, the EAGLE-3 features (B, T, n*dim): the residual stream at the input of the
         layers in self.capture_layers (2, L//2 and L-3 unless a head declares others; L = the output of
         the last layer, before the norm), concatenated low to high.
@@ -590,6 +588,8 @@ class Transformer(nn.Module):
                 x = layer(x, rope, rows, mask, (cache, i) if rows is not None else None, keep, slots, pos)
             if capture:                      # "the input of layer L": the last layer's output, before the norm
                 feats += [x] * points.count(len(self.layers))
+        if last is not None:                                          # (B, 1, dim): the rows that choose a token
+            x, keep = x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1])), None
         x, real = self.norm(x), None if not fused or keep is None or bool(keep.all()) else keep.expand(x.shape[:-1])
         # an eager CPU pass: the real rows' logits only; a padding row left the fused layers zeros (no bias)
         logits = self.lm_head(x) if real is None else x.new_zeros(*x.shape[:-1], self.args.vocab_size)   # (B, T, V)

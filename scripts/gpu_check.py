@@ -73,8 +73,7 @@ CHECKPOINTS = (0, 1, 5)
 ENGINE_LAYERS, BUDGET, STAGES = 4, 24, (0, None)     # the engine and lossless sections' model and runs
 # the graphs the engine section compiles (dynamo graphs; on a GPU each is also one CUDA graph per path)
 ENGINE_GRAPHS = ("ar: prefill", "ar: decode", "graft: prefill with features", "graft: head_prefill",
-                 "graft: matrix_update", "graft: extend", "graft: level", "graft: assemble", "graft: verify",
-                 "graft: learn")
+                 "graft: extend", "graft: level", "graft: assemble", "graft: verify", "graft: learn")
 # The plan, in order: (section, what it proves, graphs it compiles, expected seconds on an H200 from a
 # cold cache, expected seconds of --tiny on a quiet 2-core CPU, measured). The H200 numbers are
 # estimates (no GPU has run this): about 12 s a graph of a few layers, 45 s one of 36 layers, plus

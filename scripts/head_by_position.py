@@ -44,7 +44,8 @@ def agreement(eng, ids: list) -> torch.Tensor:
             got.append((logits[0, :n].argmax(-1), feats[0, :n].clone()))
 
     keep = Keep(eng, E.Config())
-    eng.admit(0, E.Request(list(ids)), keep)                  # slot 0: the target's pass, chunk by chunk
+    # slot 0: the target's pass, chunk by chunk (every row's logits: as for a request's prompt log-probs)
+    eng.admit(0, E.Request(list(ids), logprobs=1, prompt_logprobs=True), keep)
     eng.free(0, keep)
     tgt = torch.cat([g[0] for g in got])                                  # (T,) the target's choice after each token
     feats = torch.cat([g[1] for g in got])                                # (T, 3*dim)

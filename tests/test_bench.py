@@ -299,7 +299,7 @@ def test_a_bf16_mismatch_is_classified_by_the_targets_own_gap(tiny, s):
 
     class Last(bench.E.Method):                  # the target's scores after the prompt's last token
         def prompt_chunk(self, eng, b, chunk, logits, feats, n):
-            keep["row"] = logits[0, n - 1].float().clone()
+            keep["row"] = logits[0, -1].float().clone()
     last = Last(eng, bench.E.Config())
     eng.admit(0, bench.E.Request(ids + base[:4], s), last)
     eng.free(0, last)

@@ -153,7 +153,8 @@ def test_compiled_batch_never_recompiles_as_requests_come_and_go(method):
 # ----------------------------------------------------------------------------- prefill in chunks
 
 class Keep(GR.Method):
-    """A method that keeps what the prefill passes give it (the logits of each chunk's real rows)."""
+    """A method that keeps what the prefill passes give it (each chunk's logits: its last real row's, or
+    all its real rows' for a request that asks for its prompt's log-probs)."""
     needs_head = True                   # the prefill step captures features too
 
     def __init__(self, eng):
@@ -161,14 +162,16 @@ class Keep(GR.Method):
         self.chunks = []
 
     def prompt_chunk(self, eng, b, ids, logits, feats, n):
-        self.chunks.append(logits[0, :n].clone())
+        self.chunks.append(logits[0, :n].clone() if logits.shape[1] > 1 else logits[0].clone())
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt, batch):
+@pytest.mark.parametrize("every", [False, True], ids=["last-rows", "prompt-logprobs"])
+def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt, batch, every):
     """A 53-token prompt in chunks of 16 into the last slot, beside a request in slot 0: the logits of
-    one causal pass, its first token in root, its committed length in L (device and host), and the
-    other slot's rows, length and root untouched."""
+    one causal pass (each chunk's last real row's; every row's when the request asks for its prompt's
+    log-probs), its first token in root, its committed length in L (device and host), and the other
+    slot's rows, length and root untouched."""
     eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=200, chunk=16, batch=batch)
     ids = torch.randint(3, 300, (53,), generator=torch.Generator().manual_seed(0)).tolist()
     full = eng.model(torch.tensor([ids]), torch.arange(53))[0]              # causal, no cache
@@ -177,9 +180,9 @@ def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt, batch):
         eng.admit(0, E.Request([1, 7, 9, 11]), eng.make("ar"))
         rows, L0, root0 = [t[0].clone() for t in eng.cache.tensors()], int(eng.L[0]), int(eng.root[0])
     m = Keep(eng)
-    first = eng.admit(b, E.Request(ids), m)
-    got = torch.cat(m.chunks)
-    assert got.shape == full.shape and torch.allclose(got, full, atol=1e-4, rtol=1e-4)
+    first = eng.admit(b, E.Request(ids, logprobs=1 if every else None, prompt_logprobs=every), m)
+    got, want = torch.cat(m.chunks), full if every else full[[15, 31, 47, 52]]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert first == int(eng.root[b]) == int(full[-1].argmax()) and eng.slots[b].L == int(eng.L[b]) == 53
     if batch > 1:
         assert all(torch.equal(t[0], r) for t, r in zip(eng.cache.tensors(), rows))
@@ -238,7 +241,7 @@ def test_padding_never_reaches_the_matrix():
     assert not bool(M[:, [7, 9]].any())
     assert torch.equal(M[0, 4], logits[0, 0].topk(k).indices.int())
     assert torch.equal(M[1, 4], logits[1, 1].topk(k).indices.int())          # the accepted one of the two 4s
-    update(M[1:], written[1:], tokens[1:, :1], logits[1:, :1], valid[1:, :1], slots=None)
+    update(M[1:], written[1:], tokens[1:, :1], logits[1:, :1], valid[1:, :1])
     assert torch.equal(M[1, 4], logits[1, 0].topk(k).indices.int())
 
 

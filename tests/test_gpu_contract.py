@@ -547,7 +547,7 @@ def test_every_step_has_its_own_code_object(pair, taus):
     eng = engine(pair, 2)
     names = set(eng.steps.names)
     assert names == {"prefill", "decode", "verify", "head_prefill", "extend", "level", "assemble", "recycle_tree",
-                     "learn", "plain_learn", "matrix_update"}
+                     "learn", "plain_learn"}
     codes = {n: getattr(eng.steps, n).__code__ for n in names}
     assert len({id(c) for c in codes.values()}) == len(codes)
     assert all(c.co_name.endswith(f"__{n}") for n, c in codes.items())

@@ -118,7 +118,7 @@ def test_update_padding_and_past_the_path_write_nothing():
 
 def test_update_batch_rows_write_their_own_matrices():
     """Three requests, each with its own matrix (B, V+1, k), tokens, path and padding, in one update:
-    each request's matrix is what updating it alone leaves; `slots` writes chosen requests' rows."""
+    each request's matrix is what updating it alone leaves."""
     g = torch.Generator().manual_seed(0)
     B, N, Vv, k = 3, 6, 10, 3
     tokens = torch.randint(0, Vv, (B, N), generator=g)
@@ -133,11 +133,6 @@ def test_update_batch_rows_write_their_own_matrices():
         m1, w1 = prior.M[None].clone(), prior.written[None].clone()
         GR.update(m1, w1, tokens[b:b + 1], logits[b:b + 1], valid[b:b + 1], path[b:b + 1], A[b:b + 1])
         assert torch.equal(M[b], m1[0]) and torch.equal(W[b], w1[0]), b
-    # slots: request 1's update written into row 2 of the batch's matrices, nothing else touched
-    M2, W2 = prior.M[None].repeat(B, 1, 1), prior.written[None].repeat(B, 1)
-    GR.update(M2, W2, tokens[1:2], logits[1:2], valid[1:2], path[1:2], A[1:2], slots=T([2]))
-    assert torch.equal(M2[2], M[1]) and torch.equal(W2[2], W[1])
-    assert torch.equal(M2[0], prior.M) and torch.equal(M2[1], prior.M) and not W2[:2].any()
 
 
 def test_unwritten_rows_fall_back_to_unigram_topk():

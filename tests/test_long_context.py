@@ -1,10 +1,7 @@
-"""Long context (issue 20): the prompt's history reaches the continuation matrix in chunks (into any
-slot), every method stays lossless near the end of a 4K cache with two long requests side by side, and
-the head's agreement is measured by position.
-
-The prompt's logits seed the matrix (docs/graft.md section 3, "history"): every position's top-k, chunk by
-chunk, from the prefill passes themselves (no extra target pass), the same contents as one pass over
-the whole prompt would give.
+"""Long context (issue 20): a long prompt's prefill costs one target pass a chunk and the lm_head on one
+row of each (the matrix does not learn the prompt: docs/graft.md section 3), every method stays
+lossless near the end of a 4K cache with two long requests side by side, and the head's agreement is
+measured by position.
 """
 import importlib.util
 import sysconfig
@@ -40,49 +37,32 @@ def stdlib_engine():
 
 @pytest.fixture(scope="module")
 def engines():
-    """The stdlib pair: prefill chunks of 128 tokens at B = 2, and chunks of 1536 (one pass over a
-    1500-token prompt) at B = 1."""
-    return {128: build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=2048, batch=2),
-            1536: build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=2048, chunk=1536)}
-
-
-def seeded(eng, method: str, ids: list, slot: int = 0) -> ContinuationMatrix:
-    """A fresh matrix after prefilling `ids` into `slot` (the engine's prefill chunks): the request
-    learns into its own copy, which becomes the matrix when it ends."""
-    m = ContinuationMatrix(eng.model.args.vocab_size, 8)
-    p = eng.make(method, Config(thresholds={0: 0.5}), matrix=m)    # (a graft that prunes: it keeps a matrix)
-    eng.admit(slot, E.Request(ids), p)
-    eng.free(slot, p)
-    return m
+    """The stdlib pair, prefill chunks of 128 tokens, B = 2."""
+    return {128: build_engine(STDLIB_CKPT, STDLIB_DRAFT, max_seq_len=2048, batch=2)}
 
 
 @has_stdlib
 @pytest.mark.parametrize("method", ["graft", "recycle"])
-def test_chunked_prefill_seeds_the_matrix_as_one_pass_would(engines, method):
-    ids = engines[128].tokenizer.encode(stdlib_text())[:1500]
-    chunks, whole = seeded(engines[128], method, ids, slot=1), seeded(engines[1536], method, ids)
-    assert torch.equal(chunks.written, whole.written)
-    V = engines[128].model.args.vocab_size
-    assert int(chunks.written[:V].sum()) == len(set(ids))      # every distinct prompt token has its row
-    assert torch.equal(chunks.M[:V], whole.M[:V])            # (row V takes the writes of padding)
-
-
-@has_stdlib
-def test_every_prompt_position_reaches_the_matrix_from_the_prefill_passes(engines, monkeypatch):
+def test_a_long_prompt_costs_a_pass_a_chunk_and_one_lm_head_row_each(engines, method, monkeypatch):
+    """1500 tokens in chunks of 128 into slot 1: one target pass a chunk, the lm_head on each chunk's
+    last row alone, the first token the one a full causal pass chooses, and the matrix untouched (what
+    a request leaves as the prior is what it learned in its rounds: none here)."""
     eng = engines[128]
-    ids = eng.tokenizer.encode(stdlib_text())[:700]
-    calls = []
-    step = eng.steps.prefill
+    ids = eng.tokenizer.encode(stdlib_text())[:1500]
+    calls, rows = [], []
+    step, head = eng.steps.prefill, eng.model.lm_head.forward
     monkeypatch.setattr(eng.steps, "prefill", lambda *a, **k: calls.append(1) or step(*a, **k))
-    m = seeded(eng, "graft", ids)
-    assert len(calls) == -(-len(ids) // 128)                   # one target pass per chunk, nothing more
-    # the row of each token is the top-k after its last occurrence in the prompt (one full causal pass)
+    monkeypatch.setattr(eng.model.lm_head, "forward", lambda x: rows.append(x.shape[:-1].numel()) or head(x))
+    m = ContinuationMatrix(eng.model.args.vocab_size, 8)
+    before = m.state_dict()
+    p = eng.make(method, Config(thresholds={0: 0.5}), matrix=m)    # (a graft that prunes: it keeps a matrix)
+    first = eng.admit(1, E.Request(ids), p)
+    eng.free(1, p)
+    assert len(calls) == -(-len(ids) // 128) and rows == [1] * len(calls)
     with torch.no_grad():
-        logits = eng.model(torch.tensor([ids]), torch.arange(len(ids)))[0]          # (T, V)
-    last = {t: i for i, t in enumerate(ids)}
-    toks = torch.tensor(sorted(last))
-    want = logits[torch.tensor([last[t] for t in sorted(last)])].topk(8, dim=-1).indices.int()
-    assert torch.equal(m.M[toks], want)
+        logits = eng.model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1]     # (V,) causal, no cache
+    assert first == int(logits.argmax())
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), m.state_dict().values()))
 
 
 @pytest.fixture(scope="module")
