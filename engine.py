@@ -495,9 +495,9 @@ class Engine:
 
     # -- a request's life in a slot
     def admit(self, b: int, r: Request, method: Method) -> int:
-        """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits and
-        features go to the method (its matrix and the head read them). Returns the first token (one
-        host sync), which is also in self.root[b]."""
+        """Prefill request r into slot b, chunk by chunk (the last one padded); each chunk's logits (its
+        last row's, prefill_chunk) and features go to the method (its head reads them). Returns the first
+        token (one host sync), which is also in self.root[b]."""
         self.enter(b, r, method)
         slot, C = self.slots[b], self.chunk
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device

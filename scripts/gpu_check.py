@@ -86,7 +86,7 @@ PLAN = (
     ("engine", "CUDA graphs: no skip, no re-recording after the first pass; nothing new in a second",
      ENGINE_GRAPHS, 140, 33),
     ("lossless", "compiled and eager tokens equal plain decoding's (4 layers, float32)",
-     ("the engine section's 10 again, from inductor's cache on a GPU",), 70, 29),
+     ("the engine section's 9 again, from inductor's cache on a GPU",), 70, 29),
     ("speed", "ms per token and verify(61) over decode at the 36-layer shape, bf16",
      ("decode (36 layers)", "verify 61 nodes (36 layers)"), 110, 11),
     ("peer", "transformers' generate() at the same shape: eager and static cache compiled",

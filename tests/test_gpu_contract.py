@@ -175,7 +175,7 @@ def test_gpu_check_plan(capsys):
     assert [ln.split()[0] for ln in out[1::2]] == list(GC.SECTIONS) == ["env", "placement", "engine", "lossless",
                                                                           "speed", "peer"]
     assert "no GPU has run this" in out[0] and "graphs: ar: prefill, ar: decode" in out[6]
-    assert sum(len(g) for s, _, g, *_ in GC.PLAN if s == "engine") == len(GC.ENGINE_GRAPHS) == 10
+    assert sum(len(g) for s, _, g, *_ in GC.PLAN if s == "engine") == len(GC.ENGINE_GRAPHS) == 9
     names, left, limits = list(GC.SECTIONS), 417.0, []
     for s in names:
         limits.append(GC.limit_for(s, names, left, False))
