@@ -57,14 +57,13 @@ def prefill_chunk(model, cache, tokens: torch.Tensor, L: torch.Tensor, n: torch.
                   cols: torch.Tensor, capture: bool, smp: SlotSampling, mode: tuple, root: torch.Tensor,
                   every: bool = False) -> tuple:
     """C prompt tokens (1, C) of the request in slot `slot` (1,) (the first n real, the rest padding) at
-    its rows L[slot]..L[slot]+C-1, causal among themselves and over its committed rows; its L advances
-    by n, and root[slot] receives the target's choice after the last real token (the first generated
-    token, once the last chunk has run). Returns the last real row's logits (1, 1, V) (every: all
-    rows', (1, C, V), for the prompt's log-probs), features (1, C, 3*dim) or None, and whether those
-    logits were finite (1,). Only the last row's logits by default: nothing else reads a prompt's (the
-    lm_head is a fifth of SmolLM2's prefill) and a non-finite row earlier reaches the last through
-    attention. Several requests' chunks at once (Engine.admit_group): tokens (B', C), slot and n (B'),
-    and every result has B' rows."""
+    its rows L[slot]..L[slot]+C-1, causal among themselves and over its committed rows; its L advances by
+    n, root[slot] receives the target's choice after the last real token (the first generated token, once
+    the last chunk has run). Returns the last real row's logits (1, 1, V) (every: all rows', (1, C, V), for
+    the prompt's log-probs; nothing else reads them, and the lm_head is a fifth of SmolLM2's prefill),
+    features (1, C, 3*dim) or None, and whether those logits were finite (1,) (a non-finite row earlier
+    reaches the last through attention). Several requests' chunks at once (Engine.admit_group): tokens
+    (B', C), slot and n (B'), and every result has B' rows."""
     C, dev = tokens.shape[1], tokens.device
     Ls = L.index_select(0, slot)                                                   # (1,)
     rows = Ls[:, None] + torch.arange(C, device=dev)                               # (1, C)
@@ -513,8 +512,7 @@ class Engine:
             self.fills.n.fill_(n)
             every = r.logprobs is not None and r.prompt_logprobs
             logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(pad, b=b),
-                                                   method.needs_head or method.needs_block, self.smp, mode, self.root,
-                                                   every)
+                                                   method.needs_head or method.needs_block, self.smp, mode, self.root, every)
             finite &= ok
             slot.L += n
             if r.logprobs is not None and (every or s + n == len(r.ids)):
@@ -547,9 +545,8 @@ class Engine:
         for i, (b, r) in enumerate(pairs):
             self.slots[b].L += n[i]
             lo = 0 if r.prompt_logprobs else n[i] - 1
-            lps.append([] if r.logprobs is None else [logprobs(
-                logits[i, lo:n[i]] if every else logits[i], torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:],
-                r.logprobs)])
+            lps.append([] if r.logprobs is None else [logprobs(logits[i, lo:n[i]] if every else logits[i],
+                                                                torch.cat([ids[i, 1:n[i]], self.root[b].view(1)])[lo:], r.logprobs)])
             method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], None if feats is None else feats[i:i + 1], n[i])
             method.prefilled(self, b)
         return self.first_tokens(pairs, self.root.index_select(0, slots), ok, lps)
@@ -593,8 +590,7 @@ class Engine:
         for i, b in enumerate(live):              # the new requests' chunks, as admit_group's
             if b in new:
                 self.slots[b].L += n[i]
-                method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], feats if feats is None else feats[i:i + 1],
-                                    n[i])
+                method.prompt_chunk(self, b, ids[i:i + 1], logits[i:i + 1], feats if feats is None else feats[i:i + 1], n[i])
                 method.prefilled(self, b)
         self.clock.mark("prefill")
         out = self.settle(commit(v, tree), True, new)

@@ -555,11 +555,9 @@ class Method:
             self.clen[b] = 0
 
     def prompt_chunk(self, eng, b: int, ids, logits, feats, n: int):
-        """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, 1, V) the last real row's
-        (every row's, (1, C, V), when the request asks for its prompt's log-probs), feats (1, C, F) or
-        None; the first n real. The context keeps its tokens (a copy on the device, from the chunk already there). The
-        matrix does not learn the prompt: that needs every prompt row's logits (a fifth more prefill
-        on SmolLM2) and gave 1% more tokens a round at most (docs/graft.md, section 3)."""
+        """After each prefill chunk of slot b's prompt: ids (1, C), logits (1, 1, V) its last real row's ((1, C, V)
+        for prompt log-probs: prefill_chunk), feats (1, C, F) or None; the first n real. The context keeps its
+        tokens (a copy on the device). The matrix does not learn the prompt (docs/graft.md, section 3)."""
         if self.ctx is not None:
             L = eng.slots[b].L                # after this chunk
             self.ctx[b, L - n:L] = ids[0, :n]
