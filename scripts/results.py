@@ -46,6 +46,7 @@ class Section:
 
 SMOL = "../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 PACED = "a cell: decode-only speedup over `ar` (MAT of drafting rounds; share of plain rounds); `ar`: decode tokens/s"
+BATCH = "a cell: total tokens/s over batched `ar`'s (MAT of drafting rounds; share of plain rounds); `ar`: its tokens/s"
 SECTIONS = [
     Section("SmolLM2-135M-Instruct with its head: chat and code", ["results/cpu_smollm2.json"],
             "The demo pair (`python generate.py`'s) as a user runs it: greedy, bfloat16, one thread, exact, 128 tokens a "
@@ -59,11 +60,13 @@ SECTIONS = [
     Section("AVX-512 BF16 without AMX", ["results/cpu_smollm2_zen4.json"],
             "The same on a Zen 4 (`VDPBF16PS`; 5 nodes cost 1.12 tokens, 9 nodes 1.55-1.6).",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
+    Section("AVX-512 BF16 without AMX, B = 4", ["results/cpu_smollm2_zen4_batch4.json"],
+            "The Zen 4 at B = 4, greedy, 64 tokens a prompt, each stream three times, interleaved.",
+            cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}", legend=BATCH,
+            fix=[("/tmp/x/b4b.json", "results/cpu_smollm2_zen4_batch4.json")]),
     Section("Batches, paced", ["results/cpu_smollm2_batch.json"],
-            "The demo pair at B = 1 and B = 4 (four requests a target pass), greedy, bfloat16, one thread, "
-            "each B with its own warm-up; "
-            "each request checked against its prompt decoded alone with `ar`; each "
-            "stream run three times, interleaved.",
+            "The demo pair at B = 1 and 4, greedy, bfloat16, one thread, each B warmed up; each request checked "
+            "against `ar` alone; each stream three times, interleaved.",
             cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
             legend="a cell: total tokens/s over `ar`'s at the same B (MAT of drafting rounds; share of plain "
                    "rounds); `ar`: its tokens/s"),
@@ -76,19 +79,17 @@ SECTIONS = [
             "exact mode, 64 tokens a prompt.",
             fix=[("/work/h33/leg2", "checkpoints/smollm2-135m-instruct-eagle3")]),
     Section("Int8 weights (`--quantization int8`)", ["results/int8_smollm2_bf16.json", "results/int8_smollm2.json"],
-            "The demo pair, greedy, one thread, exact: the target in bfloat16, then every linear of it (lm_head "
-            "included) in int8, one scale a row (the head float), each with its own warm-up. Perplexity on 2,048 "
-            "held-out tokens (Python's documentation); greedy agreement: the tokens before an int8 output first "
-            "parts from bfloat16's ([costs](docs/cpu.md#int8-weights)).",
+            "The demo pair, greedy, one thread, exact: the target in bfloat16, then every linear (lm_head "
+            "included) in int8, a scale a row, each warmed up. Perplexity on 2,048 held-out tokens; greedy "
+            "agreement: tokens before an int8 output parts from bfloat16's ([costs](docs/cpu.md#int8-weights)).",
             kind="weights"),
     Section("The stdlib pair on six data sets", ["results/dflash_stdlib_fixed.json"],
             "The 4.3M stdlib target, its head and DFlash drafter, greedy, float32, one thread, paced: a step "
             "(~1.5 ms) costs about a head's draft, so the methods mostly take plain steps.",
             cell="{decode_speedup} ({mat_drafting}, {plain_share})", legend=PACED),
     Section("Retrieval sources: chat and code", ["results/sources_chat.json"],
-            "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`). "
-            "These ran before exact mode was the CPU default: some bfloat16 outputs parted from `ar`'s at "
-            "near-equal logits.",
+            "graft with the continuation matrix alone, context matches alone, and both (`--ablate-sources`), "
+            "before exact mode was the default: some bfloat16 outputs parted from `ar`'s at near-ties.",
             fix=[("/work/shared/", "../shared/")]),
     Section("Long context: lcc at 2,048 tokens", ["results/exact-default/smol_lcc_bf16.json"],
             "SmolLM2 continuing code files of exactly 2,048 tokens (the target's own head, bfloat16, exact, paced).",
@@ -96,9 +97,7 @@ SECTIONS = [
     Section("Batches", ["results/exact-default/smol_batch_bfloat16.json"],
             "Four requests a target pass, sampled (temperature 0.8, request i with seed 7 + i), every method "
             "at B = 4, paced; each request checked against its prompt decoded alone with `ar`.",
-            cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}",
-            legend="a cell: total tokens/s over batched `ar`'s (MAT of drafting rounds; share of plain rounds); "
-                   "`ar`: its tokens/s"),
+            cell="{speedup} ({mat_drafting}, {plain_share})", base_cell="{tokens_per_s}", legend=BATCH),
     Section("What exactness costs", ["results/exact-default/smol_cost.json"],
             "One process, interleaved prompt by prompt: `eager` is graft's linear with torch's attention "
             "(`--no-exact`), `exact` the default. Each execution's speedups are over its own `ar`."),
@@ -117,8 +116,7 @@ HEADER = """# Results
 
 Written by `python scripts/results.py` from the JSON reports in `results/` (`bench.py --json-out`): edit
 its manifest and run it, never this file. Under each table: when and where it ran, and the one command
-that reproduces it. Earlier runs are in git (`git log -p RESULTS.md`); how to read and rerun each
-number: [docs/benchmarks.md](docs/benchmarks.md).
+that reproduces it. How to read and rerun each number: [docs/benchmarks.md](docs/benchmarks.md).
 
 **MAT** (mean accepted tokens): tokens committed per round, i.e. per target pass, the bonus token
 included; plain decoding (`ar`) has 1.00. **Speedup**: Spec-Bench's, the mean over prompts of a
