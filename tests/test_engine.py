@@ -189,6 +189,35 @@ def test_chunked_prefill_gives_the_logits_of_one_pass(tiny_ckpt, batch, every):
         assert (int(eng.L[0]), int(eng.root[0])) == (L0, root0)
 
 
+def test_a_group_prefill_gives_each_request_the_log_probs_it_asks_for(tiny_ckpt):
+    """Three prompts in one pass (Engine.admit_group): one asks for its prompt's log-probs (every row's
+    logits), one for its first token's only, one for none. Each gets what admitting it alone gives, and
+    each log-probability is the full causal pass's."""
+    eng = CLI.build_engine(str(tiny_ckpt("qwen3")), max_seq_len=64, batch=3)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 14, 5)]
+    asks = [dict(logprobs=2, prompt_logprobs=True), dict(logprobs=1), {}]
+    group = [E.Request(x, **a) for x, a in zip(ids, asks)]
+    eng.admit_group(list(enumerate(group)), eng.make("ar"))
+    for b in range(3):
+        eng.free(b, eng.make("ar"))
+    for x, a, r in zip(ids, asks, group):
+        alone = E.Request(x, **a)
+        eng.admit(0, alone, eng.make("ar"))
+        eng.free(0, eng.make("ar"))
+        assert r.tokens == alone.tokens and len(r.prompt_logprob_rows) == (len(x) - 1 if a.get("prompt_logprobs") else 0)
+        for got, want in [(r.prompt_logprob_rows, alone.prompt_logprob_rows), (r.logprob_rows, alone.logprob_rows)]:
+            assert len(got) == len(want) and all(abs(u[0] - v[0]) < 1e-5 and [t for t, _ in u[1]] == [t for t, _ in v[1]]
+                                                 for u, v in zip(got, want))
+        with torch.no_grad():
+            full = torch.log_softmax(eng.model(torch.tensor([x]), torch.arange(len(x)))[0].float(), -1)   # (T, V)
+        chosen = x[1:] + r.tokens[:1]
+        rows = r.prompt_logprob_rows + r.logprob_rows
+        first = len(x) - len(rows)                    # the rows asked for: the last one, or all after the first
+        assert all(abs(row[0] - float(full[first + i, t])) < 1e-4 for i, (row, t) in enumerate(zip(rows, chosen[first:])))
+        assert r.tokens[0] == int(full[-1].argmax())
+
+
 def test_long_prompt_prefills_in_bounded_memory(tmp_path):
     """A 16K-token prompt on a tiny model with a 32K context: chunks keep the attention at (C, L), not
     (L, L). A dense (16K, 16K) mask and bias alone would take 1.3 GB, and the scores 4 GB more."""
