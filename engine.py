@@ -501,7 +501,7 @@ class Engine:
         slot, C = self.slots[b], self.chunk
         t = torch.tensor(r.ids, dtype=torch.long, device=self.device)       # the prompt's one copy to the device
         finite = torch.ones(1, dtype=torch.bool, device=self.device)
-        mode = sampling_mode([r.sampling])
+        mode, every = sampling_mode([r.sampling]), r.logprobs is not None and r.prompt_logprobs   # every row's logits?
         lps = []                                  # log-probs asked for, taken before the next chunk's pass
         for s in range(0, len(r.ids), C):
             n = min(C, len(r.ids) - s)
@@ -510,7 +510,6 @@ class Engine:
             pad = C if self.steps.compiling else min(C, cache_rows(n))
             chunk = torch.cat([t[s:s + n], t.new_zeros(pad - n)])[None]
             self.fills.n.fill_(n)
-            every = r.logprobs is not None and r.prompt_logprobs
             logits, feats, ok = self.steps.prefill(chunk, self.L, self.fills.n, self.slot_index(b), self.cols(pad, b=b),
                                                    method.needs_head or method.needs_block, self.smp, mode, self.root, every)
             finite &= ok
